@@ -1,0 +1,12 @@
+"""soma-runtime: one runtime for any model format on any hardware.
+
+Layers (arrows point down only): runtime (loaders, architectures, engine, api) -> ir (graph, ops,
+atoms, jets, plans) -> backends (reference atoms, cpu numpy/numba).
+"""
+import os
+
+# OpenBLAS workers spin for ~0.1 s after each call, stealing the cores numba's kernels run on
+# next; a short spin keeps both fast. Only takes effect when set before numpy loads.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+__version__ = "0.1.0"

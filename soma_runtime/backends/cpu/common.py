@@ -1,0 +1,41 @@
+"""Shared plumbing for CPU jets: f32 compute for half inputs, and writing into a planned buffer."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from soma_runtime.dtypes import FLOATS, QTensor, dtype_of
+
+HALF = ("f16", "bf16")
+FLOAT_PATTERN = FLOATS   # a dtype pattern entry matching any float dtype
+
+
+def f32(x):
+    """Half inputs compute in f32 (numpy's f16 arithmetic is slow and rounds every step)."""
+    if x is None or isinstance(x, QTensor) or x.dtype.kind in "biu":
+        return x
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+def deliver(y: np.ndarray, like: str, out=None):
+    """Return y in dtype `like`, written into `out` when the plan gave one."""
+    if out is not None:
+        out[...] = y
+        return out
+    target = np.dtype(np.float32) if like == "f32" else None
+    if target is not None and y.dtype == target:
+        return y
+    from soma_runtime.dtypes import dtype
+    return y.astype(dtype(like).numpy, copy=False)
+
+
+def float_kernel(fn):
+    """Wrap a kernel written for f32 arrays: upcast half inputs, return the first input's dtype."""
+    @functools.wraps(fn)
+    def run(*inputs, out=None, **attrs):
+        like = next(dtype_of(x) for x in inputs if x is not None and not isinstance(x, QTensor))
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            y = fn(*[f32(x) for x in inputs], **attrs)
+        return deliver(y, like, out)
+    return run

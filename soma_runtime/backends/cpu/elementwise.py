@@ -1,0 +1,150 @@
+"""CPU jets for elementwise ops, activations, norms and softmax (numpy, whole-tensor, no loops)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import vectorize
+
+from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
+from soma_runtime.backends.cpu.common import deliver, float_kernel
+from soma_runtime.dtypes import dtype_of
+from soma_runtime.ir.jets import jet
+
+CPU = "cpu"
+
+
+@vectorize(["float32(float32)", "float64(float64)"], cache=True)
+def erf(x):
+    return math.erf(x)
+
+
+def sigmoid_f32(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def gelu_f32(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))
+    return 0.5 * x * (1 + erf(x * np.float32(1 / math.sqrt(2))))
+
+
+BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+for _name, _fn in BINARY.items():
+    jet(_name, CPU, [(F, F)])(float_kernel(lambda a, b, _fn=_fn: _fn(a, b)))
+
+
+@jet("silu", CPU, [(F,)])
+@float_kernel
+def silu(x): return x * sigmoid_f32(x)
+
+
+@jet("sigmoid", CPU, [(F,)])
+@float_kernel
+def sigmoid(x): return sigmoid_f32(x)
+
+
+@jet("tanh", CPU, [(F,)])
+@float_kernel
+def tanh(x): return np.tanh(x)
+
+
+@jet("relu", CPU, [(F,)])
+@float_kernel
+def relu(x): return np.maximum(x, 0)
+
+
+@jet("leaky_relu", CPU, [(F,)])
+@float_kernel
+def leaky_relu(x, negative_slope): return np.where(x > 0, x, x * np.float32(negative_slope))
+
+
+@jet("gelu", CPU, [(F,)])
+@float_kernel
+def gelu(x, approximate): return gelu_f32(x, approximate)
+
+
+@jet("swiglu", CPU, [(F, F)])
+@float_kernel
+def swiglu(gate, up): return gate * sigmoid_f32(gate) * up
+
+
+@jet("geglu", CPU, [(F, F)])
+@float_kernel
+def geglu(gate, up, approximate): return gelu_f32(gate, approximate) * up
+
+
+@jet("rmsnorm", CPU, [(F, F), (F, "none")])
+@float_kernel
+def rmsnorm(x, weight, eps):
+    y = x * (1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)))
+    return y if weight is None else y * weight
+
+
+def normalize(x, axis, eps):
+    centered = x - x.mean(axis=axis, keepdims=True)
+    return centered / np.sqrt((centered * centered).mean(axis=axis, keepdims=True) + np.float32(eps))
+
+
+def affine(y, weight, bias, shape):
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+OPTIONAL2 = [(F, a, b) for a in (F, "none") for b in (F, "none")]
+
+
+@jet("layernorm", CPU, OPTIONAL2)
+@float_kernel
+def layernorm(x, weight, bias, eps): return affine(normalize(x, -1, eps), weight, bias, (-1,))
+
+
+@jet("groupnorm", CPU, OPTIONAL2)
+@float_kernel
+def groupnorm(x, weight, bias, groups, eps):
+    y = normalize(x.reshape(x.shape[0], groups, -1), -1, eps).reshape(x.shape)
+    return affine(y, weight, bias, (x.shape[1],) + (1,) * (x.ndim - 2))
+
+
+@jet("batchnorm", CPU, [(F, F, F, a, b) for a in (F, "none") for b in (F, "none")])
+@float_kernel
+def batchnorm(x, mean, var, weight, bias, eps):
+    shape = (x.shape[1],) + (1,) * (x.ndim - 2)
+    y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + np.float32(eps))
+    return affine(y, weight, bias, shape)
+
+
+def attention_bias(rows: int, cols: int, causal: bool, window: int) -> np.ndarray:
+    """Additive [rows, cols] mask: 0 where query i may see key j, -inf elsewhere (bottom-right aligned)."""
+    q = np.arange(rows)[:, None] + (cols - rows)
+    k = np.arange(cols)[None, :]
+    keep = np.ones((rows, cols), bool)
+    if causal:
+        keep &= k <= q
+    if window:
+        keep &= q - k < window
+    return np.where(keep, np.float32(0), np.float32(-np.inf))
+
+
+def softmax_f32(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@jet("softmax", CPU, [(F, F), (F, "none")])
+@float_kernel
+def softmax(x, mask, axis, causal, window):
+    if mask is not None:
+        x = x + mask
+    if causal or window:
+        rows = x.shape[-2] if x.ndim >= 2 else 1
+        x = x + attention_bias(rows, x.shape[-1], causal, window)
+    return softmax_f32(x, axis)
+
+
+@jet("where", CPU, [("bool", F, F)])
+def where(cond, a, b, out=None):
+    return deliver(np.where(cond, a, b), dtype_of(a), out)

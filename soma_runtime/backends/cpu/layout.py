@@ -1,0 +1,77 @@
+"""CPU jets for layout and indexing ops: views where numpy gives them, copies only where needed."""
+from __future__ import annotations
+
+import numpy as np
+
+from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
+from soma_runtime.backends.cpu.common import deliver
+from soma_runtime.dtypes import DTYPES, dtype_of
+from soma_runtime.ir.jets import jet
+
+CPU = "cpu"
+INT = ("i32", "i64")
+ANY = "*"
+
+
+@jet("reshape", CPU, [(ANY,)])
+def reshape(x, out=None, shape=()):
+    return x.reshape(shape)
+
+
+@jet("permute", CPU, [(ANY,)])
+def permute(x, out=None, perm=()):
+    return np.transpose(x, perm)
+
+
+@jet("transpose", CPU, [(ANY,)])
+def transpose(x, out=None, dim0=-2, dim1=-1):
+    return np.swapaxes(x, dim0, dim1)
+
+
+@jet("slice", CPU, [(ANY,)])
+def slice_(x, out=None, axis=0, start=0, stop=None, step=1):
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, stop, step)
+    return x[tuple(index)]
+
+
+@jet("concat", CPU, [(ANY,)])
+def concat(*xs, out=None, axis=0):
+    return np.concatenate(xs, axis=axis, out=out)
+
+
+@jet("split", CPU, [(ANY,)])
+def split(x, out=None, sizes=(), axis=0):
+    return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=axis))
+
+
+@jet("gather", CPU, [(ANY, INT)])
+def gather(x, index, out=None, axis=0):
+    return deliver(np.take_along_axis(x, index, axis=axis), dtype_of(x), out)
+
+
+@jet("cast", CPU, [(ANY,)])
+def cast(x, out=None, dtype="f32"):
+    return deliver(x.astype(DTYPES[dtype].numpy), dtype, out)
+
+
+@jet("argmax", CPU, [(F,)])
+def argmax(x, out=None, axis=-1):
+    return np.argmax(x, axis=axis)
+
+
+@jet("topk", CPU, [(F,)])
+def topk(x, out=None, k=1, axis=-1):
+    """The k largest, largest first; equal values keep the lower index (like the atoms)."""
+    moved = np.moveaxis(x, axis, -1)
+    n = moved.shape[-1]
+    candidates = np.argpartition(-moved, k - 1, axis=-1)[..., :k] if k < n else np.broadcast_to(np.arange(n), moved.shape)
+    values = np.take_along_axis(moved, candidates, axis=-1).astype(np.float64)
+    # ties at the cut may have been dropped by argpartition: fall back to a stable sort for those rows
+    order = np.lexsort((candidates, -values), axis=-1)
+    index = np.take_along_axis(candidates, order, axis=-1)
+    kth = np.take_along_axis(moved, index[..., -1:], axis=-1)
+    if k < n and np.any((moved == kth).sum(-1) > (np.take_along_axis(moved, index, -1) == kth).sum(-1)):
+        index = np.argsort(-moved, axis=-1, kind="stable")[..., :k]
+    index = np.moveaxis(index, -1, axis)
+    return np.take_along_axis(x, index, axis=axis), index.astype(np.int64)

@@ -1,0 +1,90 @@
+"""CPU jets for matmul (BLAS for f32; stored-format weights through qmatmul), attention, rope,
+embedding and the paged KV cache."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
+from soma_runtime.backends.cpu.common import HALF, deliver, f32, float_kernel
+from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
+from soma_runtime.backends.cpu.qmatmul import matmul_stored
+from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
+from soma_runtime.ir.jets import jet
+
+CPU = "cpu"
+INT = ("i32", "i64")
+
+
+@jet("matmul", CPU, [(F, F)] + [("f32", q) for q in QUANTIZED])
+def matmul(a, b, out=None, transpose_b=False):
+    like = dtype_of(a)
+    stored = isinstance(b, QTensor) or (b.ndim == 2 and transpose_b and dtype_of(b) in HALF and like == "f32")
+    if stored:
+        return deliver(matmul_stored(f32(a), b), like, out)
+    b = f32(b)
+    b = np.swapaxes(b, -1, -2) if transpose_b else b
+    if out is not None and like == "f32":
+        return np.matmul(a, b, out=out)
+    return deliver(np.matmul(f32(a), b), like, out)
+
+
+@jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")])
+@float_kernel
+def sdpa(q, k, v, mask, causal, scale, softcap, window):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
+    grouped = q.reshape(B, Hkv, (Hq // Hkv) * Sq, D)
+    scores = np.matmul(grouped, np.swapaxes(k, -1, -2)).reshape(B, Hq, Sq, Sk) * scale
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+    if mask is not None:
+        scores = scores + mask
+    if causal or window:
+        scores = scores + attention_bias(Sq, Sk, causal, window)
+    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
+    return np.matmul(probs, v).reshape(B, Hq, Sq, v.shape[3])
+
+
+@jet("rope", CPU, [(F, INT, "f32")])
+@float_kernel
+def rope(x, positions, inv_freq, style):
+    half = inv_freq.shape[0]
+    angle = (positions[..., None].astype(np.float32) * inv_freq)[..., None, :]   # [..., S, 1, R/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    out = x.copy()
+    if style == "neox":
+        first, second = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = first * cos - second * sin
+        out[..., half:2 * half] = second * cos + first * sin
+    else:
+        first, second = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = first * cos - second * sin
+        out[..., 1:2 * half:2] = second * cos + first * sin
+    return out
+
+
+@jet("embedding", CPU, [(F, INT)] + [(q, INT) for q in QUANTIZED])
+def embedding(table, ids, out=None):
+    if isinstance(table, QTensor):
+        return deliver(dequantize(table, rows=ids), "f32", out)
+    return deliver(np.take(table, ids, axis=0), dtype_of(table), out)
+
+
+@jet("kv_append", CPU, [(F, F, INT)])
+def kv_append(pages, new, slots, out=None):
+    """Write new rows into their slots in place; the returned tensor is the cache itself."""
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat[slots.reshape(-1)] = new.reshape(-1, *pages.shape[2:])
+    return pages
+
+
+@jet("kv_read", CPU, [(F, INT)])
+def kv_read(pages, slots, out=None):
+    flat = pages.reshape(-1, *pages.shape[2:])
+    if out is not None:
+        return np.take(flat, slots, axis=0, out=out)
+    return np.take(flat, slots, axis=0)

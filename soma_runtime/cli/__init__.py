@@ -1,0 +1,1 @@
+"""The `soma-runtime` command line."""

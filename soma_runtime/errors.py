@@ -1,0 +1,25 @@
+"""Typed errors; each message names the file, node or field and what was expected."""
+
+
+class SomaError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+
+class GraphError(SomaError):
+    """A malformed graph: unknown op, dangling input, cycle, shape or dtype mismatch."""
+
+
+class JetMismatchError(SomaError):
+    """Verify mode: a jet's result differs from its atom decomposition beyond the op's tolerance."""
+
+
+class ModelLoadError(SomaError):
+    """A model file is missing, truncated, corrupt or inconsistent."""
+
+
+class UnsupportedModelError(SomaError):
+    """A model type or tensor format the registry does not know."""
+
+
+class RequestError(SomaError):
+    """A bad generation request: parameters out of range, prompt too long."""

@@ -1,0 +1,1 @@
+"""Graph IR: tensors and nodes (graph), the op set (ops), atoms, jets, passes and plans."""

@@ -1,0 +1,173 @@
+"""The jet registry: (formula hash, backend, input dtypes) -> kernel, with the atoms as fallback.
+
+A backend registers a kernel for an op; the registry files it under the formula hash of every
+structural variant of that op. Lookup hashes the node's own decomposition, so a kernel is found
+by what it computes, never by a name. A miss runs the atoms (logged once). With SOMA_VERIFY=1
+every jet runs beside its atoms and a difference beyond the op's tolerance raises.
+
+Kernel convention: `kernel(*inputs, out=None, **attrs)` returns the output (or a tuple); when
+`out` is given (a planned arena buffer) it should write there.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import numpy as np
+
+from soma_runtime.dtypes import QTensor, dtype
+from soma_runtime.errors import JetMismatchError
+from soma_runtime.ir.atoms import interpret
+from soma_runtime.ir.graph import Sym, TensorMeta, meta_of
+from soma_runtime.ir.ops import OPS, OpDef
+
+log = logging.getLogger("soma_runtime.jets")
+
+MAX_VARIADIC = 16
+# inputs ranks used to trace a formula symbolically; decompositions index shapes by position
+TRACE_RANKS = {
+    "matmul": (2, 2), "sdpa": (4, 4, 4, 4), "rope": (4, 2, 1), "embedding": (2, 1), "kv_append": (4, 3, 1),
+    "kv_read": (4, 1), "conv1d": (3, 3, 1), "conv2d": (4, 4, 1), "max_pool": (4,), "avg_pool": (4,),
+    "interpolate": (4,), "groupnorm": (4, 1, 1), "batchnorm": (4, 1, 1, 1, 1),
+}
+F32_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 1e-2}
+
+
+def tolerance(opdef: OpDef, out_dtype: str) -> float:
+    return opdef.tol * F32_TOL.get(out_dtype, 1e-5)
+
+
+def _variants(opdef: OpDef, pattern: tuple):
+    """Every structural variant of an op for one dtype pattern: (input metas, attrs)."""
+    ranks = TRACE_RANKS.get(opdef.name, ())
+    n_inputs = len(pattern)
+    struct_choices = [[(k, v) for v in values] for k, values in opdef.struct.items()]
+    for combo in itertools.product(*struct_choices):
+        attrs = dict(combo)
+        optional = [i for i, spec in enumerate(opdef.inputs[:n_inputs]) if spec.endswith("?")]
+        for present in itertools.product((True, False), repeat=len(optional)):
+            metas = []
+            for i, dt in enumerate(pattern):
+                if i in optional and not present[optional.index(i)]:
+                    metas.append(None)
+                    continue
+                rank = ranks[i] if i < len(ranks) else 2
+                name = dt[0] if isinstance(dt, tuple) else ("f32" if dt == "*" else dt)
+                metas.append(TensorMeta(tuple(Sym(f"d{i}_{j}") for j in range(rank)), name))
+            yield metas, attrs
+
+
+class JetRegistry:
+    def __init__(self):
+        self._jets: dict[tuple[str, str], list[tuple[tuple, object]]] = {}
+        self._missed: set = set()
+
+    def register(self, op: str, backend: str, dtypes: list[tuple], kernel) -> None:
+        opdef = OPS[op]
+        for pattern in dtypes:
+            arities = range(1, MAX_VARIADIC + 1) if opdef.variadic else [len(pattern)]
+            for n in arities:
+                full = pattern[:1] * n if opdef.variadic else tuple(pattern)
+                for metas, attrs in _variants(opdef, full):
+                    entries = self._jets.setdefault((opdef.formula_hash(metas, attrs), backend), [])
+                    if (full, kernel) not in entries:
+                        entries.append((full, kernel))
+
+    def lookup(self, formula_hash: str, backend: str, dtypes: tuple[str, ...]):
+        for pattern, kernel in self._jets.get((formula_hash, backend), ()):
+            if len(pattern) == len(dtypes) and all(_matches(p, d) for p, d in zip(pattern, dtypes)):
+                return kernel
+        return None
+
+    def kernel_for(self, opdef: OpDef, metas: list, attrs: dict, backend: str):
+        """The kernel that runs this op here: the jet, or the atoms on a miss; wrapped by verify mode."""
+        dtypes = tuple("none" if m is None else m.dtype for m in metas)
+        jet = None
+        if backend != "reference":
+            jet = self.lookup(opdef.formula_hash(metas, attrs), backend, dtypes)
+            if jet is None and (opdef.name, backend, dtypes) not in self._missed:
+                self._missed.add((opdef.name, backend, dtypes))
+                log.warning("no %s jet for %s%s; running its atoms", backend, opdef.name, dtypes)
+        if jet is None:
+            return reference_kernel(opdef)
+        if os.environ.get("SOMA_VERIFY") == "1":
+            return verified(opdef, jet, backend)
+        return jet
+
+
+def _matches(pattern, dt: str) -> bool:
+    if pattern == "*":
+        return True
+    return dt in pattern if isinstance(pattern, tuple) else dt == pattern
+
+
+def _out_dtypes(opdef, inputs, attrs):
+    metas = [None if x is None else meta_of(x) for x in inputs]
+    return [m.dtype for m in opdef.infer(metas, attrs)]
+
+
+def reference_kernel(opdef: OpDef):
+    """Run an op by interpreting its atom decomposition (the reference backend)."""
+    def run(*inputs, out=None, **attrs):
+        metas = [None if x is None else meta_of(x) for x in inputs]
+        results = interpret(opdef.decomposition(metas, attrs), list(inputs))
+        results = [np.asarray(r).astype(dtype(dt).numpy) for r, dt in zip(results, _out_dtypes(opdef, inputs, attrs))]
+        if out is not None and len(results) == 1:
+            out[...] = results[0]
+            return out
+        return results[0] if len(results) == 1 else tuple(results)
+    run.backend = "reference"
+    return run
+
+
+def max_error(got, want) -> tuple[float, float]:
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    finite = np.isfinite(want)
+    if not np.array_equal(finite, np.isfinite(got)) or not np.array_equal(got[~finite], want[~finite]):
+        return float("inf"), 1.0
+    err = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
+    scale = max(1.0, float(np.max(np.abs(want[finite]), initial=0.0)))
+    return err, scale
+
+
+def verified(opdef: OpDef, jet, backend: str):
+    reference = reference_kernel(opdef)
+
+    def run(*inputs, out=None, **attrs):
+        snapshot = [np.array(x, copy=True) if opdef.stateful and not isinstance(x, QTensor) and x is not None else x
+                    for x in inputs]
+        got = jet(*inputs, out=out, **attrs)
+        want = reference(*snapshot, **attrs)
+        pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+        for g, w in pairs:
+            err, scale = max_error(g, w)
+            tol = tolerance(opdef, str(meta_of(w).dtype))
+            if not err <= tol * scale:
+                raise JetMismatchError(f"{backend} jet for {opdef.name} differs from its atoms: "
+                                       f"max error {err:.3g} > {tol * scale:.3g}")
+        return got
+    return run
+
+
+REGISTRY = JetRegistry()
+
+
+def jet(op: str, backend: str, dtypes: list[tuple]):
+    """Decorator a backend uses to register a kernel: `@jet("rmsnorm", "cpu", [("f32", "f32")])`."""
+    def register(kernel):
+        REGISTRY.register(op, backend, dtypes, kernel)
+        return kernel
+    return register
+
+
+def run_op(op: str, *inputs, backend: str = "cpu", **attrs):
+    """Run one op eagerly on a backend (used by tests and constant folding)."""
+    from soma_runtime.backends import load_backend
+    load_backend(backend)
+    opdef = OPS[op]
+    inputs = opdef.pad(inputs)
+    metas = [None if x is None else meta_of(x) for x in inputs]
+    opdef.infer(metas, attrs, op)
+    return REGISTRY.kernel_for(opdef, metas, attrs, backend)(*inputs, **opdef.full_attrs(attrs))

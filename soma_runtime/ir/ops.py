@@ -1,0 +1,781 @@
+"""The closed op set. Each op is declared once: inputs, attrs, shape/dtype rule, atom decomposition.
+
+The decomposition is the op's meaning (the reference backend interprets it) and the source of its
+formula hash. Conventions: `matmul` with `transpose_b` takes weights as [N, K] like GGUF and
+nn.Linear; `rope` takes x as [..., S, H, D]; `sdpa` takes [B, H, S, D]; its `causal` mask is
+aligned bottom-right (query i of Sq sees keys up to i + Sk - Sq), as a KV cache needs.
+Inputs named "x?" are optional, "xs*" variadic.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from soma_runtime.dtypes import FLOATS, dtype
+from soma_runtime.errors import GraphError
+from soma_runtime.ir.atoms import AtomGraph
+from soma_runtime.ir.graph import Sym, TensorMeta, same_dim
+
+
+class ShapeError(Exception):
+    pass
+
+
+def check(cond, message):
+    if not cond:
+        raise ShapeError(message)
+
+
+@dataclass
+class OpDef:
+    name: str
+    inputs: tuple[str, ...]
+    infer_fn: Callable
+    decompose: Callable
+    attrs: dict = field(default_factory=dict)
+    struct: dict = field(default_factory=dict)   # attr -> representative values (formula variants)
+    stateful: bool = False                       # carries state across calls (kv cache)
+    view: bool = False                           # output aliases input 0's memory
+    tol: float = 1.0                             # tolerance multiplier for accumulating ops
+
+    @property
+    def variadic(self) -> bool:
+        return self.inputs[-1].endswith("*")
+
+    def pad(self, inputs: list) -> list:
+        """Absent trailing optional inputs become None, so kernels see every declared input."""
+        inputs = list(inputs)
+        return inputs if self.variadic else inputs + [None] * (len(self.inputs) - len(inputs))
+
+    def full_attrs(self, attrs: dict) -> dict:
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise GraphError(f"op {self.name}: unknown attribute(s) {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(self.attrs) or 'none'}")
+        return {**self.attrs, **attrs}
+
+    def infer(self, metas: list, attrs: dict, node: str = "?") -> list[TensorMeta]:
+        where = f"node {node!r} ({self.name})"
+        required = [i for i in self.inputs if not i.endswith(("?", "*"))]
+        if len(metas) < len(required) or (not self.variadic and len(metas) > len(self.inputs)):
+            raise GraphError(f"{where}: expects inputs {', '.join(self.inputs)}, got {len(metas)}")
+        for spec, m in zip(self.inputs, metas):
+            if m is None and not spec.endswith("?"):
+                raise GraphError(f"{where}: input {spec!r} is required")
+        try:
+            return self.infer_fn(metas, self.full_attrs(attrs))
+        except ShapeError as e:
+            raise GraphError(f"{where}: {e}") from None
+
+    def decomposition(self, metas: list, attrs: dict) -> AtomGraph:
+        A = AtomGraph(self.pad(metas))
+        outs = self.decompose(A, *A.inputs, **self.full_attrs(attrs))
+        A.outputs = [r.index for r in (outs if isinstance(outs, tuple) else (outs,))]
+        return A
+
+    def formula_hash(self, metas: list, attrs: dict) -> str:
+        return self.decomposition(metas, attrs).formula_hash()
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op(name, inputs, infer, attrs=None, struct=None, **flags):
+    def register(fn):
+        OPS[name] = OpDef(name, tuple(inputs), infer, fn, dict(attrs or {}), dict(struct or {}), **flags)
+        return fn
+    return register
+
+
+# --- shape and dtype rules -------------------------------------------------------------------
+
+def broadcast_shapes(*shapes) -> tuple:
+    nd = max(len(s) for s in shapes)
+    out = []
+    for dims in zip(*[(1,) * (nd - len(s)) + tuple(s) for s in shapes]):
+        big = [d for d in dims if d != 1]
+        for d in big[1:]:
+            check(same_dim(big[0], d) is not False, f"shapes {' and '.join(map(str, map(list, shapes)))} do not broadcast")
+        ints = [d for d in big if isinstance(d, int)]
+        out.append(ints[0] if ints else (big[0] if big else 1))
+    return tuple(out)
+
+
+def float_dtype(m: TensorMeta, what="input"):
+    check(m.dtype in FLOATS, f"{what} must be a float tensor (f32, f16, bf16), got {m.dtype}")
+    return m.dtype
+
+
+def same_dtype(*metas):
+    dts = {m.dtype for m in metas if m is not None}
+    check(len(dts) == 1, f"dtype mismatch: {', '.join(sorted(dts))}")
+    return dts.pop()
+
+
+def like_input(metas, attrs):
+    float_dtype(metas[0])
+    return [metas[0]]
+
+
+def elementwise(metas, attrs):
+    dt = same_dtype(*metas)
+    float_dtype(metas[0])
+    return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), dt)]
+
+
+def per_channel(metas, attrs, axis):
+    """Norm-style rule: optional params (weight, bias, stats) are 1-D of x's channel axis."""
+    x = metas[0]
+    float_dtype(x)
+    for m in metas[1:]:
+        if m is not None:
+            check(m.ndim == 1 and same_dim(m.shape[0], x.shape[axis]) is not False,
+                  f"parameter of shape {list(m.shape)} does not match channel dim {x.shape[axis]}")
+    return [x]
+
+
+def dim_prod(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+def norm_axes(axes, ndim):
+    return tuple(a % ndim for a in (axes if isinstance(axes, (tuple, list)) else (axes,)))
+
+
+def as_tuple(v, n):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+# --- decomposition helpers -------------------------------------------------------------------
+
+def matmul_nk(A, a, b):
+    """a[..., M, K] x b[..., N, K] -> [..., M, N] as slide-free outer product + sum over K."""
+    prod = A.mul(A.read("expand", a, axis=-2), A.read("expand", b, axis=-3))
+    return A.reduce("sum", prod, axis=-1, keepdims=False)
+
+
+def softmax_atoms(A, x, axis):
+    e = A.exp("exp", A.sub(x, A.reduce("max", x, axis=axis)))
+    return A.mul(e, A.exp("recip", A.reduce("sum", e, axis=axis)))
+
+
+def sigmoid_atoms(A, x):
+    return A.exp("recip", A.add(A.lit(1), A.exp("exp", A.mul(x, A.lit(-1)))))
+
+
+def gelu_atoms(A, x, approximate):
+    if approximate == "tanh":
+        inner = A.mul(A.add(x, A.mul(A.lit(0.044715), A.mul(x, A.mul(x, x)))), A.lit(math.sqrt(2 / math.pi)))
+        return A.mul(A.mul(A.lit(0.5), x), A.add(A.lit(1), A.exp("tanh", inner)))
+    return A.mul(A.mul(A.lit(0.5), x), A.add(A.lit(1), A.exp("erf", A.mul(x, A.lit(1 / math.sqrt(2))))))
+
+
+def attention_mask(A, scores, rows, cols, causal, window):
+    """Keep key j for query i when j <= i + (cols - rows) (causal) and i + cols - rows - j < window."""
+    qpos = A.add(A.read("iota", n=rows, axis=0, ndim=2), A.param(cols - rows))
+    kpos = A.read("iota", n=cols, axis=1, ndim=2)
+    keep = A.cmp("le", kpos, qpos) if causal else None
+    if window:
+        near = A.cmp("lt", A.sub(qpos, kpos), A.param(window))
+        keep = near if keep is None else A.mul(keep, near)
+    return A.cmp("select", keep, scores, A.lit(-math.inf))
+
+
+def concat_atoms(A, parts, axis, shape, offsets):
+    out = A.read("fill", shape=shape, value=0.0)
+    for part, start in zip(parts, offsets):
+        out = A.write("place", out, part, axes=(axis,), starts=(start,), steps=(1,))
+    return out
+
+
+def dequant_if_needed(A, ref):
+    return A.read("dequant", ref) if dtype(ref.dtype).quantized else ref
+
+
+# --- elementwise -----------------------------------------------------------------------------
+
+@op("add", ["a", "b"], elementwise)
+def add(A, a, b): return A.add(a, b)
+
+
+@op("sub", ["a", "b"], elementwise)
+def sub(A, a, b): return A.sub(a, b)
+
+
+@op("mul", ["a", "b"], elementwise)
+def mul(A, a, b): return A.mul(a, b)
+
+
+@op("div", ["a", "b"], elementwise)
+def div(A, a, b): return A.mul(a, A.exp("recip", b))
+
+
+@op("silu", ["x"], like_input)
+def silu(A, x): return A.mul(x, sigmoid_atoms(A, x))
+
+
+@op("sigmoid", ["x"], like_input)
+def sigmoid(A, x): return sigmoid_atoms(A, x)
+
+
+@op("tanh", ["x"], like_input)
+def tanh(A, x): return A.exp("tanh", x)
+
+
+@op("relu", ["x"], like_input)
+def relu(A, x): return A.cmp("max", x, A.lit(0))
+
+
+@op("leaky_relu", ["x"], like_input, attrs={"negative_slope": 0.01})
+def leaky_relu(A, x, negative_slope):
+    return A.add(A.cmp("max", x, A.lit(0)), A.mul(A.cmp("min", x, A.lit(0)), A.param(negative_slope)))
+
+
+@op("gelu", ["x"], like_input, attrs={"approximate": "none"}, struct={"approximate": ("none", "tanh")})
+def gelu(A, x, approximate): return gelu_atoms(A, x, approximate)
+
+
+@op("swiglu", ["gate", "up"], elementwise)
+def swiglu(A, gate, up): return A.mul(A.mul(gate, sigmoid_atoms(A, gate)), up)
+
+
+@op("geglu", ["gate", "up"], elementwise, attrs={"approximate": "none"}, struct={"approximate": ("none", "tanh")})
+def geglu(A, gate, up, approximate): return A.mul(gelu_atoms(A, gate, approximate), up)
+
+
+def where_rule(metas, attrs):
+    check(metas[0].dtype == "bool", f"condition must be bool, got {metas[0].dtype}")
+    dt = same_dtype(metas[1], metas[2])
+    return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), dt)]
+
+
+@op("where", ["cond", "a", "b"], where_rule)
+def where(A, cond, a, b): return A.cmp("select", cond, a, b)
+
+
+def cast_rule(metas, attrs):
+    target = dtype(attrs["dtype"])
+    check(not target.quantized, f"cast to {target.name}: use quantize for block formats")
+    return [TensorMeta(metas[0].shape, target.name)]
+
+
+@op("cast", ["x"], cast_rule, attrs={"dtype": "f32"}, struct={"dtype": ("f32", "f16", "bf16", "i32", "i64")})
+def cast(A, x, dtype): return A.read("cast", x, struct=(dtype,))
+
+
+# --- normalization ---------------------------------------------------------------------------
+
+@op("rmsnorm", ["x", "weight?"], lambda m, a: per_channel(m, a, -1), attrs={"eps": 1e-6})
+def rmsnorm(A, x, weight, eps):
+    ms = A.reduce("mean", A.mul(x, x))
+    y = A.mul(x, A.exp("rsqrt", A.add(ms, A.param(eps))))
+    return y if weight is None else A.mul(y, weight)
+
+
+def normalize_atoms(A, x, axis, eps):
+    centered = A.sub(x, A.reduce("mean", x, axis=axis))
+    var = A.reduce("mean", A.mul(centered, centered), axis=axis)
+    return A.mul(centered, A.exp("rsqrt", A.add(var, A.param(eps))))
+
+
+def affine_atoms(A, y, weight, bias, shape):
+    if weight is not None:
+        y = A.mul(y, A.read("reshape", weight, shape=shape))
+    if bias is not None:
+        y = A.add(y, A.read("reshape", bias, shape=shape))
+    return y
+
+
+@op("layernorm", ["x", "weight?", "bias?"], lambda m, a: per_channel(m, a, -1), attrs={"eps": 1e-5})
+def layernorm(A, x, weight, bias, eps):
+    return affine_atoms(A, normalize_atoms(A, x, -1, eps), weight, bias, (-1,))
+
+
+def groupnorm_rule(metas, attrs):
+    x = metas[0]
+    check(x.ndim >= 2, "groupnorm needs [N, C, ...]")
+    if isinstance(x.shape[1], int):
+        check(x.shape[1] % attrs["groups"] == 0, f"channels {x.shape[1]} not divisible by groups {attrs['groups']}")
+    return per_channel(metas, attrs, 1)
+
+
+def channel_shape(x):
+    return (x.shape[1],) + (1,) * (len(x.shape) - 2)
+
+
+@op("groupnorm", ["x", "weight?", "bias?"], groupnorm_rule, attrs={"groups": 32, "eps": 1e-5})
+def groupnorm(A, x, weight, bias, groups, eps):
+    grouped = A.read("reshape", x, shape=(x.shape[0], groups, -1))
+    y = A.read("reshape", normalize_atoms(A, grouped, -1, eps), shape=x.shape)
+    return affine_atoms(A, y, weight, bias, channel_shape(x))
+
+
+@op("batchnorm", ["x", "mean", "var", "weight?", "bias?"], lambda m, a: per_channel(m, a, 1), attrs={"eps": 1e-5})
+def batchnorm(A, x, mean, var, weight, bias, eps):
+    shape = channel_shape(x)
+    centered = A.sub(x, A.read("reshape", mean, shape=shape))
+    inv = A.exp("rsqrt", A.add(A.read("reshape", var, shape=shape), A.param(eps)))
+    return affine_atoms(A, A.mul(centered, inv), weight, bias, shape)
+
+
+def softmax_rule(metas, attrs):
+    x, mask = metas[0], metas[1] if len(metas) > 1 else None
+    float_dtype(x)
+    if mask is not None:
+        same_dtype(x, mask)
+        broadcast_shapes(x.shape, mask.shape)
+    check(not (attrs["causal"] or attrs["window"]) or x.ndim >= 2, "a causal softmax needs [..., Sq, Sk]")
+    return [x]
+
+
+@op("softmax", ["x", "mask?"], softmax_rule, attrs={"axis": -1, "causal": False, "window": 0},
+    struct={"causal": (False, True), "window": (0, 4)})
+def softmax(A, x, mask, axis, causal, window):
+    rows, cols = x.shape[-2:] if len(x.shape) >= 2 else (1, x.shape[-1])
+    if mask is not None:
+        x = A.add(x, mask)
+    if causal or window:
+        x = attention_mask(A, x, rows, cols, causal, window)
+    return softmax_atoms(A, x, axis)
+
+
+# --- linear algebra and attention -----------------------------------------------------------
+
+def matmul_rule(metas, attrs):
+    a, b = metas
+    dt = float_dtype(a, "activation")
+    check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
+    if dtype(b.dtype).quantized:
+        check(attrs["transpose_b"] and b.ndim == 2, f"a {b.dtype} weight must be 2-D [N, K] with transpose_b")
+    else:
+        float_dtype(b, "weight")
+    n, k = (b.shape[-2], b.shape[-1]) if attrs["transpose_b"] else (b.shape[-1], b.shape[-2])
+    check(same_dim(a.shape[-1], k) is not False, f"inner dims differ: {a.shape[-1]} vs {k}")
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return [TensorMeta(batch + (a.shape[-2], n), dt)]
+
+
+@op("matmul", ["a", "b"], matmul_rule, attrs={"transpose_b": False}, struct={"transpose_b": (False, True)}, tol=4.0)
+def matmul(A, a, b, transpose_b):
+    b = dequant_if_needed(A, b)
+    if not transpose_b:
+        b = A.read("transpose", b, axis1=-1, axis2=-2)
+    return matmul_nk(A, a, b)
+
+
+def sdpa_rule(metas, attrs):
+    q, k, v = metas[:3]
+    mask = metas[3] if len(metas) > 3 else None
+    dt = same_dtype(q, k, v)
+    float_dtype(q)
+    check(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, "sdpa takes q, k, v as [B, H, S, D]")
+    if isinstance(q.shape[1], int) and isinstance(k.shape[1], int):
+        check(q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+    check(same_dim(q.shape[3], k.shape[3]) is not False, "q and k head dims differ")
+    check(same_dim(k.shape[2], v.shape[2]) is not False, "k and v lengths differ")
+    out = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    if mask is not None:
+        same_dtype(q, mask)
+        broadcast_shapes(out[:3] + (k.shape[2],), mask.shape)
+    return [TensorMeta(out, dt)]
+
+
+@op("sdpa", ["q", "k", "v", "mask?"], sdpa_rule,
+    attrs={"causal": False, "scale": None, "softcap": 0.0, "window": 0},
+    struct={"causal": (False, True), "softcap": (0.0, 30.0), "window": (0, 4)}, tol=4.0)
+def sdpa(A, q, k, v, mask, causal, scale, softcap, window):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1 / math.sqrt(D) if isinstance(D, int) else Sym(f"1/sqrt({D})")
+    # GQA: the G query heads that share a kv head become extra query rows of that head
+    grouped = A.read("reshape", q, shape=(B, Hkv, (Hq // Hkv) * Sq, D))
+    scores = A.read("reshape", matmul_nk(A, grouped, k), shape=(B, Hq, Sq, Sk))
+    scores = A.mul(scores, A.param(scale))
+    if softcap:
+        scores = A.mul(A.exp("tanh", A.mul(scores, A.param(1 / softcap))), A.param(softcap))
+    if mask is not None:
+        scores = A.add(scores, mask)
+    if causal or window:
+        scores = attention_mask(A, scores, Sq, Sk, causal, window)
+    probs = A.read("reshape", softmax_atoms(A, scores, -1), shape=(B, Hkv, (Hq // Hkv) * Sq, Sk))
+    out = matmul_nk(A, probs, A.read("transpose", v, axis1=-1, axis2=-2))
+    return A.read("reshape", out, shape=(B, Hq, Sq, v.shape[3]))
+
+
+def rope_rule(metas, attrs):
+    x, pos, inv_freq = metas
+    float_dtype(x)
+    check(pos.dtype in ("i32", "i64"), f"positions must be integer, got {pos.dtype}")
+    check(inv_freq.ndim == 1 and inv_freq.dtype == "f32", "inv_freq must be a 1-D f32 tensor")
+    check(x.ndim >= 3, "rope takes x as [..., S, H, D]")
+    if isinstance(inv_freq.shape[0], int) and isinstance(x.shape[-1], int):
+        check(2 * inv_freq.shape[0] <= x.shape[-1], f"rotary dims {2 * inv_freq.shape[0]} exceed head dim {x.shape[-1]}")
+    broadcast_shapes(x.shape[:-2], pos.shape)
+    return [x]
+
+
+@op("rope", ["x", "positions", "inv_freq"], rope_rule, attrs={"style": "neox"},
+    struct={"style": ("neox", "interleaved")})
+def rope(A, x, positions, inv_freq, style):
+    """Rotate the first 2*len(inv_freq) dims of each head; the rest pass through (partial rotary)."""
+    half, D = inv_freq.shape[0], x.shape[-1]
+    angle = A.mul(A.read("expand", A.read("cast", positions, struct=("f32",)), axis=-1), inv_freq)
+    angle = A.read("expand", angle, axis=-2)                                   # [..., S, 1, R/2]
+    cos, sin = A.exp("cos", angle), A.exp("sin", angle)
+    if style == "neox":   # pairs (i, i + R/2)
+        first = A.read("slice", x, axis=-1, start=0, stop=half)
+        second = A.read("slice", x, axis=-1, start=half, stop=2 * half)
+        starts, step = (0, half), 1
+    else:                 # pairs (2i, 2i + 1)
+        first = A.read("slice", x, axis=-1, start=0, stop=2 * half, step=2)
+        second = A.read("slice", x, axis=-1, start=1, stop=2 * half, step=2)
+        starts, step = (0, 1), 2
+    out_first = A.sub(A.mul(first, cos), A.mul(second, sin))
+    out_second = A.add(A.mul(second, cos), A.mul(first, sin))
+    out = A.read("fill", shape=x.shape, value=0.0)
+    out = A.write("place", out, out_first, axes=(-1,), starts=(starts[0],), steps=(step,))
+    out = A.write("place", out, out_second, axes=(-1,), starts=(starts[1],), steps=(step,))
+    rest = A.read("slice", x, axis=-1, start=2 * half, stop=D)
+    return A.write("place", out, rest, axes=(-1,), starts=(2 * half,), steps=(1,))
+
+
+def embedding_rule(metas, attrs):
+    table, ids = metas
+    check(table.ndim == 2, "embedding table must be [vocab, dim]")
+    check(ids.dtype in ("i32", "i64"), f"token ids must be integer, got {ids.dtype}")
+    dt = "f32" if dtype(table.dtype).quantized else float_dtype(table, "table")
+    return [TensorMeta(tuple(ids.shape) + (table.shape[1],), dt)]
+
+
+@op("embedding", ["table", "ids"], embedding_rule)
+def embedding(A, table, ids):
+    return A.read("take", dequant_if_needed(A, table), ids, axis=0)
+
+
+# --- kv cache (paged: pages [P, block, H, D]; a slot is page * block + offset) --------------
+
+def kv_append_rule(metas, attrs):
+    pages, new, slots = metas
+    same_dtype(pages, new)
+    check(pages.ndim == 4 and new.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
+    check(all(same_dim(a, b) is not False for a, b in zip(pages.shape[2:], new.shape[-2:])), "head shape differs from the cache's")
+    check(slots.dtype in ("i32", "i64"), "slots must be integer")
+    return [pages]
+
+
+@op("kv_append", ["pages", "new", "slots"], kv_append_rule, stateful=True, view=True)
+def kv_append(A, pages, new, slots):
+    P, block, H, D = pages.shape
+    flat = A.read("reshape", pages, shape=(P * block, H, D))
+    rows = A.read("reshape", new, shape=(-1, H, D))
+    written = A.write("scatter", flat, rows, A.read("reshape", slots, shape=(-1,)), axis=0)
+    return A.read("reshape", written, shape=pages.shape)
+
+
+def kv_read_rule(metas, attrs):
+    pages, slots = metas
+    check(pages.ndim == 4, "kv_read takes pages [P, block, H, D]")
+    check(slots.dtype in ("i32", "i64"), "slots must be integer")
+    return [TensorMeta(tuple(slots.shape) + tuple(pages.shape[2:]), pages.dtype)]
+
+
+@op("kv_read", ["pages", "slots"], kv_read_rule)
+def kv_read(A, pages, slots):
+    P, block, H, D = pages.shape
+    return A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+def reshape_rule(metas, attrs):
+    x, shape = metas[0], [d if isinstance(d, (int, Sym)) else Sym(d) for d in attrs["shape"]]
+    check(sum(1 for d in shape if d == -1) <= 1, "at most one -1 in a reshape")
+    total = dim_prod(x.shape)
+    if -1 in shape:
+        shape[shape.index(-1)] = inferred_dim(x.shape, [d for d in shape if d != -1], attrs["shape"])
+    if isinstance(total, int) and all(isinstance(d, int) for d in shape):
+        check(dim_prod(shape) == total, f"cannot reshape {list(x.shape)} to {attrs['shape']}")
+    return [TensorMeta(tuple(shape), x.dtype)]
+
+
+@op("reshape", ["x"], reshape_rule, attrs={"shape": ()}, view=True)
+def reshape(A, x, shape): return A.read("reshape", x, shape=shape)
+
+
+def inferred_dim(source, known, target):
+    """The -1 of a reshape: symbols common to both sides cancel, so (B, S, 128) -> (B, S, 2, -1) gives 64."""
+    syms = Counter(str(d) for d in source if isinstance(d, Sym))
+    for d in known:
+        if isinstance(d, Sym) and syms[str(d)]:
+            syms[str(d)] -= 1
+        elif isinstance(d, Sym):
+            return dim_prod(source) // dim_prod(known)
+    src = dim_prod([d for d in source if isinstance(d, int)])
+    dst = dim_prod([d for d in known if isinstance(d, int)])
+    check(dst and src % dst == 0, f"cannot reshape {list(source)} to {list(target)}")
+    leftover = [Sym(name) for name, n in syms.items() for _ in range(n)]
+    return dim_prod(leftover) * (src // dst) if leftover else src // dst
+
+
+def permute_rule(metas, attrs):
+    x, perm = metas[0], attrs["perm"]
+    check(sorted(p % x.ndim for p in perm) == list(range(x.ndim)), f"{list(perm)} is not a permutation of {x.ndim} axes")
+    return [TensorMeta(tuple(x.shape[p] for p in perm), x.dtype)]
+
+
+@op("permute", ["x"], permute_rule, attrs={"perm": ()}, view=True)
+def permute(A, x, perm): return A.read("permute", x, perm=perm)
+
+
+def transpose_rule(metas, attrs):
+    x = metas[0]
+    shape = list(x.shape)
+    a, b = attrs["dim0"] % x.ndim, attrs["dim1"] % x.ndim
+    shape[a], shape[b] = shape[b], shape[a]
+    return [TensorMeta(tuple(shape), x.dtype)]
+
+
+@op("transpose", ["x"], transpose_rule, attrs={"dim0": -2, "dim1": -1}, view=True)
+def transpose(A, x, dim0, dim1): return A.read("transpose", x, axis1=dim0, axis2=dim1)
+
+
+def slice_length(n, start, stop, step):
+    if isinstance(n, int):
+        return len(range(*slice(start, stop, step).indices(n)))
+    stop = n if stop is None else stop
+    return (stop - start + step - 1) // step
+
+
+def slice_rule(metas, attrs):
+    x = metas[0]
+    axis = attrs["axis"] % x.ndim
+    check(attrs["step"] > 0, "slice step must be positive")
+    shape = list(x.shape)
+    shape[axis] = slice_length(shape[axis], attrs["start"], attrs["stop"], attrs["step"])
+    return [TensorMeta(tuple(shape), x.dtype)]
+
+
+@op("slice", ["x"], slice_rule, attrs={"axis": 0, "start": 0, "stop": None, "step": 1}, struct={"step": (1, 2)}, view=True)
+def slice_(A, x, axis, start, stop, step):
+    return A.read("slice", x, axis=axis, start=start, stop=stop, step=step)
+
+
+def concat_rule(metas, attrs):
+    dt = same_dtype(*metas)
+    first = metas[0]
+    axis = attrs["axis"] % first.ndim
+    for m in metas[1:]:
+        check(m.ndim == first.ndim and all(same_dim(a, b) is not False for i, (a, b) in enumerate(zip(m.shape, first.shape)) if i != axis),
+              f"concat inputs {[list(m.shape) for m in metas]} differ off axis {attrs['axis']}")
+    shape = list(first.shape)
+    shape[axis] = sum_dims([m.shape[axis] for m in metas])
+    return [TensorMeta(tuple(shape), dt)]
+
+
+def sum_dims(dims):
+    total = 0
+    for d in dims:
+        total = total + d
+    return total
+
+
+@op("concat", ["xs*"], concat_rule, attrs={"axis": 0})
+def concat(A, *xs, axis):
+    shape = list(xs[0].shape)
+    lengths = [x.shape[axis] for x in xs]
+    shape[axis] = sum_dims(lengths)
+    offsets = [sum_dims(lengths[:i]) for i in range(len(xs))]
+    return concat_atoms(A, xs, axis, tuple(shape), offsets)
+
+
+def split_rule(metas, attrs):
+    x = metas[0]
+    axis = attrs["axis"] % x.ndim
+    if isinstance(x.shape[axis], int):
+        check(sum(attrs["sizes"]) == x.shape[axis], f"split sizes {list(attrs['sizes'])} do not sum to {x.shape[axis]}")
+    return [TensorMeta(tuple(s if i != axis else n for i, s in enumerate(x.shape)), x.dtype) for n in attrs["sizes"]]
+
+
+@op("split", ["x"], split_rule, attrs={"sizes": (), "axis": 0},
+    struct={"sizes": tuple((1,) * n for n in range(1, 17))})
+def split(A, x, sizes, axis):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(A.read("slice", x, axis=axis, start=s, stop=s + n) for s, n in zip(starts, sizes))
+
+
+def gather_rule(metas, attrs):
+    x, index = metas
+    check(index.dtype in ("i32", "i64"), "index must be integer")
+    check(index.ndim == x.ndim, "gather index must have the rank of x")
+    return [TensorMeta(index.shape, x.dtype)]
+
+
+@op("gather", ["x", "index"], gather_rule, attrs={"axis": 0})
+def gather(A, x, index, axis): return A.read("take_along", x, index, axis=axis)
+
+
+def argmax_rule(metas, attrs):
+    x = metas[0]
+    axis = attrs["axis"] % x.ndim
+    return [TensorMeta(tuple(d for i, d in enumerate(x.shape) if i != axis), "i64")]
+
+
+@op("argmax", ["x"], argmax_rule, attrs={"axis": -1})
+def argmax(A, x, axis): return A.reduce("argmax", x, axis=axis, keepdims=False)
+
+
+def topk_rule(metas, attrs):
+    x = metas[0]
+    axis = attrs["axis"] % x.ndim
+    if isinstance(x.shape[axis], int):
+        check(0 < attrs["k"] <= x.shape[axis], f"k={attrs['k']} out of range for size {x.shape[axis]}")
+    shape = tuple(attrs["k"] if i == axis else d for i, d in enumerate(x.shape))
+    return [TensorMeta(shape, x.dtype), TensorMeta(shape, "i64")]
+
+
+@op("topk", ["x"], topk_rule, attrs={"k": 1, "axis": -1})
+def topk(A, x, k, axis):
+    index = A.reduce("topk", x, axis=axis, k=k)
+    return A.read("take_along", x, index, axis=axis), index
+
+
+# --- convolution, pooling, resampling ------------------------------------------------------
+
+def conv_out(n, k, stride, pad, dil):
+    return (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def conv_rule(nd):
+    def rule(metas, attrs):
+        x, w, b = metas[0], metas[1], metas[2] if len(metas) > 2 else None
+        dt = same_dtype(x, w, b)
+        float_dtype(x)
+        check(x.ndim == nd + 2 and w.ndim == nd + 2, f"conv{nd}d takes x [N, C, *{nd} dims] and w [O, C/groups, *{nd} kernel]")
+        g = attrs["groups"]
+        if isinstance(x.shape[1], int) and isinstance(w.shape[1], int):
+            check(x.shape[1] == w.shape[1] * g, f"input channels {x.shape[1]} != {w.shape[1]} x groups {g}")
+        if isinstance(w.shape[0], int):
+            check(w.shape[0] % g == 0, f"output channels {w.shape[0]} not divisible by groups {g}")
+        if b is not None:
+            check(b.ndim == 1, "conv bias must be 1-D")
+        st, pd, dl = (as_tuple(attrs[k], nd) for k in ("stride", "padding", "dilation"))
+        spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], st, pd, dl))
+        check(all(not isinstance(s, int) or s > 0 for s in spatial), "kernel larger than padded input")
+        return [TensorMeta((x.shape[0], w.shape[0]) + spatial, dt)]
+    return rule
+
+
+def pad_atoms(A, x, pads, value):
+    nd = len(pads)
+    shape = tuple(x.shape[:-nd]) + tuple(n + 2 * p for n, p in zip(x.shape[-nd:], pads))
+    dst = A.read("fill", shape=shape, value=value)
+    return A.write("place", dst, x, axes=tuple(range(-nd, 0)), starts=tuple(pads), steps=(1,) * nd)
+
+
+def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd):
+    N, C = x.shape[:2]
+    O, kernel = w.shape[0], tuple(w.shape[2:])
+    st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
+    spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], kernel, st, pd, dl))
+    windows = A.slide(pad_atoms(A, x, pd, 0.0), axes=tuple(range(2, 2 + nd)), window=kernel, stride=st, dilation=dl)
+    xg = A.read("reshape", windows, shape=(N, groups, 1, C // groups) + spatial + kernel)
+    wg = A.read("reshape", w, shape=(1, groups, O // groups, C // groups) + (1,) * nd + kernel)
+    summed_axes = (3,) + tuple(range(4 + nd, 4 + 2 * nd))
+    y = A.read("reshape", A.reduce("sum", A.mul(xg, wg), axis=summed_axes, keepdims=False), shape=(N, O) + spatial)
+    return y if b is None else A.add(y, A.read("reshape", b, shape=(O,) + (1,) * nd))
+
+
+CONV_ATTRS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+@op("conv1d", ["x", "weight", "bias?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0)
+def conv1d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=1, **attrs)
+
+
+@op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0)
+def conv2d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=2, **attrs)
+
+
+def pool_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    k = attrs["kernel"]
+    nd = len(k)
+    check(nd in (1, 2, 3) and x.ndim == nd + 2, f"pooling with a {nd}-D kernel takes x [N, C, *{nd} dims]")
+    st = as_tuple(attrs["stride"] or k, nd)
+    pd = as_tuple(attrs["padding"], nd)
+    check(all(p * 2 <= kk for p, kk in zip(pd, k)), "padding must be at most half the kernel")
+    spatial = tuple(conv_out(n, kk, s, p, 1) for n, kk, s, p in zip(x.shape[2:], k, st, pd))
+    return [TensorMeta(tuple(x.shape[:2]) + spatial, x.dtype)]
+
+
+def pool_atoms(A, x, kernel, stride, padding, mode, pad_value):
+    nd = len(kernel)
+    st, pd = as_tuple(stride or kernel, nd), as_tuple(padding, nd)
+    windows = A.slide(pad_atoms(A, x, pd, pad_value), axes=tuple(range(2, 2 + nd)), window=tuple(kernel),
+                      stride=st, dilation=(1,) * nd)
+    return A.reduce(mode, windows, axis=tuple(range(-nd, 0)), keepdims=False)
+
+
+POOL_ATTRS = {"kernel": (2, 2), "stride": None, "padding": 0}
+
+
+@op("max_pool", ["x"], pool_rule, attrs=POOL_ATTRS)
+def max_pool(A, x, **attrs): return pool_atoms(A, x, mode="max", pad_value=-math.inf, **attrs)
+
+
+@op("avg_pool", ["x"], pool_rule, attrs=POOL_ATTRS)
+def avg_pool(A, x, **attrs): return pool_atoms(A, x, mode="mean", pad_value=0.0, **attrs)
+
+
+def interpolate_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    size = tuple(attrs["size"])
+    check(len(size) in (1, 2) and x.ndim == len(size) + 2, "interpolate takes x [N, C, *spatial] and size per spatial dim")
+    check(attrs["mode"] in ("nearest", "bilinear"), f"mode must be nearest or bilinear, got {attrs['mode']}")
+    return [TensorMeta(tuple(x.shape[:2]) + size, x.dtype)]
+
+
+def source_scale(n_in, n_out, align_corners):
+    if align_corners:
+        return (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    return n_in / n_out
+
+
+def resample_axis(A, x, axis, n_in, n_out, mode, align_corners):
+    """Resample one axis: nearest takes floor(dst * in/out); bilinear blends two neighbours."""
+    dst = A.read("cast", A.read("iota", n=n_out, axis=0, ndim=1), struct=("f32",))
+    scale = A.param(source_scale(n_in, n_out, align_corners) if isinstance(n_in, int) else Sym(f"{n_in}/{n_out}"))
+    last = A.param(n_in - 1)
+    if mode == "nearest":
+        index = A.cmp("min", A.exp("floor", A.mul(dst, scale)), last)
+        return A.read("take", x, A.read("cast", index, struct=("i64",)), axis=axis)
+    if align_corners:
+        src = A.mul(dst, scale)
+    else:
+        src = A.cmp("max", A.sub(A.mul(A.add(dst, A.lit(0.5)), scale), A.lit(0.5)), A.lit(0))
+    lower = A.exp("floor", src)
+    frac = A.sub(src, lower)
+    i0 = A.read("cast", lower, struct=("i64",))
+    i1 = A.read("cast", A.cmp("min", A.add(lower, A.lit(1)), last), struct=("i64",))
+    trailing = (n_out,) + (1,) * (-1 - axis)
+    w1 = A.read("reshape", frac, shape=trailing)
+    w0 = A.read("reshape", A.sub(A.lit(1), frac), shape=trailing)
+    return A.add(A.mul(A.read("take", x, i0, axis=axis), w0), A.mul(A.read("take", x, i1, axis=axis), w1))
+
+
+@op("interpolate", ["x"], interpolate_rule, attrs={"size": (1, 1), "mode": "nearest", "align_corners": False},
+    struct={"mode": ("nearest", "bilinear"), "align_corners": (False, True)})
+def interpolate(A, x, size, mode, align_corners):
+    nd = len(size)
+    for i, n_out in enumerate(size):
+        axis = i - nd
+        x = resample_axis(A, x, axis, A.inputs[0].shape[axis], n_out, mode, align_corners)
+    return x

@@ -1,0 +1,125 @@
+"""A Plan: a graph compiled for bound shapes on one backend, runnable many times without re-planning.
+
+Making a plan runs the passes (dead nodes, constant folding), binds symbolic dims, picks each
+node's kernel from the jet registry once, and lays intermediates out in one arena. Running it is
+a loop over prepared steps: no lookups, no shape inference, no allocation for planned tensors.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_runtime.backends import load_backend
+from soma_runtime.dtypes import QTensor, dtype
+from soma_runtime.errors import GraphError
+from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, meta_of, resolve
+from soma_runtime.ir.jets import REGISTRY
+from soma_runtime.ir.ops import OPS
+from soma_runtime.ir.passes import eliminate_dead_nodes, fold_constants, plan_memory
+
+
+@dataclass
+class Step:
+    kernel: object
+    inputs: list[str | None]
+    outputs: list[str]
+    attrs: dict
+    out: np.ndarray | None       # arena view the kernel writes into, if planned
+
+
+def bind_attrs(attrs: dict, bindings: dict[str, int]) -> dict:
+    """Resolve symbolic sizes inside tuple attrs (a reshape to (B, S, -1))."""
+    def one(v):
+        if isinstance(v, (tuple, list)):
+            return tuple(resolve(Sym(x), bindings) if isinstance(x, str) else one(x) for x in v)
+        if isinstance(v, Sym):
+            return resolve(v, bindings)
+        return v
+    return {k: (v if isinstance(v, str) else one(v)) for k, v in attrs.items()}
+
+
+def bindings_from(graph: Graph, inputs: dict) -> dict[str, int]:
+    """Read symbolic dims off the actual input arrays, checking concrete dims and repeats agree."""
+    found: dict[str, int] = {}
+    for name, meta in graph.inputs.items():
+        if name not in inputs:
+            raise GraphError(f"missing graph input {name!r}")
+        shape = np.shape(inputs[name]) if not isinstance(inputs[name], QTensor) else inputs[name].shape
+        if len(shape) != meta.ndim:
+            raise GraphError(f"input {name!r}: expected rank {meta.ndim} {list(meta.shape)}, got shape {list(shape)}")
+        for d, n in zip(meta.shape, shape):
+            if isinstance(d, int) and d != n or isinstance(d, Sym) and found.setdefault(d.expr, n) != n:
+                raise GraphError(f"input {name!r}: shape {list(shape)} does not match {list(meta.shape)}")
+    return found
+
+
+class Plan:
+    def __init__(self, graph: Graph, backend: str = "cpu", bindings: dict[str, int] | None = None,
+                 memory_plan: bool = True):
+        load_backend(backend)
+        self.backend = backend
+        self.bindings = dict(bindings or {})
+        g = copy.copy(graph)
+        g.nodes = [copy.copy(n) for n in graph.nodes]
+        g.constants = dict(graph.constants)
+        g.validate()
+        eliminate_dead_nodes(g)
+        fold_constants(g, self._run_once)
+        self.graph = g
+        self.metas = self._bind_metas(g)
+        self.memory = plan_memory(g, self.metas) if memory_plan else None
+        self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
+        self.steps = [self._step(n) for n in g.nodes]
+
+    @classmethod
+    def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
+        return cls(graph, bindings=bindings_from(graph, inputs), **kw)
+
+    def _run_once(self, node: Node, inputs: list):
+        metas = [None if x is None else meta_of(x) for x in inputs]
+        kernel = REGISTRY.kernel_for(OPS[node.op], metas, node.attrs, self.backend)
+        return kernel(*inputs, **OPS[node.op].full_attrs(node.attrs))
+
+    def _bind_metas(self, g: Graph) -> dict[str, TensorMeta]:
+        metas = {k: m.bind(self.bindings) for k, m in g.inputs.items()}
+        metas.update({k: meta_of(v) for k, v in g.constants.items()})
+        for n in g.nodes:
+            n.attrs = bind_attrs(n.attrs, self.bindings)
+            ins = [None if i is None else metas[i] for i in n.inputs]
+            for name, meta in zip(n.outputs, OPS[n.op].infer(ins, n.attrs, n.name)):
+                metas[name] = meta
+        return metas
+
+    def _step(self, n: Node) -> Step:
+        ins = [None if i is None else self.metas[i] for i in n.inputs]
+        kernel = REGISTRY.kernel_for(OPS[n.op], ins, n.attrs, self.backend)
+        out = None
+        if self.memory and n.outputs[0] in self.memory.offsets:
+            meta = self.metas[n.outputs[0]]
+            off = self.memory.offsets[n.outputs[0]]
+            np_dtype = dtype(meta.dtype).numpy
+            count = int(np.prod(meta.shape, dtype=np.int64))
+            out = self.arena[off: off + count * np_dtype.itemsize].view(np_dtype).reshape(meta.shape)
+        return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out)
+
+    def run(self, inputs: dict) -> list:
+        env = dict(self.graph.constants)
+        for name, meta in self.graph.inputs.items():
+            value = inputs.get(name)
+            if value is None or tuple(np.shape(value)) != meta.bind(self.bindings).shape:
+                raise GraphError(f"input {name!r}: expected shape {list(meta.bind(self.bindings).shape)}, "
+                                 f"got {None if value is None else list(np.shape(value))}")
+            env[name] = value
+        for step in self.steps:
+            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=step.out, **step.attrs)
+            if step.out is not None and result is not step.out:
+                step.out[...] = result
+                result = step.out
+            if len(step.outputs) == 1:
+                env[step.outputs[0]] = result
+            else:
+                env.update(zip(step.outputs, result))
+        # outputs may alias the arena, which the next run overwrites
+        return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]

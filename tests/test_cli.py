@@ -1,0 +1,30 @@
+"""The command line, run as a user runs it (a subprocess through the installed entry point)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from soma_runtime import __version__
+
+
+def soma(*args):
+    return subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_version():
+    r = soma("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"soma-runtime {__version__}"
+
+
+def test_backends_lists_cpu_with_what_it_detected():
+    r = soma("backends", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["reference"]["available"] and report["cpu"]["available"]
+    assert report["cpu"]["cores"] >= 1 and "numba" in report["cpu"]
+
+
+def test_unknown_command_is_a_clear_error():
+    r = soma("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

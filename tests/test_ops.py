@@ -1,0 +1,231 @@
+"""One op test for every backend: each op, several shapes and dtypes, against PyTorch in the same run.
+
+f32 must agree within 1e-5 x scale, f16 within 1e-3 x scale (scale = max(1, max |reference|)).
+PyTorch computes in f32 from the same (already rounded) inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from soma_runtime.ir.jets import max_error, run_op
+from tests.backends import BACKENDS
+
+TOL = {"f32": 1e-5, "f16": 1e-3}
+NP = {"f32": np.float32, "f16": np.float16}
+CASES = []
+
+
+def case(op, make, ref, dtypes=("f32", "f16"), id="", **attrs):
+    for dt in dtypes:
+        CASES.append(pytest.param(op, make, ref, dt, attrs, id=f"{op}-{id}-{dt}" if id else f"{op}-{dt}"))
+
+
+def randn(*shape, rng=None):
+    return (rng or np.random.default_rng(0)).standard_normal(shape).astype(np.float32)
+
+
+def mk(*shapes, seed=0, positive=()):
+    """A factory of float inputs with the given shapes (inputs listed in `positive` kept > 0.5)."""
+    def make(dt):
+        rng = np.random.default_rng(seed)
+        out = []
+        for i, s in enumerate(shapes):
+            x = randn(*s, rng=rng)
+            if i in positive:
+                x = np.abs(x) + 0.5
+            out.append(x.astype(NP[dt]))
+        return out
+    return make
+
+
+def non_contiguous(make):
+    return lambda dt: [np.swapaxes(x.copy().reshape(x.shape[::-1]), 0, -1) if x.ndim > 1 else x for x in make(dt)]
+
+
+# elementwise and activations
+for name, fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul}.items():
+    case(name, mk((3, 5), (5,)), fn, id="row-broadcast")
+    case(name, mk((2, 1, 7), (1, 4, 1)), fn, id="both-broadcast")
+    case(name, mk((1,), (1,)), fn, id="size1")
+    case(name, non_contiguous(mk((5, 3), (5, 3))), fn, id="non-contiguous")
+case("div", mk((4, 9), (9,), positive=(1,)), torch.div, id="broadcast")
+case("div", mk((2, 3, 1), (1, 1, 5), positive=(1,)), torch.div, id="outer")
+UNARY = {"silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": F.relu}
+for name, fn in UNARY.items():
+    case(name, mk((4, 33)), fn, id="odd")
+    case(name, mk((1,)), fn, id="size1")
+    case(name, non_contiguous(mk((3, 5, 2))), fn, id="non-contiguous")
+case("leaky_relu", mk((4, 33)), lambda x: F.leaky_relu(x, 0.2), negative_slope=0.2)
+for approx in ("none", "tanh"):
+    case("gelu", mk((4, 33)), lambda x, a=approx: F.gelu(x, approximate=a), id=approx, approximate=approx)
+    case("geglu", mk((3, 17), (3, 17)), lambda g, u, a=approx: F.gelu(g, approximate=a) * u, id=approx, approximate=approx)
+case("swiglu", mk((3, 17), (3, 17)), lambda g, u: F.silu(g) * u)
+case("swiglu", mk((1, 1), (1, 1)), lambda g, u: F.silu(g) * u, id="size1")
+
+# normalization
+case("rmsnorm", mk((3, 7), (7,)), lambda x, w: F.rms_norm(x, (7,), w, 1e-6), id="weighted")
+case("rmsnorm", mk((2, 1, 64)), lambda x: F.rms_norm(x, (64,), None, 1e-5), id="plain", eps=1e-5)
+case("layernorm", mk((3, 10), (10,), (10,)), lambda x, w, b: F.layer_norm(x, (10,), w, b, 1e-5), id="affine")
+case("layernorm", mk((2, 5, 1)), lambda x: F.layer_norm(x, (1,), eps=1e-5), id="size1")
+case("groupnorm", mk((2, 6, 5, 4), (6,), (6,)), lambda x, w, b: F.group_norm(x, 3, w, b, 1e-5), id="affine", groups=3)
+case("groupnorm", mk((1, 4, 7)), lambda x: F.group_norm(x, 2, eps=1e-5), id="1d-plain", groups=2)
+case("batchnorm", mk((2, 4, 5, 3), (4,), (4,), (4,), (4,), positive=(2,)),
+     lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, False, 0.0, 1e-5), id="affine")
+
+
+def masked_softmax_ref(causal=False, window=0):
+    def ref(x, mask=None):
+        sq, sk = x.shape[-2], x.shape[-1]
+        q = torch.arange(sq)[:, None] + (sk - sq)
+        k = torch.arange(sk)[None, :]
+        keep = torch.ones(sq, sk, dtype=torch.bool)
+        if causal:
+            keep &= k <= q
+        if window:
+            keep &= q - k < window
+        x = x if mask is None else x + mask
+        return torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
+    return ref
+
+
+case("softmax", mk((3, 7)), lambda x: torch.softmax(x, -1), id="rows")
+case("softmax", mk((4, 3)), lambda x: torch.softmax(x, 0), id="axis0", axis=0)
+case("softmax", mk((2, 3, 5, 5)), masked_softmax_ref(causal=True), id="causal", causal=True)
+case("softmax", mk((2, 1, 3, 6), (1, 1, 3, 6)), masked_softmax_ref(causal=True), id="causal-rect-mask", causal=True)
+case("softmax", mk((1, 6, 6)), masked_softmax_ref(causal=True, window=3), id="window", causal=True, window=3)
+
+# matmul and attention
+case("matmul", mk((3, 8), (8, 5)), torch.matmul, id="plain")
+case("matmul", mk((2, 3, 33), (5, 33)), lambda a, b: a @ b.T, id="weight-nk", transpose_b=True)
+case("matmul", mk((2, 1, 4, 8), (3, 8, 6)), torch.matmul, id="batch-broadcast")
+case("matmul", mk((1, 16), (7, 16)), lambda a, b: a @ b.T, id="gemv", transpose_b=True)
+case("matmul", non_contiguous(mk((3, 8), (8, 5))), torch.matmul, id="non-contiguous")
+
+
+def sdpa_ref(causal=False, scale=None, softcap=0.0, window=0):
+    def ref(q, k, v, mask=None):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        probs = masked_softmax_ref(causal, window)(s, mask)
+        return probs @ v
+    return ref
+
+
+case("sdpa", mk((1, 4, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)),
+     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), id="causal-gqa", causal=True)
+case("sdpa", mk((2, 3, 4, 6), (2, 3, 7, 6), (2, 3, 7, 5), (2, 1, 4, 7)),
+     lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), id="mask-dv")
+case("sdpa", mk((1, 6, 1, 16), (1, 2, 9, 16), (1, 2, 9, 16)), sdpa_ref(True, 0.3), id="decode-scale", causal=True, scale=0.3)
+case("sdpa", mk((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), sdpa_ref(True, softcap=2.0, window=2),
+     id="softcap-window", causal=True, softcap=2.0, window=2)
+
+
+def rope_ref(style, rotary):
+    def ref(x, positions, inv_freq):
+        angle = positions[..., None].float() * inv_freq
+        cos, sin = torch.cos(angle)[..., None, :], torch.sin(angle)[..., None, :]
+        rot, rest = x[..., :rotary], x[..., rotary:]
+        if style == "neox":      # HF rotate_half
+            a, b = rot[..., : rotary // 2], rot[..., rotary // 2:]
+            out = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+        else:                    # GPT-J / ggml "normal" pairs
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+        return torch.cat([out, rest], -1)
+    return ref
+
+
+def rope_inputs(batch, seq, heads, dim, rotary):
+    def make(dt):
+        x = randn(*batch, seq, heads, dim).astype(NP[dt])
+        positions = np.arange(3, 3 + seq, dtype=np.int64).reshape((1,) * len(batch) + (seq,)).repeat(batch[0] if batch else 1, 0) if batch else np.arange(3, 3 + seq)
+        inv_freq = (10000.0 ** (-np.arange(0, rotary, 2, dtype=np.float32) / rotary)).astype(np.float32)
+        return [x, positions, inv_freq]
+    return make
+
+
+for style in ("neox", "interleaved"):
+    case("rope", rope_inputs((2,), 5, 3, 8, 8), rope_ref(style, 8), id=f"{style}-full", style=style)
+    case("rope", rope_inputs((1,), 3, 2, 16, 8), rope_ref(style, 8), id=f"{style}-partial", style=style)
+    case("rope", rope_inputs((), 1, 1, 4, 4), rope_ref(style, 4), id=f"{style}-one-token", style=style)
+
+
+def int_inputs(make_floats, *int_arrays):
+    return lambda dt: make_floats(dt) + [np.asarray(a, np.int64) for a in int_arrays]
+
+
+case("embedding", int_inputs(mk((10, 6)), [[1, 0, 9], [4, 4, 2]]), lambda t, ids: F.embedding(ids, t), id="2d-ids")
+case("embedding", int_inputs(mk((3, 5)), [2]), lambda t, ids: F.embedding(ids, t), id="one")
+
+
+def kv_append_ref(pages, new, slots):
+    flat = pages.reshape(-1, *pages.shape[2:]).clone()
+    flat.index_copy_(0, slots.reshape(-1), new.reshape(-1, *pages.shape[2:]))
+    return flat.reshape(pages.shape)
+
+
+case("kv_append", int_inputs(mk((4, 2, 2, 3), (3, 2, 3)), [5, 0, 6]), kv_append_ref)
+case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
+     lambda p, s: p.reshape(-1, *p.shape[2:])[s])
+
+# layout and indexing
+case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
+case("transpose", non_contiguous(mk((2, 3, 4))), lambda x: x.transpose(0, 2), dim0=0, dim1=2)
+case("permute", mk((2, 3, 4)), lambda x: x.permute(2, 0, 1), perm=(2, 0, 1))
+case("concat", mk((2, 3), (2, 1), (2, 4)), lambda *xs: torch.cat(xs, 1), axis=1)
+case("concat", mk((1, 3)), lambda *xs: torch.cat(xs, 0), id="single", axis=0)
+case("slice", mk((5, 9)), lambda x: x[:, 1:8:3], axis=-1, start=1, stop=8, step=3)
+case("gather", int_inputs(mk((3, 4)), [[0, 3], [1, 1], [2, 0]]), lambda x, i: torch.gather(x, 1, i), axis=1)
+case("cast", mk((3, 5)), lambda x: x.half().float(), id="to-f16", dtypes=("f32",), dtype="f16")
+case("cast", lambda dt: [randn(3, 5) * 3], lambda x: x.to(torch.int64), id="to-i64", dtypes=("f32",), dtype="i64")
+case("argmax", mk((4, 7)), lambda x: torch.argmax(x, -1), dtypes=("f32",))
+case("argmax", mk((4, 7)), lambda x: torch.argmax(x, 0), id="axis0", dtypes=("f32",), axis=0)
+case("topk", mk((3, 11)), lambda x: torch.topk(x, 4, -1), dtypes=("f32",), k=4)
+case("topk", mk((6, 2)), lambda x: torch.topk(x, 6, 0), id="all-axis0", dtypes=("f32",), k=6, axis=0)
+
+# convolution, pooling, resampling
+case("conv1d", mk((2, 4, 9), (6, 2, 3), (6,)), lambda x, w, b: F.conv1d(x, w, b, 2, 1, 2, 2), id="groups-stride-dilation",
+     stride=2, padding=1, dilation=2, groups=2)
+case("conv1d", mk((1, 3, 5), (2, 3, 5)), lambda x, w: F.conv1d(x, w), id="full-kernel")
+case("conv2d", mk((1, 3, 7, 6), (4, 3, 3, 2), (4,)), lambda x, w, b: F.conv2d(x, w, b, (2, 1), (1, 0)),
+     id="stride-pad", stride=(2, 1), padding=(1, 0))
+case("conv2d", mk((2, 3, 5, 5), (3, 1, 3, 3)), lambda x, w: F.conv2d(x, w, None, 1, 1, 1, 3), id="depthwise",
+     padding=1, groups=3)
+case("max_pool", mk((1, 2, 7, 6)), lambda x: F.max_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2), padding=(1, 0))
+case("max_pool", mk((2, 3, 8)), lambda x: F.max_pool1d(x, 3), id="1d", kernel=(3,))
+case("avg_pool", mk((1, 2, 7, 6)), lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2), padding=(1, 0))
+case("interpolate", mk((1, 2, 4, 5)), lambda x: F.interpolate(x, (8, 7), mode="nearest"), id="nearest", size=(8, 7))
+for align in (False, True):
+    case("interpolate", mk((1, 2, 4, 5)), lambda x, a=align: F.interpolate(x, (7, 9), mode="bilinear", align_corners=a),
+         id=f"bilinear-align{align}", size=(7, 9), mode="bilinear", align_corners=align)
+
+
+def to_torch(x):
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32) if x.dtype.kind == "f" else x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,make,ref,dt,attrs", CASES)
+def test_op_matches_torch(backend, op, make, ref, dt, attrs):
+    inputs = make(dt)
+    want = ref(*[to_torch(x) for x in inputs])
+    got = run_op(op, *inputs, backend=backend, **attrs)
+    pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+    for g, w in pairs:
+        w = w.numpy()
+        assert g.shape == w.shape, f"{op}: shape {g.shape} != torch {w.shape}"
+        if w.dtype.kind in "iub":
+            np.testing.assert_array_equal(g, w)
+            continue
+        if op not in ("cast", "argmax"):
+            assert str(g.dtype) == {"f32": "float32", "f16": "float16"}[dt], f"{op} returned {g.dtype}"
+        err, scale = max_error(g, w)
+        assert err <= TOL[dt] * scale, f"{op} on {backend}: max error {err:.3g} > {TOL[dt] * scale:.3g}"

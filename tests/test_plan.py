@@ -1,0 +1,67 @@
+"""Plans: passes, shape binding, the memory planner, and repeated runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from soma_runtime.errors import GraphError
+from soma_runtime.ir.graph import GraphBuilder
+from soma_runtime.ir.plan import Plan
+from tests.toy_decoder import toy_decoder
+
+
+def decoder_inputs(seq=7, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"ids": rng.integers(0, 50, seq).astype(np.int64), "positions": np.arange(seq, dtype=np.int64)}
+
+
+def test_memory_plan_reuses_buffers_in_a_12_layer_decoder():
+    plan = Plan.for_inputs(toy_decoder(layers=12), decoder_inputs())
+    assert plan.memory.arena_bytes < plan.memory.total_bytes / 4, (plan.memory.arena_bytes, plan.memory.total_bytes)
+
+
+def test_results_are_unchanged_with_planning_on_and_off():
+    graph, inputs = toy_decoder(layers=12), decoder_inputs()
+    planned = Plan.for_inputs(graph, inputs).run(inputs)[0]
+    unplanned = Plan.for_inputs(graph, inputs, memory_plan=False).run(inputs)[0]
+    np.testing.assert_array_equal(planned, unplanned)
+
+
+def test_planned_cpu_decoder_matches_the_reference_atoms():
+    graph, inputs = toy_decoder(layers=2), decoder_inputs(seq=5)
+    cpu = Plan.for_inputs(graph, inputs).run(inputs)[0]
+    atoms = Plan.for_inputs(graph, inputs, backend="reference").run(inputs)[0]
+    np.testing.assert_allclose(cpu, atoms, atol=1e-4 * max(1, np.abs(atoms).max()), rtol=0)
+
+
+def test_a_plan_runs_many_times_and_outputs_do_not_alias_the_arena():
+    graph = toy_decoder(layers=2)
+    first, second = decoder_inputs(seed=1), decoder_inputs(seed=2)
+    plan = Plan.for_inputs(graph, first)
+    out1 = plan.run(first)[0]
+    out1_copy = out1.copy()
+    plan.run(second)
+    np.testing.assert_array_equal(out1, out1_copy)
+    np.testing.assert_array_equal(plan.run(first)[0], out1_copy)
+
+
+def test_dead_nodes_are_removed_and_constants_folded():
+    g = GraphBuilder()
+    x = g.input("x", (4,), "f32")
+    a = g.const("a", np.full(4, 2.0, np.float32))
+    b = g.const("b", np.full(4, 3.0, np.float32))
+    folded = g.mul(a, b)                       # constant: folded at plan time
+    g.relu(x)                                  # dead: nothing reads it
+    graph = g.output(g.add(x, folded))
+    plan = Plan(graph)
+    assert [s.kernel.__name__ for s in plan.steps] == ["<lambda>"] and len(plan.steps) == 1
+    np.testing.assert_array_equal(plan.run({"x": np.ones(4, np.float32)})[0], np.full(4, 7.0, np.float32))
+
+
+def test_wrong_input_shape_raises():
+    graph, inputs = toy_decoder(layers=1), decoder_inputs(seq=4)
+    plan = Plan.for_inputs(graph, inputs)
+    with pytest.raises(GraphError, match="'ids'"):
+        plan.run(decoder_inputs(seq=5))
+    with pytest.raises(GraphError, match="rank"):
+        Plan.for_inputs(graph, {"ids": np.zeros((2, 2), np.int64), "positions": np.zeros(2, np.int64)})

@@ -1,0 +1,111 @@
+"""Quantized tensors against the `gguf` package's reference, and quantized matmul jets against
+dequantize-then-matmul and against the f32 weights they came from."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype, quantize
+from soma_runtime.ir.jets import run_op
+
+# byte offsets of the f16 scale fields in each block; random bytes there could be NaN/inf
+SCALE_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q2_K": [80, 82],
+                "q3_K": [108], "q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208], "tq1_0": [52], "tq2_0": [64]}
+
+
+def random_blocks(name: str, rows: int, cols: int, seed=0) -> np.ndarray:
+    """Random packed bytes with finite, modest f16 scales: every bit pattern of the quants is hit."""
+    d = dtype(name)
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows * cols // d.block_size, d.type_size), dtype=np.uint8)
+    for off in SCALE_FIELDS[name]:
+        scales = (rng.standard_normal(data.shape[0]) * 0.05).astype(np.float16)
+        data[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return data.reshape(rows, -1)
+
+
+def test_every_listed_format_has_a_scale_map():
+    assert set(SCALE_FIELDS) == set(QUANTIZED)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_dequantize_matches_gguf_reference(name):
+    raw = random_blocks(name, 6, 512)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(dtype(name).ggml_id))
+    got = QTensor(raw.reshape(-1), name, (6, 512)).dequantize()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_dequantize_selected_rows(name):
+    raw = random_blocks(name, 5, 256, seed=1)
+    t = QTensor(raw.reshape(-1), name, (5, 256))
+    np.testing.assert_array_equal(dequantize(t, rows=np.array([[4, 0], [2, 2]])), t.dequantize()[[[4, 0], [2, 2]]])
+
+
+@pytest.mark.parametrize("name", ["f16", "bf16"])
+def test_half_weights_decode_exactly(name):
+    from soma_runtime.quant.formats import dequantize_rows
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(dtype(name).numpy)
+    np.testing.assert_array_equal(dequantize_rows(x.view(np.uint8), dtype(name).ggml_id, 64), x.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_quantize_is_byte_identical_to_gguf(name):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    x[0, :32] = 0                      # an all-zero block (d = 0)
+    x[1, :32] = 0.5                    # a constant block (max == min)
+    x[2] = np.round(x[2] * 4) / 4      # values on rounding ties
+    want = gguf.quants.quantize(x, gguf.GGMLQuantizationType(dtype(name).ggml_id))
+    np.testing.assert_array_equal(quantize(x, name).data.reshape(-1), want.reshape(-1))
+
+
+def test_quantize_rejects_bad_shapes_and_formats():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(np.zeros((2, 30), np.float32), "q8_0")
+    with pytest.raises(ValueError, match="not supported"):
+        quantize(np.zeros((2, 256), np.float32), "q6_K")
+    with pytest.raises(ValueError, match="needs"):
+        QTensor(np.zeros(10, np.uint8), "q4_0", (1, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])          # GEMV path and tiled GEMM path
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_matmul_matches_dequantize_then_matmul(name, rows):
+    w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    want = torch.from_numpy(x).double() @ torch.from_numpy(w.dequantize()).double().T
+    got = run_op("matmul", x, w, backend="cpu", transpose_b=True)
+    scale = max(1.0, float(want.abs().max()))
+    assert np.max(np.abs(got - want.numpy())) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("name,rel_error", [("q8_0", 0.01), ("q4_0", 0.15), ("q4_1", 0.12)])
+def test_quantized_matmul_stays_within_format_error(name, rel_error):
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    want = (torch.from_numpy(x) @ torch.from_numpy(w).T).numpy()
+    got = run_op("matmul", x, quantize(w, name), backend="cpu", transpose_b=True)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < rel_error
+
+
+@pytest.mark.parametrize("name", ["f16", "bf16"])
+def test_half_weight_matmul_matches_torch(name):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 96)).astype(dtype(name).numpy)
+    for rows in (2, 12):
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        want = torch.from_numpy(x) @ torch.from_numpy(w.astype(np.float32)).T
+        got = run_op("matmul", x, w, backend="cpu", transpose_b=True)
+        assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_embedding_reads_quantized_rows(backend):
+    table = quantize(np.random.default_rng(1).standard_normal((12, 64)).astype(np.float32), "q8_0")
+    ids = np.array([[3, 11], [0, 3]])
+    np.testing.assert_allclose(run_op("embedding", table, ids, backend=backend), table.dequantize()[ids], rtol=0, atol=1e-7)
