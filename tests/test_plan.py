@@ -65,3 +65,15 @@ def test_wrong_input_shape_raises():
         plan.run(decoder_inputs(seq=5))
     with pytest.raises(GraphError, match="rank"):
         Plan.for_inputs(graph, {"ids": np.zeros((2, 2), np.int64), "positions": np.zeros(2, np.int64)})
+
+
+def test_views_keep_their_source_buffer_alive():
+    # split's outputs are views of the matmul result: the planner must not reuse that buffer early
+    g = GraphBuilder()
+    x = g.input("x", (3, 4), "f32")
+    w = g.const("w", np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32))
+    a, b = g.split(g.matmul(x, w, transpose_b=True), sizes=(2, 4), axis=-1)
+    later = g.relu(g.matmul(x, w, transpose_b=True))          # wants an arena buffer meanwhile
+    graph = g.output(g.add(g.concat(a, g.slice(b, axis=-1, start=0, stop=2), axis=-1), g.slice(later, axis=-1, start=0, stop=4)))
+    inputs = {"x": np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(Plan(graph).run(inputs)[0], Plan(graph, memory_plan=False).run(inputs)[0])

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from soma_runtime import __version__
+from soma_runtime.errors import SomaError
 
 
 def cmd_backends(args) -> int:
@@ -22,6 +23,59 @@ def cmd_backends(args) -> int:
     return 0
 
 
+def add_model_args(p, default_model=True):
+    p.add_argument("--model", "-m", default=None if default_model else argparse.SUPPRESS,
+                   help="a .gguf file, a HF or soma model directory, or a name (default: the bundled SmolLM2)")
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: min(4096, the model's))")
+    p.add_argument("--sha256", default=None, help="verify the weights file against this sha256 before loading")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def load_model(args):
+    from soma_runtime.api import Runtime
+    return Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256)
+
+
+def read_prompt(text: str) -> str:
+    return sys.stdin.read() if text == "-" else text
+
+
+def cmd_run(args) -> int:
+    model = load_model(args)
+    params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
+    prompt = read_prompt(args.prompt)
+    if args.chat or args.system:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        stream = model.chat(messages, max_tokens=args.max_tokens, stop=args.stop, **params)
+    else:
+        stream = model.generate(prompt, max_tokens=args.max_tokens, stop=args.stop, **params)
+    for token in stream:
+        sys.stdout.write(token.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = model.metrics()
+    logging.getLogger("soma_runtime").info("prefill %.1f tok/s, decode %.1f tok/s, %d tokens, finish=%s",
+                                           m["prefill_tok_s"], m["decode_tok_s"], m["generated_tokens"], m["finish_reason"])
+    return 0
+
+
+def cmd_models_info(args) -> int:
+    model = load_model(args)
+    print(json.dumps(model.info(), indent=2))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from soma_runtime.bench_llm import bench_model
+    result = bench_model(load_model(args), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k:18s} {v:.2f}" if isinstance(v, float) else f"{k:18s} {v}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="soma-runtime", description="Load any model format and run inference on any hardware.")
     p.add_argument("--version", action="version", version=f"soma-runtime {__version__}")
@@ -30,14 +84,48 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backends", help="list the backends found on this machine and what each detected")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(run=cmd_backends)
+
+    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
+    add_model_args(r)
+    r.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read it from stdin")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--system", default=None, help="a system message (implies --chat)")
+    r.add_argument("--max-tokens", "-n", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=None)
+    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--min-p", type=float, default=None)
+    r.add_argument("--repeat-penalty", type=float, default=None)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    r.set_defaults(run=cmd_run)
+
+    models = sub.add_parser("models", help="inspect models").add_subparsers(dest="models_command", required=True)
+    info = models.add_parser("info", help="architecture, size, context and backend of a model")
+    info.add_argument("path", nargs="?", default=None, help="model path or name (default: the bundled SmolLM2)")
+    info.set_defaults(run=lambda a: cmd_models_info(argparse.Namespace(model=a.path, ctx=None, sha256=None, threads=None)))
+
+    bench = sub.add_parser("bench", help="prefill and decode speed of a model")
+    add_model_args(bench)
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(run=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except SomaError as e:
+        print(f"soma-runtime: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class OpDef:
     attrs: dict = field(default_factory=dict)
     struct: dict = field(default_factory=dict)   # attr -> representative values (formula variants)
     stateful: bool = False                       # carries state across calls (kv cache)
-    view: bool = False                           # output aliases input 0's memory
+    view: bool = False                           # outputs alias input 0's memory
     tol: float = 1.0                             # tolerance multiplier for accumulating ops
 
     @property
@@ -548,6 +548,8 @@ def transpose(A, x, dim0, dim1): return A.read("transpose", x, axis1=dim0, axis2
 def slice_length(n, start, stop, step):
     if isinstance(n, int):
         return len(range(*slice(start, stop, step).indices(n)))
+    if start < 0 and stop is None and step == 1:     # a tail of a symbolic length, e.g. the last token
+        return -start
     stop = n if stop is None else stop
     return (stop - start + step - 1) // step
 
@@ -603,7 +605,7 @@ def split_rule(metas, attrs):
 
 
 @op("split", ["x"], split_rule, attrs={"sizes": (), "axis": 0},
-    struct={"sizes": tuple((1,) * n for n in range(1, 17))})
+    struct={"sizes": tuple((1,) * n for n in range(1, 17))}, view=True)
 def split(A, x, sizes, axis):
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return tuple(A.read("slice", x, axis=axis, start=s, stop=s + n) for s, n in zip(starts, sizes))

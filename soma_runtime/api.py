@@ -1,0 +1,128 @@
+"""The library surface (SPEC "library API"): Runtime loads models, Model generates and chats.
+
+    rt = Runtime()
+    model = rt.load("model.gguf")              # or a HF/soma directory, or "default"
+    for token in model.generate("Once upon", max_tokens=32, temperature=0):
+        print(token.text, end="")
+    print(model.chat([{"role": "user", "content": "Hi"}], stream=False))
+    model.metrics()                            # prefill/decode ms and tok/s, peak memory
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from soma_runtime import loaders
+from soma_runtime.backends import detect_all
+from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
+from soma_runtime.engine.sampling import SamplingParams
+from soma_runtime.errors import RequestError
+from soma_runtime.text.chat import ChatTemplate
+
+SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+ALIASES = {"repetition_penalty": "repeat_penalty"}
+
+
+class Model:
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, engine: Engine):
+        self.id, self.loaded, self.engine = model_id, loaded, engine
+        self.tokenizer = loaded.tokenizer
+        template = loaded.tokenizer.chat_template
+        self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else None
+
+    def request(self, prompt_ids: list[int], max_tokens: int = 256, stop=None, **params) -> GenerationRequest:
+        params = {ALIASES.get(k, k): v for k, v in params.items() if v is not None}
+        unknown = set(params) - SAMPLING_FIELDS
+        if unknown:
+            raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+        sampling = SamplingParams(**{**self.loaded.sampling, **params})
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        return GenerationRequest(list(prompt_ids), max_tokens, stop, sampling)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, stop=None, **params) -> Iterator[Token]:
+        """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason."""
+        if not isinstance(prompt, (str, list)):
+            raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return self.engine.generate(self.request(ids, max_tokens, stop, **params))
+
+    def complete(self, prompt: str | list[int], **params) -> str:
+        return "".join(t.text for t in self.generate(prompt, **params))
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise RequestError(f"model {self.id} has no chat template; use generate() with a raw prompt")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def chat(self, messages: list[dict], stream: bool = True, **params):
+        """Apply the model's chat template and generate the assistant's reply."""
+        ids = self.tokenizer.hf.encode(self.chat_prompt(messages), add_special_tokens=False).ids
+        tokens = self.generate(ids, **params)
+        return tokens if stream else "".join(t.text for t in tokens)
+
+    def logits(self, prompt: str | list[int]) -> np.ndarray:
+        """Next-token logits at every position of the prompt: [tokens, vocab] f32."""
+        return self.engine.logits(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def metrics(self) -> dict:
+        return self.engine.metrics.as_dict()
+
+    def info(self) -> dict:
+        cfg = self.loaded.config
+        weights = self.loaded.weights.tensors.values()
+        n_params = sum(int(np.prod(w.shape)) for w in weights)
+        return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
+                "parameters": n_params, "weight_bytes": sum(int(w.nbytes) for w in weights), "layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
+                "backend": self.engine.backend, "chat_template": self.chat_template is not None}
+
+
+class Runtime:
+    def __init__(self, backend: str = "auto", threads: int | None = None):
+        if threads:
+            import numba
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.backend = "cpu" if backend == "auto" else backend
+        self.models: dict[str, Model] = {}
+        self._ids = itertools.count()
+
+    def backends(self) -> dict:
+        return detect_all()
+
+    def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
+             progress: bool | None = None) -> Model:
+        with tqdm(total=3, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
+            bar.set_postfix_str("weights")
+            loaded = loaders.load(path_or_name, sha256)
+            bar.update()
+            bar.set_postfix_str("graph")
+            engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx)
+            bar.update()
+            bar.set_postfix_str("kernels")
+            engine.plan(1, 128)                   # compile the decode plan (numba caches on disk)
+            bar.update()
+        model_id = f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
+        self.models[model_id] = Model(model_id, loaded, engine)
+        return self.models[model_id]
+
+    def unload(self, model_id: str) -> None:
+        if model_id not in self.models:
+            raise RequestError(f"no loaded model {model_id!r}; loaded: {', '.join(self.models) or 'none'}")
+        del self.models[model_id]
+
+    def list_models(self) -> list[dict]:
+        return [m.info() for m in self.models.values()]
+
+    def memory_stats(self) -> dict:
+        return {"peak_rss_mb": peak_rss_mb(), "per_model_weight_bytes": {k: m.info()["weight_bytes"] for k, m in self.models.items()}}

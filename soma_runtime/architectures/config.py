@@ -1,0 +1,136 @@
+"""DecoderConfig: everything the decoder template needs, read from a HF config.json or GGUF metadata.
+
+One dataclass covers the llama family and its variants; a family differs only in flags (qkv bias,
+q/k norm, sandwich norms, soft-capping, sliding windows, rope style). Rope frequencies, including
+llama-3 and linear scaling, are computed here once, so the graph only sees `inv_freq` tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from soma_runtime.errors import UnsupportedModelError
+
+
+@dataclass
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=lambda: {"rope_theta": 10000.0})        # global layers
+    rope_local: dict | None = None          # sliding-window layers, when they differ (gemma3)
+    rotary_dim: int | None = None           # partial rotary: fewer than head_dim dims rotate
+    rope_style: str = "neox"                # neox (HF) | interleaved (GGUF llama, whose q/k are permuted)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False            # gemma2/3: norms after attention and mlp too
+    embed_scale: float = 1.0
+    activation: str = "silu"                # silu | gelu_tanh
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale: float | None = None         # default 1/sqrt(head_dim)
+    layer_windows: tuple[int, ...] = ()     # per layer: 0 = full attention, else sliding window
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def inv_freq(self, layer: int) -> np.ndarray:
+        rope = self.rope_local if self.rope_local is not None and self.window(layer) else self.rope
+        return rope_inv_freq(rope, self.rotary_dim or self.head_dim)
+
+
+def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
+    """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, llama3)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if kind == "default":
+        return inv.astype(np.float32)
+    if kind == "linear":
+        return (inv / rope["factor"]).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_ctx = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _eos(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _hf_rope(hf: dict) -> tuple[dict, dict | None]:
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+        local = {"rope_theta": hf["rope_local_base_freq"]} if "rope_local_base_freq" in hf else None
+        return params, local
+    if "full_attention" in params:          # per layer type (gemma3)
+        return params["full_attention"], params.get("sliding_attention")
+    return params, None
+
+
+def _layer_windows(hf: dict, n_layers: int) -> tuple[int, ...]:
+    window = hf.get("sliding_window") or 0
+    if not window or hf.get("use_sliding_window") is False:
+        return ()
+    types = hf.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * n_layers
+
+
+def config_from_hf(hf: dict, model_type: str, traits: dict) -> DecoderConfig:
+    """A DecoderConfig from a HF config.json dict; `traits` are the family's registry flags."""
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope, rope_local = _hf_rope(hf)
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    scalar = hf.get("query_pre_attn_scalar")
+    n_layers = hf["num_hidden_layers"]
+    return DecoderConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position=hf.get("max_position_embeddings", 4096),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=rope,
+        rope_local=rope_local,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        tie_embeddings=hf.get("tie_word_embeddings", traits.get("tie_embeddings", False)),
+        qkv_bias=traits.get("qkv_bias", hf.get("attention_bias", False)),
+        qk_norm=traits.get("qk_norm", False),
+        sandwich_norms=traits.get("sandwich_norms", False),
+        embed_scale=math.sqrt(hf["hidden_size"]) if traits.get("scaled_embeddings") else 1.0,
+        activation="gelu_tanh" if "gelu" in (hf.get("hidden_activation") or hf.get("hidden_act") or "silu") else "silu",
+        attn_softcap=hf.get("attn_logit_softcapping") or 0.0,
+        final_softcap=hf.get("final_logit_softcapping") or 0.0,
+        attn_scale=scalar ** -0.5 if scalar else None,
+        layer_windows=_layer_windows(hf, n_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos(hf.get("eos_token_id")),
+    )

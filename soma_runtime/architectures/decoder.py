@@ -1,0 +1,116 @@
+"""The transformer decoder template: DecoderConfig + weights -> one Graph, read top to bottom.
+
+embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm -> head.
+Graph inputs: token `ids`, their `positions`, the cache `slots` they are written to, the
+`ctx_slots` attention reads (padded to a bucket), additive attention masks (one per window size),
+and per layer the K/V pages. Outputs: logits, then every layer's updated K and V pages.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.errors import ModelLoadError
+from soma_runtime.ir.graph import Graph, GraphBuilder
+
+
+class Weights:
+    """Canonical-name tensor lookup that says which tensor is missing and where it came from."""
+
+    def __init__(self, tensors: dict, source: str):
+        self.tensors, self.source = tensors, source
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def __getitem__(self, name):
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.source}: missing tensor {name!r}")
+        return self.tensors[name]
+
+
+def as_f32(t):
+    return np.asarray(t, dtype=np.float32)
+
+
+def mask_name(window: int) -> str:
+    return f"mask_w{window}" if window else "mask"
+
+
+def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True) -> Graph:
+    g = GraphBuilder()
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ids = g.input("ids", ("S",), "i64")
+    positions = g.input("positions", ("S",), "i64")
+    slots = g.input("slots", ("S",), "i64")
+    ctx = g.input("ctx_slots", ("T",), "i64")
+    masks = {w: g.input(mask_name(w), (1, 1, "S", "T"), "f32") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
+
+    def const(name, f32=False):
+        return g.const(name, as_f32(weights[name]) if f32 else weights[name])
+
+    def linear(x, name):
+        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True)
+        return g.add(y, const(f"{name}.bias", f32=True)) if f"{name}.bias" in weights else y
+
+    def norm(x, name):
+        return g.rmsnorm(x, const(f"{name}.weight", f32=True), eps=cfg.rms_norm_eps)
+
+    def heads_first(x, n, length):                   # [len, n, hd] -> [1, n, len, hd]
+        return g.reshape(g.transpose(x, dim0=0, dim1=1), shape=(1, n, length, hd))
+
+    x = g.embedding(const("token_embd.weight"), ids)
+    if x.dtype != "f32":
+        x = g.cast(x, dtype="f32")
+    if cfg.embed_scale != 1.0:
+        x = g.mul(x, g.const("embed_scale", np.full(1, cfg.embed_scale, np.float32)))
+    pages_out = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}"
+        k_pages = g.input(f"k_pages.{i}", ("P", "BLK", KV, hd), "f32")
+        v_pages = g.input(f"v_pages.{i}", ("P", "BLK", KV, hd), "f32")
+        h = norm(x, f"{p}.attn_norm")
+        if f"{p}.attn_qkv.weight" in weights:      # phi3: q, k, v fused in one matrix
+            q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
+        else:
+            q, k, v = (linear(h, f"{p}.attn_{n}") for n in "qkv")
+        q, k, v = (g.reshape(t, shape=("S", n, hd)) for t, n in ((q, H), (k, KV), (v, KV)))
+        if cfg.qk_norm:
+            q, k = norm(q, f"{p}.attn_q_norm"), norm(k, f"{p}.attn_k_norm")
+        inv_freq = cfg.inv_freq(i)
+        if "rope_freqs.weight" in weights:            # llama-3 GGUF: scaling stored as per-dim factors
+            inv_freq = inv_freq / as_f32(weights["rope_freqs.weight"])
+        freqs = g.const(f"{p}.inv_freq", inv_freq.astype(np.float32))
+        q, k = g.rope(q, positions, freqs, style=cfg.rope_style), g.rope(k, positions, freqs, style=cfg.rope_style)
+        k_pages = g.kv_append(k_pages, k, slots)
+        v_pages = g.kv_append(v_pages, v, slots)
+        pages_out += [k_pages, v_pages]
+        keys, values = g.kv_read(k_pages, ctx), g.kv_read(v_pages, ctx)
+        attn = g.sdpa(heads_first(q, H, "S"), heads_first(keys, KV, "T"), heads_first(values, KV, "T"),
+                      masks[cfg.window(i)], scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+        attn = g.reshape(g.transpose(g.reshape(attn, shape=(H, "S", hd)), dim0=0, dim1=1), shape=("S", H * hd))
+        attn = linear(attn, f"{p}.attn_output")
+        if cfg.sandwich_norms:
+            attn = norm(attn, f"{p}.post_attention_norm")
+        x = g.add(x, attn)
+        h = norm(x, f"{p}.ffn_norm")
+        if f"{p}.ffn_gate.weight" in weights:
+            gate, up = linear(h, f"{p}.ffn_gate"), linear(h, f"{p}.ffn_up")
+        else:                                         # phi3: gate and up fused in one matrix
+            gate, up = g.split(linear(h, f"{p}.ffn_up"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
+        act = g.swiglu(gate, up) if cfg.activation == "silu" else g.geglu(gate, up, approximate="tanh")
+        mlp = linear(act, f"{p}.ffn_down")
+        if cfg.sandwich_norms:
+            mlp = norm(mlp, f"{p}.post_ffw_norm")
+        x = g.add(x, mlp)
+    if last_only:
+        x = g.slice(x, axis=0, start=-1)
+    x = norm(x, "output_norm")
+    head = "token_embd.weight" if cfg.tie_embeddings or "output.weight" not in weights else "output.weight"
+    logits = g.matmul(x, const(head), transpose_b=True)
+    if cfg.final_softcap:
+        cap = cfg.final_softcap
+        logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
+                       g.const("softcap", np.full(1, cap, np.float32)))
+    return g.output(logits, *pages_out)
+

@@ -1,0 +1,1 @@
+"""Generation: paged KV cache, sampling, and the prefill -> decode loop."""

