@@ -101,13 +101,18 @@ class Runtime:
         return detect_all()
 
     def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
-             progress: bool | None = None) -> Model:
+             kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None) -> Model:
+        """Load a model. Precision follows each format's reference engine unless set: GGUF models run
+        like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
+        transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic."""
         with tqdm(total=3, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
             bar.set_postfix_str("weights")
             loaded = loaders.load(path_or_name, sha256)
             bar.update()
             bar.set_postfix_str("graph")
-            engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx)
+            gguf = loaded.format == "gguf"
+            engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,
+                            kv_dtype or ("f16" if gguf else "f32"), activations or ("q8" if gguf else "f32"))
             bar.update()
             bar.set_postfix_str("kernels")
             engine.plan(1, 128)                   # compile the decode plan (numba caches on disk)

@@ -37,7 +37,10 @@ def mask_name(window: int) -> str:
     return f"mask_w{window}" if window else "mask"
 
 
-def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True) -> Graph:
+def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, kv_dtype: str = "f32",
+                  activations: str = "f32") -> Graph:
+    """`kv_dtype` is the cache's precision; `activations="q8"` lets matmuls with block-quantized weights
+    quantize their inputs as llama.cpp does (see the matmul op)."""
     g = GraphBuilder()
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ids = g.input("ids", ("S",), "i64")
@@ -50,7 +53,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True) 
         return g.const(name, as_f32(weights[name]) if f32 else weights[name])
 
     def linear(x, name):
-        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True)
+        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations=activations)
         return g.add(y, const(f"{name}.bias", f32=True)) if f"{name}.bias" in weights else y
 
     def norm(x, name):
@@ -67,8 +70,8 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True) 
     pages_out = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
-        k_pages = g.input(f"k_pages.{i}", ("P", "BLK", KV, hd), "f32")
-        v_pages = g.input(f"v_pages.{i}", ("P", "BLK", KV, hd), "f32")
+        k_pages = g.input(f"k_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
+        v_pages = g.input(f"v_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
         h = norm(x, f"{p}.attn_norm")
         if f"{p}.attn_qkv.weight" in weights:      # phi3: q, k, v fused in one matrix
             q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
@@ -107,7 +110,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True) 
         x = g.slice(x, axis=0, start=-1)
     x = norm(x, "output_norm")
     head = "token_embd.weight" if cfg.tie_embeddings or "output.weight" not in weights else "output.weight"
-    logits = g.matmul(x, const(head), transpose_b=True)
+    logits = g.matmul(x, const(head), transpose_b=True, activations=activations)
     if cfg.final_softcap:
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),

@@ -68,13 +68,13 @@ def peak_rss_mb() -> float:
 
 class Engine:
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: str = "cpu",
-                 n_ctx: int | None = None):
+                 n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32"):
         self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
         self.n_ctx = min(n_ctx or 4096, cfg.max_position)
-        self.weights = weights
-        self.graph = build_decoder(cfg, weights)
+        self.weights, self.kv_dtype, self.activations = weights, kv_dtype, activations
+        self.graph = build_decoder(cfg, weights, kv_dtype=kv_dtype, activations=activations)
         self.full_graph = None                # all positions' logits, built when first asked for
-        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx)
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, dtype=kv_dtype)
         self.plans: dict[tuple[int, int], Plan] = {}
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
@@ -84,7 +84,8 @@ class Engine:
         key = (new, context, all_positions)
         if key not in self.plans:
             if all_positions and self.full_graph is None:
-                self.full_graph = build_decoder(self.cfg, self.weights, last_only=False)
+                self.full_graph = build_decoder(self.cfg, self.weights, last_only=False, kv_dtype=self.kv_dtype,
+                                                activations=self.activations)
             k = self.pool.k[0]
             self.plans[key] = Plan(self.full_graph if all_positions else self.graph, self.backend,
                                    {"S": new, "T": context, "P": k.shape[0], "BLK": k.shape[1]})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from soma_runtime.dtypes import DTYPES
 from soma_runtime.errors import RequestError
 
 
@@ -20,13 +21,15 @@ class Sequence:
 
 
 class KVPool:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int, block: int = 16):
-        self.block = block
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int, block: int = 16,
+                 dtype: str = "f32"):
+        self.block, self.dtype = block, dtype
         self.num_pages = -(-max_tokens // block) + 1
         shape = (self.num_pages, block, kv_heads, head_dim)
         # np.zeros maps pages lazily: memory grows with the tokens actually cached
-        self.k = [np.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        np_dtype = DTYPES[dtype].numpy
+        self.k = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))
 
     @property

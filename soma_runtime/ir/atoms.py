@@ -167,7 +167,9 @@ def _read(mode, args, p, struct):
         return x[tuple(index)]
     if mode == "cast":
         target = DTYPES[struct[0]].numpy
-        return x.astype(np.float64) if target.kind == "f" or struct[0] == "bf16" else x.astype(target)
+        if struct[0] in ("f16", "bf16", "f32"):      # round to the target's precision, keep computing in f64
+            return x.astype(target).astype(np.float64)
+        return x.astype(target)
     if mode == "dequant":
         return dequantize(x).astype(np.float64)
     if mode == "iota":

@@ -350,6 +350,7 @@ def matmul_rule(metas, attrs):
     a, b = metas
     dt = float_dtype(a, "activation")
     check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
+    check(attrs["activations"] in ("f32", "q8"), f"activations must be f32 or q8, got {attrs['activations']!r}")
     if dtype(b.dtype).quantized:
         check(attrs["transpose_b"] and b.ndim == 2, f"a {b.dtype} weight must be 2-D [N, K] with transpose_b")
     else:
@@ -360,8 +361,11 @@ def matmul_rule(metas, attrs):
     return [TensorMeta(batch + (a.shape[-2], n), dt)]
 
 
-@op("matmul", ["a", "b"], matmul_rule, attrs={"transpose_b": False}, struct={"transpose_b": (False, True)}, tol=4.0)
-def matmul(A, a, b, transpose_b):
+@op("matmul", ["a", "b"], matmul_rule, attrs={"transpose_b": False, "activations": "f32"},
+    struct={"transpose_b": (False, True)}, tol=4.0)
+def matmul(A, a, b, transpose_b, activations):
+    """`activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+    block-quantized weights, as llama.cpp does: a precision hint, the formula is the same product."""
     b = dequant_if_needed(A, b)
     if not transpose_b:
         b = A.read("transpose", b, axis1=-1, axis2=-2)
@@ -371,8 +375,9 @@ def matmul(A, a, b, transpose_b):
 def sdpa_rule(metas, attrs):
     q, k, v = metas[:3]
     mask = metas[3] if len(metas) > 3 else None
-    dt = same_dtype(q, k, v)
     float_dtype(q)
+    same_dtype(k, v)
+    float_dtype(k, "k/v")
     check(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, "sdpa takes q, k, v as [B, H, S, D]")
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int):
         check(q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
@@ -380,19 +385,24 @@ def sdpa_rule(metas, attrs):
     check(same_dim(k.shape[2], v.shape[2]) is not False, "k and v lengths differ")
     out = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     if mask is not None:
-        same_dtype(q, mask)
+        float_dtype(mask, "mask")
         broadcast_shapes(out[:3] + (k.shape[2],), mask.shape)
-    return [TensorMeta(out, dt)]
+    return [TensorMeta(out, q.dtype)]
 
 
 @op("sdpa", ["q", "k", "v", "mask?"], sdpa_rule,
     attrs={"causal": False, "scale": None, "softcap": 0.0, "window": 0},
     struct={"causal": (False, True), "softcap": (0.0, 30.0), "window": (0, 4)}, tol=4.0)
 def sdpa(A, q, k, v, mask, causal, scale, softcap, window):
+    """Scaled dot-product attention. With k/v in a narrower float dtype than q (an f16 KV cache),
+    q and the probabilities are rounded to that dtype before their products, as llama.cpp does."""
     B, Hq, Sq, D = q.shape
+    q_dtype = q.dtype
     Hkv, Sk = k.shape[1], k.shape[2]
     if scale is None:
         scale = 1 / math.sqrt(D) if isinstance(D, int) else Sym(f"1/sqrt({D})")
+    if k.dtype != q.dtype:        # attention runs in the cache's precision: q is rounded to it (as llama.cpp)
+        q = A.read("cast", q, struct=(k.dtype,))
     # GQA: the G query heads that share a kv head become extra query rows of that head
     grouped = A.read("reshape", q, shape=(B, Hkv, (Hq // Hkv) * Sq, D))
     scores = A.read("reshape", matmul_nk(A, grouped, k), shape=(B, Hq, Sq, Sk))
@@ -404,6 +414,8 @@ def sdpa(A, q, k, v, mask, causal, scale, softcap, window):
     if causal or window:
         scores = attention_mask(A, scores, Sq, Sk, causal, window)
     probs = A.read("reshape", softmax_atoms(A, scores, -1), shape=(B, Hkv, (Hq // Hkv) * Sq, Sk))
+    if v.dtype != q_dtype:
+        probs = A.read("cast", probs, struct=(v.dtype,))
     out = matmul_nk(A, probs, A.read("transpose", v, axis1=-1, axis2=-2))
     return A.read("reshape", out, shape=(B, Hq, Sq, v.shape[3]))
 
@@ -462,7 +474,8 @@ def embedding(A, table, ids):
 
 def kv_append_rule(metas, attrs):
     pages, new, slots = metas
-    same_dtype(pages, new)
+    float_dtype(pages, "pages")
+    float_dtype(new)
     check(pages.ndim == 4 and new.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
     check(all(same_dim(a, b) is not False for a, b in zip(pages.shape[2:], new.shape[-2:])), "head shape differs from the cache's")
     check(slots.dtype in ("i32", "i64"), "slots must be integer")
@@ -474,6 +487,8 @@ def kv_append(A, pages, new, slots):
     P, block, H, D = pages.shape
     flat = A.read("reshape", pages, shape=(P * block, H, D))
     rows = A.read("reshape", new, shape=(-1, H, D))
+    if new.dtype != pages.dtype:          # values are stored in the cache's dtype
+        rows = A.read("cast", rows, struct=(pages.dtype,))
     written = A.write("scatter", flat, rows, A.read("reshape", slots, shape=(-1,)), axis=0)
     return A.read("reshape", written, shape=pages.shape)
 

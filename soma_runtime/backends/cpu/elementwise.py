@@ -77,7 +77,9 @@ def geglu(gate, up, approximate): return gelu_f32(gate, approximate) * up
 @jet("rmsnorm", CPU, [(F, F), (F, "none")])
 @float_kernel
 def rmsnorm(x, weight, eps):
-    y = x * (1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)))
+    # the mean of squares accumulates in f64 (as ggml does), then scales in f32
+    mean = (np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(np.float32)
+    y = x * (np.float32(1) / np.sqrt(mean + np.float32(eps)))
     return y if weight is None else y * weight
 
 

@@ -18,11 +18,11 @@ INT = ("i32", "i64")
 
 
 @jet("matmul", CPU, [(F, F)] + [("f32", q) for q in QUANTIZED])
-def matmul(a, b, out=None, transpose_b=False):
+def matmul(a, b, out=None, transpose_b=False, activations="f32"):
     like = dtype_of(a)
     stored = isinstance(b, QTensor) or (b.ndim == 2 and transpose_b and dtype_of(b) in HALF and like == "f32")
     if stored:
-        return deliver(matmul_stored(f32(a), b), like, out)
+        return deliver(matmul_stored(f32(a), b, quantize_activations=activations == "q8"), like, out)
     b = f32(b)
     b = np.swapaxes(b, -1, -2) if transpose_b else b
     if out is not None and like == "f32":
@@ -30,23 +30,31 @@ def matmul(a, b, out=None, transpose_b=False):
     return deliver(np.matmul(f32(a), b), like, out)
 
 
-@jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")])
-@float_kernel
-def sdpa(q, k, v, mask, causal, scale, softcap, window):
+CACHE_MIXES = [("f32", c, c, m) for c in HALF for m in ("f32", "none")]
+
+
+@jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")] + CACHE_MIXES)
+def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=0):
+    like = dtype_of(q)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    if k.dtype != q.dtype:                        # the cache's precision (see the op)
+        q = q.astype(k.dtype)
     # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
-    grouped = q.reshape(B, Hkv, (Hq // Hkv) * Sq, D)
-    scores = np.matmul(grouped, np.swapaxes(k, -1, -2)).reshape(B, Hq, Sq, Sk) * scale
-    if softcap:
-        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
-    if mask is not None:
-        scores = scores + mask
-    if causal or window:
-        scores = scores + attention_bias(Sq, Sk, causal, window)
-    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
-    return np.matmul(probs, v).reshape(B, Hq, Sq, v.shape[3])
+    grouped = f32(q).reshape(B, Hkv, (Hq // Hkv) * Sq, D)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
+        if softcap:
+            scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+        if mask is not None:
+            scores = scores + f32(mask)
+        if causal or window:
+            scores = scores + attention_bias(Sq, Sk, causal, window)
+        probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
+    if dtype_of(v) != like:
+        probs = probs.astype(v.dtype)
+    return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
 
 
 @jet("rope", CPU, [(F, INT, "f32")])
@@ -74,11 +82,11 @@ def embedding(table, ids, out=None):
     return deliver(np.take(table, ids, axis=0), dtype_of(table), out)
 
 
-@jet("kv_append", CPU, [(F, F, INT)])
+@jet("kv_append", CPU, [(F, F, INT)] + [(c, "f32", INT) for c in HALF])
 def kv_append(pages, new, slots, out=None):
     """Write new rows into their slots in place; the returned tensor is the cache itself."""
     flat = pages.reshape(-1, *pages.shape[2:])
-    flat[slots.reshape(-1)] = new.reshape(-1, *pages.shape[2:])
+    flat[slots.reshape(-1)] = new.reshape(-1, *pages.shape[2:])     # numpy rounds to the cache's dtype
     return pages
 
 

@@ -1,16 +1,19 @@
 """Matmul with a stored-format weight (GGUF blocks, f16, bf16) read in place, never expanded whole.
 
+With `quantize_activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's
+scheme: q8 activations and integer block dots (qdot.py). Otherwise weight rows decode to f32:
+
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
 of weight rows is decoded once (on the calling thread: BLAS's workers are still spinning on the
 other cores) and multiplied by all rows with BLAS.
-Activations stay f32 (more exact than llama.cpp's q8 activations; the speed issue revisits it).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from soma_runtime.backends.cpu import qdot
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import F16_TABLE, dequant_row, dequant_rows_serial
 
@@ -48,12 +51,14 @@ def weight_bytes(w) -> tuple[np.ndarray, int]:
     return w.view(np.uint8).reshape(w.shape[0], -1), dtype(name).ggml_id
 
 
-def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
+def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_activations: bool = False) -> np.ndarray:
     """x[..., K] (f32) times the transpose of a stored-format weight [N, K] -> [..., N] f32."""
     data, fmt = weight_bytes(w)
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
-    if rows.shape[0] <= GEMV_MAX_ROWS:
+    if quantize_activations and fmt in qdot.FORMATS:
+        result = qdot.matmul_q8(rows, data, fmt)
+    elif rows.shape[0] <= GEMV_MAX_ROWS:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)
     else:
