@@ -29,6 +29,34 @@ class Weights:
         return self.tensors[name]
 
 
+def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every decoder tensor must have, from the config (GGUF-style names, [out, in])."""
+    D, H, KV, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    shapes = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,), "output.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}"
+        shapes.update({f"{p}.attn_norm.weight": (D,), f"{p}.attn_q.weight": (H * hd, D), f"{p}.attn_k.weight": (KV * hd, D),
+                       f"{p}.attn_v.weight": (KV * hd, D), f"{p}.attn_qkv.weight": ((H + 2 * KV) * hd, D),
+                       f"{p}.attn_q.bias": (H * hd,), f"{p}.attn_k.bias": (KV * hd,), f"{p}.attn_v.bias": (KV * hd,),
+                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": (hd,), f"{p}.attn_k_norm.weight": (hd,),
+                       f"{p}.post_attention_norm.weight": (D,), f"{p}.ffn_norm.weight": (D,), f"{p}.post_ffw_norm.weight": (D,),
+                       f"{p}.ffn_gate.weight": (F, D), f"{p}.ffn_down.weight": (D, F)})
+        shapes[f"{p}.ffn_up.weight"] = (F, D)
+    return shapes
+
+
+def check_shapes(cfg: DecoderConfig, weights: Weights) -> None:
+    """A tensor whose shape disagrees with the config is a corrupt or mismatched file: say which."""
+    for name, want in expected_shapes(cfg).items():
+        if name not in weights:
+            continue
+        got = tuple(weights[name].shape)
+        if name.endswith("ffn_up.weight") and f"{name[:-len('ffn_up.weight')]}ffn_gate.weight" not in weights:
+            want = (2 * want[0], want[1])                      # gate and up fused (phi3)
+        if got != want:
+            raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(got)}, the config needs {list(want)}")
+
+
 def as_f32(t):
     return np.asarray(t, dtype=np.float32)
 
@@ -41,6 +69,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, 
                   activations: str = "f32") -> Graph:
     """`kv_dtype` is the cache's precision; `activations="q8"` lets matmuls with block-quantized weights
     quantize their inputs as llama.cpp does (see the matmul op)."""
+    check_shapes(cfg, weights)
     g = GraphBuilder()
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ids = g.input("ids", ("S",), "i64")

@@ -1,0 +1,91 @@
+"""Bad files and bad requests end in clear, typed errors that name the problem; nothing crashes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from soma_runtime.api import Runtime
+from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
+from soma_runtime.loaders import default_model_path, load
+from soma_runtime.loaders.gguf import read_gguf
+from tests.llm.tiny import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tiny"))
+    build_model("llama", directory)
+    return directory
+
+
+def test_truncated_gguf_names_the_file_and_the_tensor(tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(20_000_000))
+    with pytest.raises(ModelLoadError, match="cut.gguf.*truncated.*tensor"):
+        load(str(cut))
+
+
+def test_gguf_truncated_inside_the_header(tmp_path):
+    cut = tmp_path / "header.gguf"
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(4096))
+    with pytest.raises(ModelLoadError, match="truncated in the header"):
+        read_gguf(str(cut))
+
+
+def test_not_a_gguf(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"NOPE" + bytes(100))
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        load(str(bogus))
+
+
+def test_a_tensor_of_the_wrong_size_is_named(tiny_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"][:-16]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="blk.1.attn_k.weight.*shape"):
+        Runtime().load(str(broken), progress=False)
+
+
+def test_unknown_model_type_lists_the_supported_ones(tiny_dir, tmp_path):
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "model_type": "mamba9"}))
+    with pytest.raises(UnsupportedModelError, match="mamba9.*supported:.*llama.*qwen3"):
+        load(str(odd))
+
+
+def test_missing_model_and_unsupported_file():
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load("/nonexistent/model.gguf")
+    with pytest.raises(ModelLoadError, match="unsupported model file"):
+        load(__file__)
+
+
+def test_prompt_longer_than_the_context_is_rejected(tiny_dir):
+    model = Runtime().load(tiny_dir, n_ctx=32, progress=False)
+    with pytest.raises(RequestError, match="does not fit the context of 32"):
+        list(model.generate(list(range(40)), max_tokens=4))
+    with pytest.raises(RequestError, match="max_tokens"):
+        list(model.generate("hello", max_tokens=0))
+    with pytest.raises(RequestError, match="unknown generation parameter"):
+        list(model.generate("hello", temprature=0.5))
+    assert list(model.generate("hello", max_tokens=3, temperature=0))      # the model still serves
+
+
+def test_cli_reports_a_bad_model_path_without_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", "run", "--model", "/nope.gguf", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    assert os.path.exists(default_model_path())
