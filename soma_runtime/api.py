@@ -34,16 +34,19 @@ class Model:
         template = loaded.tokenizer.chat_template
         self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else None
 
-    def request(self, prompt_ids: list[int], max_tokens: int = 256, stop=None, **params) -> GenerationRequest:
+    def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, **params) -> GenerationRequest:
+        defaults = self.loaded.sampling
+        max_tokens = max_tokens if max_tokens is not None else defaults.get("max_tokens", 256)
+        stop = stop if stop is not None else defaults.get("stop")
         params = {ALIASES.get(k, k): v for k, v in params.items() if v is not None}
         unknown = set(params) - SAMPLING_FIELDS
         if unknown:
             raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
-        sampling = SamplingParams(**{**self.loaded.sampling, **params})
+        sampling = SamplingParams(**{**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS}, **params})
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         return GenerationRequest(list(prompt_ids), max_tokens, stop, sampling)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 256, stop=None, **params) -> Iterator[Token]:
+    def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, **params) -> Iterator[Token]:
         """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason."""
         if not isinstance(prompt, (str, list)):
             raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")

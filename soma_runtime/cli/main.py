@@ -76,6 +76,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_import(args) -> int:
+    from soma_runtime.loaders.soma import import_hf_dir
+    print(import_hf_dir(args.src, args.dst))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from soma_runtime.convert import convert_hf_to_gguf
+    print(convert_hf_to_gguf(args.src, args.out, args.type))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="soma-runtime", description="Load any model format and run inference on any hardware.")
     p.add_argument("--version", action="version", version=f"soma-runtime {__version__}")
@@ -112,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(run=cmd_bench)
+
+    imp = sub.add_parser("import", help="write a soma model directory (config.toml, chat.toml, ...) for a HF directory")
+    imp.add_argument("src", help="Hugging Face model directory")
+    imp.add_argument("dst", help="output directory")
+    imp.set_defaults(run=cmd_import)
+
+    conv = sub.add_parser("convert", help="write a GGUF file for a HF model directory")
+    conv.add_argument("src", help="Hugging Face model directory")
+    conv.add_argument("out", help="output .gguf path")
+    conv.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_0", "q4_1"))
+    conv.set_defaults(run=cmd_convert)
     return p
 
 

@@ -1,1 +1,118 @@
-"""soma model directories (config.toml + chat.toml + sampling.toml) — placeholder until import lands."""
+"""soma model directories (SPEC "soma model standard") and `soma-runtime import` that writes one.
+
+    model/
+      config.toml      model_type, architecture, dimensions (HF config names), [weights] files
+      tokenizer.json   kept for the tokenizers library
+      vocab.toml       tokenizer type and size
+      chat.toml        chat template and special tokens
+      sampling.toml    default inference parameters
+      weights.safetensors (or the shards named in config.toml)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tomllib
+
+from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.errors import ModelLoadError
+from soma_runtime.loaders.hf import sampling_defaults
+from soma_runtime.loaders.safetensors import read_safetensors
+from soma_runtime.text.tokenizer import Tokenizer, read_json, token_text
+
+SAMPLING_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop")
+
+
+def read_toml(path: str, required: bool = False) -> dict:
+    if not os.path.isfile(path):
+        if required:
+            raise ModelLoadError(f"{path}: missing")
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid TOML ({e})") from None
+
+
+def load_soma_dir(directory: str):
+    from soma_runtime.loaders import LoadedModel
+    config = read_toml(os.path.join(directory, "config.toml"), required=True)
+    files = config.pop("weights", {}).get("files") or sorted(n for n in os.listdir(directory) if n.startswith("weights."))
+    if not files:
+        raise ModelLoadError(f"{directory}: no weights (config.toml [weights] files, or weights.* files)")
+    spec, cfg = config_for_hf(config)
+    tensors = {}
+    for name in files:
+        tensors.update(read_safetensors(os.path.join(directory, name)))
+    hf = Tokenizer.from_hf_dir(directory).hf
+    chat = read_toml(os.path.join(directory, "chat.toml"))
+    tokenizer = Tokenizer(hf, chat.get("bos_token"), chat.get("eos_token"), chat.get("add_bos_token", False), chat.get("template"))
+    sampling = {k: v for k, v in read_toml(os.path.join(directory, "sampling.toml")).items() if k in SAMPLING_NAMES}
+    return LoadedModel(directory, "soma", cfg, Weights(canonical_hf_weights(tensors, spec), directory), tokenizer,
+                       sampling, metadata=config)
+
+
+# --- import -----------------------------------------------------------------------------------
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)     # JSON string escapes are valid TOML basic strings
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_toml(data: dict, table: str = "") -> str:
+    """Scalars and arrays first, then nested tables; nulls are left out (TOML has none)."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            name = f"{table}.{k}" if table else k
+            lines += ["", f"[{name}]", dump_toml(v, name)]
+    return "\n".join(lines).strip() + "\n"
+
+
+def import_hf_dir(src: str, dst: str) -> str:
+    """Write a soma directory for a HF model directory (weights copied, or hard-linked when possible)."""
+    config = read_json(os.path.join(src, "config.json"))
+    if not config:
+        raise ModelLoadError(f"{src}: no config.json")
+    config_for_hf(config)                                      # fail early on an unsupported model
+    os.makedirs(dst, exist_ok=True)
+    shards = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{src}: no .safetensors weights")
+    names = ["weights.safetensors"] if len(shards) == 1 else [f"weights-{i:05d}.safetensors" for i in range(len(shards))]
+    for shard, name in zip(shards, names):
+        target = os.path.join(dst, name)
+        if os.path.exists(target):
+            os.remove(target)
+        try:
+            os.link(os.path.join(src, shard), target)
+        except OSError:
+            shutil.copyfile(os.path.join(src, shard), target)
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+    config["weights"] = {"files": names}
+    with open(os.path.join(dst, "config.toml"), "w") as f:
+        f.write(dump_toml(config))
+    shutil.copyfile(os.path.join(src, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
+    tokenizer = Tokenizer.from_hf_dir(src)
+    with open(os.path.join(dst, "vocab.toml"), "w") as f:
+        kind = (read_json(os.path.join(src, "tokenizer.json")).get("model") or {}).get("type", "bpe").lower()
+        f.write(dump_toml({"type": kind, "vocab_size": tokenizer.vocab_size}))
+    tok_config = read_json(os.path.join(src, "tokenizer_config.json"))
+    chat = {"template": tokenizer.chat_template, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": token_text(tok_config.get("pad_token")), "add_bos_token": tokenizer.add_bos}
+    with open(os.path.join(dst, "chat.toml"), "w") as f:
+        f.write(dump_toml(chat))
+    sampling = sampling_defaults(read_json(os.path.join(src, "generation_config.json")))
+    with open(os.path.join(dst, "sampling.toml"), "w") as f:
+        f.write(dump_toml(sampling) if sampling else "# the model sets no sampling defaults\n")
+    return dst
