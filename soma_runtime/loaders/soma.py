@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+
 import tomllib
 
 from soma_runtime.architectures.decoder import Weights

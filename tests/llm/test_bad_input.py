@@ -89,3 +89,13 @@ def test_cli_reports_a_bad_model_path_without_a_traceback():
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1 and "no such file" in r.stderr and "Traceback" not in r.stderr
     assert os.path.exists(default_model_path())
+
+
+def test_sha256_is_checked_when_given(tmp_path):
+    import hashlib
+    path = default_model_path()
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert load(path, sha256=digest).format == "gguf"
+    with pytest.raises(ModelLoadError, match="sha256"):
+        load(path, sha256="0" * 64)

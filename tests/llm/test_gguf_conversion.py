@@ -32,7 +32,7 @@ def converted(request, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 def test_float_gguf_matches_its_safetensors_form(converted, kind):
-    family, root, ids, files = converted
+    _, root, ids, files = converted
     exact = {"kv_dtype": "f32", "activations": "f32", "progress": False}
     from_gguf = Runtime().load(files[kind], **exact)
     from_safetensors = Runtime().load(str(root / kind), **exact)
@@ -42,7 +42,7 @@ def test_float_gguf_matches_its_safetensors_form(converted, kind):
 
 def test_q8_0_gguf_matches_llama_cpp(converted):
     from llama_cpp import Llama
-    family, root, ids, files = converted
+    family, _, ids, files = converted
     llama = Llama(model_path=files["q8_0"], n_ctx=256, n_threads=2, verbose=False, logits_all=True)
     want = []
     for t in llama.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, top_p=1.0, min_p=0.0):

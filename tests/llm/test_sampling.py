@@ -4,8 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_runtime.engine.sampling import (Sampler, SamplingParams, apply_repeat_penalty, min_p_filter, softmax,
-                                          top_k_filter, top_p_filter)
+from soma_runtime.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_repeat_penalty,
+    min_p_filter,
+    softmax,
+    top_k_filter,
+    top_p_filter,
+)
 from soma_runtime.errors import RequestError
 
 NEG = -np.inf
@@ -53,8 +60,8 @@ def test_seeded_sampling_is_reproducible_and_respects_the_filters():
     assert seen == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2), dict(top_k=-1),
-                                 dict(repeat_penalty=0)])
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 2}, {"top_k": -1},
+                                 {"repeat_penalty": 0}])
 def test_out_of_range_parameters_are_rejected(bad):
     with pytest.raises(RequestError):
         Sampler(SamplingParams(**bad))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 
 import numpy as np
+import tomllib
 
 from soma_runtime.api import Runtime
 from tests.llm.tiny import build_model

@@ -95,13 +95,25 @@ def qdot_matmul(w, fmt, qs, d, s, out, lut):
                 out[m, n] = acc
 
 
-def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:
-    """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32."""
+def quantize_activations(x: np.ndarray):
     m, k = x.shape
     qs = np.empty((m, k), np.int8)
     d = np.empty((m, k // 32), np.float32)
     s = np.empty((m, k // 32), np.float32)
     quantize_q8(np.ascontiguousarray(x, dtype=np.float32), qs, d, s)
-    out = np.empty((m, data.shape[0]), np.float32)
+    return qs, d, s
+
+
+def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:
+    """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32."""
+    qs, d, s = quantize_activations(x)
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
     qdot_matmul(data, fmt, qs, d, s, out, F16_TABLE)
     return out
+
+
+def q8_rounded(x: np.ndarray) -> np.ndarray:
+    """The activations as llama.cpp's q8 blocks represent them (q * d), for a BLAS product: equal to the
+    integer-dot result up to f32 summation order (and, for q4_1/q5_1, the f16 rounding of block sums)."""
+    qs, d, _ = quantize_activations(x)
+    return (qs.reshape(*d.shape, 32).astype(np.float32) * d[..., None]).reshape(x.shape)

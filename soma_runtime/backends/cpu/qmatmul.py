@@ -1,7 +1,8 @@
 """Matmul with a stored-format weight (GGUF blocks, f16, bf16) read in place, never expanded whole.
 
 With `quantize_activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's
-scheme: q8 activations and integer block dots (qdot.py). Otherwise weight rows decode to f32:
+scheme: q8 activations and integer block dots (qdot.py) for few rows; for many rows, the q8-rounded
+activations go through the BLAS path below. Otherwise weight rows decode to f32:
 
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
@@ -56,21 +57,33 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
     data, fmt = weight_bytes(w)
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
+    few = rows.shape[0] <= GEMV_MAX_ROWS
     if quantize_activations and fmt in qdot.FORMATS:
-        result = qdot.matmul_q8(rows, data, fmt)
-    elif rows.shape[0] <= GEMV_MAX_ROWS:
+        if few:
+            return deliver_rows(qdot.matmul_q8(rows, data, fmt), x, n, out)
+        rows = qdot.q8_rounded(rows)          # many rows: llama.cpp's rounding at BLAS speed
+    if few:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)
     else:
-        # BLAS writes each tile's [tile, M] block contiguously into the transposed result
-        result_t = np.empty((n, rows.shape[0]), np.float32)
-        tile_rows = max(ROWS_PER_TASK, TILE_BYTES // (4 * k))
-        tile = np.empty((min(tile_rows, n), k), np.float32)
-        for start in range(0, n, tile_rows):
-            stop = min(n, start + tile_rows)
-            dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
-            np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
-        result = result_t.T
+        result = gemm_tiled(rows, data, fmt, n)
+    return deliver_rows(result, x, n, out)
+
+
+def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarray:
+    """Decode a tile of weight rows, multiply it by every activation row with BLAS, next tile."""
+    k = rows.shape[1]
+    result_t = np.empty((n, rows.shape[0]), np.float32)      # each tile's product lands contiguously
+    tile_rows = max(ROWS_PER_TASK, TILE_BYTES // (4 * k))
+    tile = np.empty((min(tile_rows, n), k), np.float32)
+    for start in range(0, n, tile_rows):
+        stop = min(n, start + tile_rows)
+        dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
+        np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
+    return result_t.T
+
+
+def deliver_rows(result: np.ndarray, x: np.ndarray, n: int, out: np.ndarray | None) -> np.ndarray:
     y = result.reshape(*x.shape[:-1], n)
     if out is not None:
         out[...] = y
