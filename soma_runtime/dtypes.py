@@ -82,14 +82,17 @@ def dtype(name: str | DType) -> DType:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
 
 
+BY_NUMPY = {d.numpy: d.name for d in DTYPES.values() if d.numpy is not None}
+
+
 def dtype_of(array) -> str:
     """The soma dtype name of a numpy array or QTensor."""
     if isinstance(array, QTensor):
         return array.dtype.name
-    for d in DTYPES.values():
-        if d.numpy is not None and d.numpy == array.dtype:
-            return d.name
-    raise ValueError(f"unsupported numpy dtype {array.dtype}")
+    try:
+        return BY_NUMPY[array.dtype]
+    except KeyError:
+        raise ValueError(f"unsupported numpy dtype {array.dtype}") from None
 
 
 class QTensor:

@@ -112,6 +112,12 @@ class Plan:
                 raise GraphError(f"input {name!r}: expected shape {list(meta.bind(self.bindings).shape)}, "
                                  f"got {None if value is None else list(np.shape(value))}")
             env[name] = value
+        with np.errstate(all="ignore"):       # inf/nan follow IEEE semantics; no warning per op
+            self._run_steps(env)
+        # outputs may alias the arena, which the next run overwrites
+        return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]
+
+    def _run_steps(self, env: dict) -> None:
         for step in self.steps:
             result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=step.out, **step.attrs)
             if step.out is not None and result is not step.out:
@@ -121,5 +127,3 @@ class Plan:
                 env[step.outputs[0]] = result
             else:
                 env.update(zip(step.outputs, result))
-        # outputs may alias the arena, which the next run overwrites
-        return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]

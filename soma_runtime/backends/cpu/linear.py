@@ -43,15 +43,14 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
         q = q.astype(k.dtype)
     # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
     grouped = f32(q).reshape(B, Hkv, (Hq // Hkv) * Sq, D)
-    with np.errstate(over="ignore", invalid="ignore"):
-        scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
-        if softcap:
-            scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
-        if mask is not None:
-            scores = scores + f32(mask)
-        if causal or window:
-            scores = scores + attention_bias(Sq, Sk, causal, window)
-        probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
+    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+    if mask is not None:
+        scores = scores + f32(mask)
+    if causal or window:
+        scores = scores + attention_bias(Sq, Sk, causal, window)
+    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
     if dtype_of(v) != like:
         probs = probs.astype(v.dtype)
     return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)

@@ -17,7 +17,6 @@ from soma_runtime.quant.formats import F16_TABLE, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 FORMATS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 WITH_MIN = (Q4_1, Q5_1)             # these take q8_1 activations (block sums)
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
-ROWS_PER_TASK = 8
 
 
 @njit(inline="always")
@@ -30,10 +29,10 @@ def _f16_round(v):
     return np.float32(np.rint(np.float64(v) / ulp) * ulp)
 
 
-@njit(parallel=True, cache=True)
-def quantize_q8(x, qs, d, s):
+@njit(cache=True)
+def _quantize_rows(x, qs, d, s):
     """x [M, K] f32 -> qs [M, K] int8, d and s (= d * sum q) [M, K/32] f32, f16-rounded like the file format."""
-    for m in prange(x.shape[0]):
+    for m in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             amax = np.float32(0)
             for j in range(32):
@@ -75,24 +74,36 @@ def _block_dot(fmt, w, o, qs, e):
     return acc
 
 
-@njit(parallel=True, cache=True)
-def qdot_matmul(w, fmt, qs, d, s, out, lut):
-    """out[M, N] = x @ W.T from q8 activations (qs, d, s) and packed weight rows w [N, row_bytes]."""
-    n_rows, n_blocks = w.shape[0], d.shape[1]
-    size = 18 if fmt == Q4_0 else 20 if fmt == Q4_1 else 22 if fmt == Q5_0 else 24 if fmt == Q5_1 else 34
-    with_min = fmt == Q4_1 or fmt == Q5_1
-    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for n in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+def _make_gemv(fmt: int):
+    """A q8-activation matmul specialized for one weight format (the format is a compile-time constant,
+    so the block decoder has no branches); activations are quantized inside the same parallel launch."""
+    size = BLOCK_BYTES[fmt]
+    with_min = fmt in WITH_MIN
+
+    @njit(parallel=True, cache=True)
+    def gemv(w, x, out, lut):
+        m_rows, n_blocks = x.shape[0], x.shape[1] // 32
+        qs = np.empty(x.shape, np.int8)
+        d = np.empty((m_rows, n_blocks), np.float32)
+        s = np.empty((m_rows, n_blocks), np.float32)
+        _quantize_rows(x, qs, d, s)
+        for n in prange(w.shape[0]):
             row = w[n]
-            for m in range(qs.shape[0]):
+            for m in range(m_rows):
+                xq, dm = qs[m], d[m]
                 acc = np.float32(0)
+                mins = np.float32(0)
                 for b in range(n_blocks):
                     o = b * size
-                    dw = lut[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
-                    acc += (dw * d[m, b]) * np.float32(_block_dot(fmt, row, o, qs[m], b * 32))
+                    dw = lut[np.int32(row[o]) | (np.int32(row[o + 1]) << 8)]
+                    acc += (dw * dm[b]) * np.float32(_block_dot(fmt, row, o, xq, b * 32))
                     if with_min:
-                        acc += lut[np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8)] * s[m, b]
-                out[m, n] = acc
+                        mins += lut[np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)] * s[m, b]
+                out[m, n] = acc + mins
+    return gemv
+
+
+GEMV = {fmt: _make_gemv(fmt) for fmt in FORMATS}
 
 
 def quantize_activations(x: np.ndarray):
@@ -100,15 +111,14 @@ def quantize_activations(x: np.ndarray):
     qs = np.empty((m, k), np.int8)
     d = np.empty((m, k // 32), np.float32)
     s = np.empty((m, k // 32), np.float32)
-    quantize_q8(np.ascontiguousarray(x, dtype=np.float32), qs, d, s)
+    _quantize_rows(np.ascontiguousarray(x, dtype=np.float32), qs, d, s)
     return qs, d, s
 
 
 def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:
     """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32."""
-    qs, d, s = quantize_activations(x)
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    qdot_matmul(data, fmt, qs, d, s, out, F16_TABLE)
+    GEMV[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, F16_TABLE)
     return out
 
 
