@@ -39,10 +39,6 @@ class DType:
     def quantized(self) -> bool:
         return self.numpy is None
 
-    @property
-    def is_float(self) -> bool:
-        return self.numpy is not None and self.name in ("f32", "f16", "bf16", "f64")
-
     def row_bytes(self, n: int) -> int:
         if n % self.block_size:
             raise ValueError(f"{self.name}: row length {n} is not a multiple of the block size {self.block_size}")

@@ -32,10 +32,6 @@ class KVPool:
         self.v = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))
 
-    @property
-    def pages_in_use(self) -> int:
-        return self.num_pages - 1 - len(self.free)
-
     def reserve(self, seq: Sequence, total_tokens: int) -> None:
         need = -(-total_tokens // self.block) - len(seq.pages)
         if need > len(self.free):

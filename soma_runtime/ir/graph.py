@@ -122,14 +122,6 @@ class Graph:
     def producers(self) -> dict[str, Node]:
         return {o: n for n in self.nodes for o in n.outputs}
 
-    def consumers(self) -> dict[str, list[Node]]:
-        uses: dict[str, list[Node]] = {}
-        for n in self.nodes:
-            for i in n.inputs:
-                if i is not None:
-                    uses.setdefault(i, []).append(n)
-        return uses
-
     def toposort(self) -> None:
         """Order nodes so each comes after its producers; a cycle raises GraphError naming a node."""
         producer = self.producers()

@@ -143,10 +143,6 @@ def dim_prod(dims):
     return out
 
 
-def norm_axes(axes, ndim):
-    return tuple(a % ndim for a in (axes if isinstance(axes, (tuple, list)) else (axes,)))
-
-
 def as_tuple(v, n):
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 

@@ -52,9 +52,6 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
-    def special_ids(self) -> set[int]:
-        return {self.hf.token_to_id(t.content) for t in self.hf.get_added_tokens_decoder().values() if t.special}
-
     # --- construction ----------------------------------------------------------------------
 
     @classmethod

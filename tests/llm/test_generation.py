@@ -66,3 +66,16 @@ def test_cli_models_info_and_bench():
     assert bench.returncode == 0, bench.stderr
     result = json.loads(bench.stdout)
     assert result["decode_tok_s"] > 0 and result["prefill_tok_s"] > 0 and result["GB/s"] > 0
+
+
+def test_runtime_lists_and_unloads_models(tmp_path):
+    from soma_runtime.errors import RequestError
+    build_model("qwen2", str(tmp_path / "m"))
+    rt = Runtime()
+    model = rt.load(str(tmp_path / "m"), progress=False)
+    assert [m["id"] for m in rt.list_models()] == [model.id]
+    assert rt.memory_stats()["per_model_weight_bytes"][model.id] > 0
+    rt.unload(model.id)
+    assert rt.list_models() == []
+    with pytest.raises(RequestError, match="no loaded model"):
+        rt.unload(model.id)
