@@ -182,6 +182,9 @@ case("transpose", non_contiguous(mk((2, 3, 4))), lambda x: x.transpose(0, 2), di
 case("permute", mk((2, 3, 4)), lambda x: x.permute(2, 0, 1), perm=(2, 0, 1))
 case("concat", mk((2, 3), (2, 1), (2, 4)), lambda *xs: torch.cat(xs, 1), axis=1)
 case("concat", mk((1, 3)), lambda *xs: torch.cat(xs, 0), id="single", axis=0)
+case("split", mk((4, 9)), lambda x: torch.split(x, [2, 3, 4], dim=1), sizes=(2, 3, 4), axis=1)
+case("split", non_contiguous(mk((6, 3))), lambda x: torch.split(x, [1, 5], dim=0), id="non-contiguous", sizes=(1, 5), axis=0)
+case("where", lambda dt: [randn(3, 4) > 0] + mk((3, 4), (1, 4), seed=1)(dt), torch.where, id="broadcast")
 case("slice", mk((5, 9)), lambda x: x[:, 1:8:3], axis=-1, start=1, stop=8, step=3)
 case("gather", int_inputs(mk((3, 4)), [[0, 3], [1, 1], [2, 0]]), lambda x, i: torch.gather(x, 1, i), axis=1)
 case("cast", mk((3, 5)), lambda x: x.half().float(), id="to-f16", dtypes=("f32",), dtype="f16")
@@ -210,6 +213,11 @@ for align in (False, True):
 
 def to_torch(x):
     return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32) if x.dtype.kind == "f" else x))
+
+
+def test_every_op_has_cases():
+    from soma_runtime.ir.ops import OPS
+    assert set(OPS) == {c.values[0] for c in CASES}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
