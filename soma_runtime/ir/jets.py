@@ -25,12 +25,6 @@ from soma_runtime.ir.ops import OPS, OpDef
 log = logging.getLogger("soma_runtime.jets")
 
 MAX_VARIADIC = 16
-# inputs ranks used to trace a formula symbolically; decompositions index shapes by position
-TRACE_RANKS = {
-    "matmul": (2, 2), "sdpa": (4, 4, 4, 4), "rope": (4, 2, 1), "embedding": (2, 1), "kv_append": (4, 3, 1),
-    "kv_read": (4, 1), "conv1d": (3, 3, 1), "conv2d": (4, 4, 1), "max_pool": (4,), "avg_pool": (4,),
-    "interpolate": (4,), "groupnorm": (4, 1, 1), "batchnorm": (4, 1, 1, 1, 1),
-}
 F32_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 1e-2}
 
 
@@ -40,7 +34,7 @@ def tolerance(opdef: OpDef, out_dtype: str) -> float:
 
 def _variants(opdef: OpDef, pattern: tuple):
     """Every structural variant of an op for one dtype pattern: (input metas, attrs)."""
-    ranks = TRACE_RANKS.get(opdef.name, ())
+    ranks = opdef.ranks
     n_inputs = len(pattern)
     struct_choices = [[(k, v) for v in values] for k, values in opdef.struct.items()]
     for combo in itertools.product(*struct_choices):

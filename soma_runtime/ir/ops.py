@@ -39,6 +39,7 @@ class OpDef:
     stateful: bool = False                       # carries state across calls (kv cache)
     view: bool = False                           # outputs alias input 0's memory
     tol: float = 1.0                             # tolerance multiplier for accumulating ops
+    ranks: tuple = ()                            # input ranks for tracing the formula (default 2)
 
     @property
     def variadic(self) -> bool:
@@ -304,14 +305,15 @@ def channel_shape(x):
     return (x.shape[1],) + (1,) * (len(x.shape) - 2)
 
 
-@op("groupnorm", ["x", "weight?", "bias?"], groupnorm_rule, attrs={"groups": 32, "eps": 1e-5})
+@op("groupnorm", ["x", "weight?", "bias?"], groupnorm_rule, attrs={"groups": 32, "eps": 1e-5}, ranks=(4, 1, 1))
 def groupnorm(A, x, weight, bias, groups, eps):
     grouped = A.read("reshape", x, shape=(x.shape[0], groups, -1))
     y = A.read("reshape", normalize_atoms(A, grouped, -1, eps), shape=x.shape)
     return affine_atoms(A, y, weight, bias, channel_shape(x))
 
 
-@op("batchnorm", ["x", "mean", "var", "weight?", "bias?"], lambda m, a: per_channel(m, a, 1), attrs={"eps": 1e-5})
+@op("batchnorm", ["x", "mean", "var", "weight?", "bias?"], lambda m, a: per_channel(m, a, 1), attrs={"eps": 1e-5},
+    ranks=(4, 1, 1, 1, 1))
 def batchnorm(A, x, mean, var, weight, bias, eps):
     shape = channel_shape(x)
     centered = A.sub(x, A.read("reshape", mean, shape=shape))
@@ -358,7 +360,7 @@ def matmul_rule(metas, attrs):
 
 
 @op("matmul", ["a", "b"], matmul_rule, attrs={"transpose_b": False, "activations": "f32"},
-    struct={"transpose_b": (False, True)}, tol=4.0)
+    struct={"transpose_b": (False, True)}, tol=4.0, ranks=(2, 2))
 def matmul(A, a, b, transpose_b, activations):
     """`activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
     block-quantized weights, as llama.cpp does: a precision hint, the formula is the same product."""
@@ -388,7 +390,7 @@ def sdpa_rule(metas, attrs):
 
 @op("sdpa", ["q", "k", "v", "mask?"], sdpa_rule,
     attrs={"causal": False, "scale": None, "softcap": 0.0, "window": 0},
-    struct={"causal": (False, True), "softcap": (0.0, 30.0), "window": (0, 4)}, tol=4.0)
+    struct={"causal": (False, True), "softcap": (0.0, 30.0), "window": (0, 4)}, tol=4.0, ranks=(4, 4, 4, 4))
 def sdpa(A, q, k, v, mask, causal, scale, softcap, window):
     """Scaled dot-product attention. With k/v in a narrower float dtype than q (an f16 KV cache),
     q and the probabilities are rounded to that dtype before their products, as llama.cpp does."""
@@ -429,7 +431,7 @@ def rope_rule(metas, attrs):
 
 
 @op("rope", ["x", "positions", "inv_freq"], rope_rule, attrs={"style": "neox"},
-    struct={"style": ("neox", "interleaved")})
+    struct={"style": ("neox", "interleaved")}, ranks=(4, 2, 1))
 def rope(A, x, positions, inv_freq, style):
     """Rotate the first 2*len(inv_freq) dims of each head; the rest pass through (partial rotary)."""
     half, D = inv_freq.shape[0], x.shape[-1]
@@ -461,7 +463,7 @@ def embedding_rule(metas, attrs):
     return [TensorMeta(tuple(ids.shape) + (table.shape[1],), dt)]
 
 
-@op("embedding", ["table", "ids"], embedding_rule)
+@op("embedding", ["table", "ids"], embedding_rule, ranks=(2, 1))
 def embedding(A, table, ids):
     return A.read("take", dequant_if_needed(A, table), ids, axis=0)
 
@@ -478,7 +480,7 @@ def kv_append_rule(metas, attrs):
     return [pages]
 
 
-@op("kv_append", ["pages", "new", "slots"], kv_append_rule, stateful=True, view=True)
+@op("kv_append", ["pages", "new", "slots"], kv_append_rule, stateful=True, view=True, ranks=(4, 3, 1))
 def kv_append(A, pages, new, slots):
     P, block, H, D = pages.shape
     flat = A.read("reshape", pages, shape=(P * block, H, D))
@@ -496,7 +498,7 @@ def kv_read_rule(metas, attrs):
     return [TensorMeta(tuple(slots.shape) + tuple(pages.shape[2:]), pages.dtype)]
 
 
-@op("kv_read", ["pages", "slots"], kv_read_rule)
+@op("kv_read", ["pages", "slots"], kv_read_rule, ranks=(4, 1))
 def kv_read(A, pages, slots):
     P, block, H, D = pages.shape
     return A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
@@ -707,11 +709,11 @@ def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd):
 CONV_ATTRS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
-@op("conv1d", ["x", "weight", "bias?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0)
+@op("conv1d", ["x", "weight", "bias?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0, ranks=(3, 3, 1))
 def conv1d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=1, **attrs)
 
 
-@op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0)
+@op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0, ranks=(4, 4, 1))
 def conv2d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=2, **attrs)
 
 
@@ -739,11 +741,11 @@ def pool_atoms(A, x, kernel, stride, padding, mode, pad_value):
 POOL_ATTRS = {"kernel": (2, 2), "stride": None, "padding": 0}
 
 
-@op("max_pool", ["x"], pool_rule, attrs=POOL_ATTRS)
+@op("max_pool", ["x"], pool_rule, attrs=POOL_ATTRS, ranks=(4,))
 def max_pool(A, x, **attrs): return pool_atoms(A, x, mode="max", pad_value=-math.inf, **attrs)
 
 
-@op("avg_pool", ["x"], pool_rule, attrs=POOL_ATTRS)
+@op("avg_pool", ["x"], pool_rule, attrs=POOL_ATTRS, ranks=(4,))
 def avg_pool(A, x, **attrs): return pool_atoms(A, x, mode="mean", pad_value=0.0, **attrs)
 
 
@@ -785,7 +787,7 @@ def resample_axis(A, x, axis, n_in, n_out, mode, align_corners):
 
 
 @op("interpolate", ["x"], interpolate_rule, attrs={"size": (1, 1), "mode": "nearest", "align_corners": False},
-    struct={"mode": ("nearest", "bilinear"), "align_corners": (False, True)})
+    struct={"mode": ("nearest", "bilinear"), "align_corners": (False, True)}, ranks=(4,))
 def interpolate(A, x, size, mode, align_corners):
     nd = len(size)
     for i, n_out in enumerate(size):
