@@ -99,3 +99,55 @@ def test_sha256_is_checked_when_given(tmp_path):
     assert load(path, sha256=digest).format == "gguf"
     with pytest.raises(ModelLoadError, match="sha256"):
         load(path, sha256="0" * 64)
+
+
+def rewrite_gguf(src: str, dst: str, architecture: str | None = None, shrink: str | None = None) -> str:
+    """Copy a GGUF, optionally renaming its architecture or dropping rows from one tensor."""
+    import gguf
+    import numpy as np
+
+    from soma_runtime.dtypes import QTensor
+    f = read_gguf(src)
+    arch = architecture or f.metadata["general.architecture"]
+    w = gguf.GGUFWriter(dst, arch)
+    old = f.metadata["general.architecture"]
+    for key, value in f.metadata.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        key = key.replace(f"{old}.", f"{arch}.", 1)
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, value)
+    for name, t in f.tensors.items():
+        data = np.asarray(t.dequantize() if isinstance(t, QTensor) else t, np.float32)
+        w.add_tensor(name, data[:-8] if name == shrink else np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_dir, tmp_path_factory):
+    from soma_runtime.convert import convert_hf_to_gguf
+    return convert_hf_to_gguf(tiny_dir, str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"), "f32")
+
+
+def test_gguf_with_a_tensor_of_the_wrong_size(tiny_gguf, tmp_path):
+    bad = rewrite_gguf(tiny_gguf, str(tmp_path / "bad.gguf"), shrink="blk.1.attn_v.weight")
+    with pytest.raises(ModelLoadError, match="bad.gguf.*blk.1.attn_v.weight.*shape"):
+        Runtime().load(bad, progress=False)
+
+
+def test_gguf_with_an_unknown_architecture(tiny_gguf, tmp_path):
+    odd = rewrite_gguf(tiny_gguf, str(tmp_path / "odd.gguf"), architecture="mamba9")
+    with pytest.raises(UnsupportedModelError, match="mamba9.*supported:.*llama"):
+        load(odd)
