@@ -56,6 +56,7 @@ class JetRegistry:
     def __init__(self):
         self._jets: dict[tuple[str, str], list[tuple[tuple, object]]] = {}
         self._missed: set = set()
+        self._chosen: dict[tuple, object] = {}     # a formula never depends on sizes: look each up once
 
     def register(self, op: str, backend: str, dtypes: list[tuple], kernel) -> None:
         opdef = OPS[op]
@@ -67,6 +68,7 @@ class JetRegistry:
                     entries = self._jets.setdefault((opdef.formula_hash(metas, attrs), backend), [])
                     if (full, kernel) not in entries:
                         entries.append((full, kernel))
+        self._chosen.clear()
 
     def lookup(self, formula_hash: str, backend: str, dtypes: tuple[str, ...]):
         for pattern, kernel in self._jets.get((formula_hash, backend), ()):
@@ -77,6 +79,12 @@ class JetRegistry:
     def kernel_for(self, opdef: OpDef, metas: list, attrs: dict, backend: str):
         """The kernel that runs this op here: the jet, or the atoms on a miss; wrapped by verify mode."""
         dtypes = tuple("none" if m is None else m.dtype for m in metas)
+        key = (opdef.name, backend, dtypes, repr(sorted(opdef.full_attrs(attrs).items())), os.environ.get("SOMA_VERIFY"))
+        if key not in self._chosen:
+            self._chosen[key] = self._choose(opdef, metas, attrs, backend, dtypes)
+        return self._chosen[key]
+
+    def _choose(self, opdef: OpDef, metas: list, attrs: dict, backend: str, dtypes: tuple):
         jet = None
         if backend != "reference":
             jet = self.lookup(opdef.formula_hash(metas, attrs), backend, dtypes)
