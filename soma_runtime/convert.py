@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from soma_runtime.architectures.config import rope_inv_freq
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.dtypes import QTensor, quantize
 from soma_runtime.errors import UnsupportedModelError
@@ -26,14 +27,9 @@ def permute_for_interleaved_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama3_rope_factors(rope: dict, dim: int) -> np.ndarray:
-    inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    wavelen = 2 * np.pi / inv
-    smooth = (old / wavelen - low) / (high - low)
-    factors = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
-    return factors.astype(np.float32)
+def rope_factors(rope: dict, dim: int) -> np.ndarray:
+    """llama.cpp stores llama-3 rope scaling as per-dim divisors of the default frequencies."""
+    return (rope_inv_freq({"rope_theta": rope["rope_theta"]}, dim) / rope_inv_freq(rope, dim)).astype(np.float32)
 
 
 def encode_tensor(name: str, t: np.ndarray, out_type: str):
@@ -106,7 +102,7 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> 
         w.add_sliding_window(max(cfg.layer_windows))
     kind = cfg.rope.get("rope_type", "default")
     if kind == "llama3":
-        tensors["rope_freqs.weight"] = llama3_rope_factors(cfg.rope, cfg.rotary_dim or cfg.head_dim)
+        tensors["rope_freqs.weight"] = rope_factors(cfg.rope, cfg.rotary_dim or cfg.head_dim)
     elif kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope["factor"])

@@ -5,10 +5,14 @@ import functools
 
 import numpy as np
 
-from soma_runtime.dtypes import FLOATS, QTensor, dtype_of
+from soma_runtime.dtypes import FLOATS, QTensor, dtype, dtype_of
 
+CPU = "cpu"
 HALF = ("f16", "bf16")
-FLOAT_PATTERN = FLOATS   # a dtype pattern entry matching any float dtype
+# dtype pattern entries for jet registration
+F = FLOATS               # any float dtype
+INT = ("i32", "i64")
+ANY = "*"
 
 
 def f32(x):
@@ -23,10 +27,8 @@ def deliver(y: np.ndarray, like: str, out=None):
     if out is not None:
         out[...] = y
         return out
-    target = np.dtype(np.float32) if like == "f32" else None
-    if target is not None and y.dtype == target:
+    if like == "f32" and y.dtype == np.float32:
         return y
-    from soma_runtime.dtypes import dtype
     return y.astype(dtype(like).numpy, copy=False)
 
 

@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
-from soma_runtime.backends.cpu.common import float_kernel
+from soma_runtime.backends.cpu.common import CPU, F, float_kernel
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
-
-CPU = "cpu"
 
 
 def pad(x, pads, value):

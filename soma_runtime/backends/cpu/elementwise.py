@@ -6,12 +6,9 @@ import math
 import numpy as np
 from numba import vectorize
 
-from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
-from soma_runtime.backends.cpu.common import deliver, float_kernel
+from soma_runtime.backends.cpu.common import CPU, F, deliver, float_kernel
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
-
-CPU = "cpu"
 
 
 @vectorize(["float32(float32)", "float64(float64)"], cache=True)

@@ -3,14 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
-from soma_runtime.backends.cpu.common import deliver
+from soma_runtime.backends.cpu.common import ANY, CPU, INT, F, deliver
 from soma_runtime.dtypes import DTYPES, dtype_of
 from soma_runtime.ir.jets import jet
-
-CPU = "cpu"
-INT = ("i32", "i64")
-ANY = "*"
 
 
 @jet("reshape", CPU, [(ANY,)])

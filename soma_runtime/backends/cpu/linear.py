@@ -6,15 +6,11 @@ import math
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import FLOAT_PATTERN as F
-from soma_runtime.backends.cpu.common import HALF, deliver, f32, float_kernel
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32, float_kernel
 from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
 from soma_runtime.backends.cpu.qmatmul import matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
-
-CPU = "cpu"
-INT = ("i32", "i64")
 
 
 @jet("matmul", CPU, [(F, F)] + [("f32", q) for q in QUANTIZED])

@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu import qdot
+from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import F16_TABLE, dequant_row, dequant_rows_serial
 
@@ -60,14 +61,14 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
     few = rows.shape[0] <= GEMV_MAX_ROWS
     if quantize_activations and fmt in qdot.FORMATS:
         if few:
-            return deliver_rows(qdot.matmul_q8(rows, data, fmt), x, n, out)
+            return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
         rows = qdot.q8_rounded(rows)          # many rows: llama.cpp's rounding at BLAS speed
     if few:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)
     else:
         result = gemm_tiled(rows, data, fmt, n)
-    return deliver_rows(result, x, n, out)
+    return deliver(result.reshape(*x.shape[:-1], n), "f32", out)
 
 
 def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarray:
@@ -81,11 +82,3 @@ def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarr
         dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
         np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
     return result_t.T
-
-
-def deliver_rows(result: np.ndarray, x: np.ndarray, n: int, out: np.ndarray | None) -> np.ndarray:
-    y = result.reshape(*x.shape[:-1], n)
-    if out is not None:
-        out[...] = y
-        return out
-    return y
