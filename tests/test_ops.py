@@ -176,6 +176,34 @@ case("kv_append", int_inputs(mk((4, 2, 2, 3), (3, 2, 3)), [5, 0, 6]), kv_append_
 case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
      lambda p, s: p.reshape(-1, *p.shape[2:])[s])
 
+
+
+def paged_attention_inputs(rows, heads, kv_heads, dim, slots, seed=0):
+    """q [rows, H, D], pages [4, 4, KV, D] (16 slots), ctx_slots in scrambled page order, and a causal
+    mask over the context whose last column is padding (-inf)."""
+    def make(dt):
+        q, k_pages, v_pages = mk((rows, heads, dim), (4, 4, kv_heads, dim), (4, 4, kv_heads, dim), seed=seed)(dt)
+        length = len(slots)
+        visible = np.arange(length)[None, :] <= np.arange(length - 1 - rows, length - 1)[:, None]
+        mask = np.where(visible, 0, -np.inf).astype(NP[dt])[None, None]
+        return [q, k_pages, v_pages, np.asarray(slots, np.int64), mask]
+    return make
+
+
+def paged_attention_ref(scale=None, softcap=0.0):
+    def ref(q, k_pages, v_pages, slots, mask):
+        keys, values = (p.reshape(-1, *p.shape[2:])[slots].transpose(0, 1)[None] for p in (k_pages, v_pages))
+        out = sdpa_ref(scale=scale, softcap=softcap)(q.transpose(0, 1)[None], keys, values, mask)
+        return out[0].transpose(0, 1)
+    return ref
+
+
+CONTEXT = [9, 10, 11, 12, 0, 1, 2, 3, 14, 4, 5]
+case("paged_attention", paged_attention_inputs(1, 4, 2, 8, CONTEXT), paged_attention_ref(), id="decode-gqa")
+case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_attention_ref(0.2, 1.5),
+     id="rows-scale-softcap", scale=0.2, softcap=1.5)
+case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
+
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
 case("transpose", non_contiguous(mk((2, 3, 4))), lambda x: x.transpose(0, 2), dim0=0, dim1=2)

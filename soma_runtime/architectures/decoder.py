@@ -88,9 +88,6 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, 
     def norm(x, name):
         return g.rmsnorm(x, const(f"{name}.weight", f32=True), eps=cfg.rms_norm_eps)
 
-    def heads_first(x, n, length):                   # [len, n, hd] -> [1, n, len, hd]
-        return g.reshape(g.transpose(x, dim0=0, dim1=1), shape=(1, n, length, hd))
-
     x = g.embedding(const("token_embd.weight"), ids)
     if x.dtype != "f32":
         x = g.cast(x, dtype="f32")
@@ -117,10 +114,9 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, 
         k_pages = g.kv_append(k_pages, k, slots)
         v_pages = g.kv_append(v_pages, v, slots)
         pages_out += [k_pages, v_pages]
-        keys, values = g.kv_read(k_pages, ctx), g.kv_read(v_pages, ctx)
-        attn = g.sdpa(heads_first(q, H, "S"), heads_first(keys, KV, "T"), heads_first(values, KV, "T"),
-                      masks[cfg.window(i)], scale=cfg.attn_scale, softcap=cfg.attn_softcap)
-        attn = g.reshape(g.transpose(g.reshape(attn, shape=(H, "S", hd)), dim0=0, dim1=1), shape=("S", H * hd))
+        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], scale=cfg.attn_scale,
+                                 softcap=cfg.attn_softcap)
+        attn = g.reshape(attn, shape=("S", H * hd))
         attn = linear(attn, f"{p}.attn_output")
         if cfg.sandwich_norms:
             attn = norm(attn, f"{p}.post_attention_norm")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from soma_runtime.dtypes import FLOATS, dtype
 from soma_runtime.errors import GraphError
-from soma_runtime.ir.atoms import AtomGraph
+from soma_runtime.ir.atoms import AtomGraph, Ref
 from soma_runtime.ir.graph import Sym, TensorMeta, same_dim
 
 
@@ -502,6 +502,41 @@ def kv_read_rule(metas, attrs):
 def kv_read(A, pages, slots):
     P, block, H, D = pages.shape
     return A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
+
+
+def paged_attention_rule(metas, attrs):
+    q, k_pages, v_pages, ctx = metas[:4]
+    mask = metas[4] if len(metas) > 4 else None
+    float_dtype(q)
+    check(q.ndim == 3, "paged_attention takes q as [S, H, D]")
+    check(k_pages.ndim == 4 and v_pages.ndim == 4, "paged_attention takes pages as [P, block, H, D]")
+    same_dtype(k_pages, v_pages)
+    float_dtype(k_pages, "pages")
+    check(ctx.ndim == 1 and ctx.dtype in ("i32", "i64"), "ctx_slots must be a 1-D integer tensor")
+    check(same_dim(q.shape[2], k_pages.shape[3]) is not False, "q and cached k head dims differ")
+    if isinstance(q.shape[1], int) and isinstance(k_pages.shape[2], int):
+        check(q.shape[1] % k_pages.shape[2] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k_pages.shape[2]}")
+    if mask is not None:
+        float_dtype(mask, "mask")
+        broadcast_shapes((1, q.shape[1], q.shape[0], ctx.shape[0]), mask.shape)
+    return [TensorMeta((q.shape[0], q.shape[1], v_pages.shape[3]), q.dtype)]
+
+
+@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?"], paged_attention_rule,
+    attrs={"scale": None, "softcap": 0.0}, struct={"softcap": (0.0, 30.0)}, tol=4.0, ranks=(3, 4, 4, 1, 4))
+def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, scale, softcap):
+    """New queries [S, H, D] attend over the cached keys/values at ctx_slots: kv_read, then sdpa on
+    [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. One kernel per layer on CPU."""
+    S, H, D = q.shape
+    T, KV, Dv = ctx_slots.shape[0], k_pages.shape[2], v_pages.shape[3]
+
+    def heads_first(x, shape, dtype):        # [len, heads, dim] -> [1, heads, len, dim], shape known
+        return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
+
+    keys, values = kv_read(A, k_pages, ctx_slots), kv_read(A, v_pages, ctx_slots)
+    out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), k_pages.dtype),
+               heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0)
+    return A.read("transpose", A.read("reshape", out, shape=(H, S, v_pages.shape[3])), axis1=0, axis2=1)
 
 
 # --- layout ----------------------------------------------------------------------------------

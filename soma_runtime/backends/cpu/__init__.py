@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from soma_runtime.backends.cpu import conv, elementwise, layout, linear  # noqa: F401  (registers jets)
+from soma_runtime.backends.cpu import attention, conv, elementwise, layout, linear  # noqa: F401  (registers jets)
 
 NAME = "cpu"
 

@@ -1,13 +1,10 @@
-"""CPU jets for matmul (BLAS for f32; stored-format weights through qmatmul), attention, rope,
-embedding and the paged KV cache."""
+"""CPU jets for matmul (BLAS for f32; stored-format weights through qmatmul), rope, embedding and
+the paged KV cache."""
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32, float_kernel
-from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
 from soma_runtime.backends.cpu.qmatmul import matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
@@ -24,32 +21,6 @@ def matmul(a, b, out=None, transpose_b=False, activations="f32"):
     if out is not None and like == "f32":
         return np.matmul(a, b, out=out)
     return deliver(np.matmul(f32(a), b), like, out)
-
-
-CACHE_MIXES = [("f32", c, c, m) for c in HALF for m in ("f32", "none")]
-
-
-@jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")] + CACHE_MIXES)
-def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=0):
-    like = dtype_of(q)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
-    if k.dtype != q.dtype:                        # the cache's precision (see the op)
-        q = q.astype(k.dtype)
-    # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
-    grouped = f32(q).reshape(B, Hkv, (Hq // Hkv) * Sq, D)
-    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
-    if softcap:
-        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
-    if mask is not None:
-        scores = scores + f32(mask)
-    if causal or window:
-        scores = scores + attention_bias(Sq, Sk, causal, window)
-    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
-    if dtype_of(v) != like:
-        probs = probs.astype(v.dtype)
-    return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
 
 
 @jet("rope", CPU, [(F, INT, "f32")])

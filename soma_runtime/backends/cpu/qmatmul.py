@@ -1,8 +1,8 @@
 """Matmul with a stored-format weight (GGUF blocks, f16, bf16) read in place, never expanded whole.
 
 With `quantize_activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's
-scheme: q8 activations and integer block dots (qdot.py) for few rows; for many rows, the q8-rounded
-activations go through the BLAS path below. Otherwise weight rows decode to f32:
+scheme: q8 activations and integer block dots (qdot.py), for any number of rows. Otherwise weight
+rows decode to f32:
 
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
@@ -60,9 +60,7 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
     if quantize_activations and fmt in qdot.FORMATS:
-        if few:
-            return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
-        rows = qdot.q8_rounded(rows)          # many rows: llama.cpp's rounding at BLAS speed
+        return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
     if few:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)

@@ -1,0 +1,129 @@
+"""CPU jets for attention: sdpa through batched BLAS matmuls, and paged attention over the KV cache.
+
+Paged attention reads keys and values where they sit in the cache pages. A few query rows (decode)
+run one numba pass per (query row, kv head) that never copies the context; many rows (prefill)
+gather the context once and take the BLAS sdpa path, where the matmuls pay for the copy.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32
+from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
+from soma_runtime.backends.cpu.simd import narrow, widen
+from soma_runtime.dtypes import dtype_of
+from soma_runtime.ir.jets import jet
+
+CACHE_MIXES = [("f32", c, c, m) for c in HALF for m in ("f32", "none")]
+DECODE_ROWS = 8         # up to this many query rows, the in-place numba kernel beats gather + BLAS
+
+
+@jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")] + CACHE_MIXES)
+def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=0):
+    like = dtype_of(q)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    if k.dtype != q.dtype:                        # the cache's precision (see the op)
+        q = q.astype(k.dtype)
+    # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
+    grouped = f32(q).reshape(B, Hkv, (Hq // Hkv) * Sq, D)
+    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+    if mask is not None:
+        scores = scores + f32(mask)
+    if causal or window:
+        scores = scores + attention_bias(Sq, Sk, causal, window)
+    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
+    if dtype_of(v) != like:
+        probs = probs.astype(v.dtype)
+    return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
+def _paged_attention(q, k, v, ctx, mask, scale, softcap, precision, out):
+    """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T]; out [S, H, Dv].
+    q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache
+    under f32 queries). Masked-out keys (-inf) are skipped: padding and far context cost nothing."""
+    rows, heads, dim = q.shape
+    kv_heads, dv, length = k.shape[1], v.shape[2], ctx.shape[0]
+    group = heads // kv_heads
+    for task in prange(rows * kv_heads):
+        s, kvh = task // kv_heads, task % kv_heads
+        qg = np.empty((group, dim), np.float32)
+        for g in range(group):
+            for d in range(dim):
+                qg[g, d] = narrow(q[s, kvh * group + g, d], precision)
+        scores = np.full((group, length), -np.inf, np.float32)
+        key = np.empty(dim, np.float32)
+        for t in range(length):
+            if mask[s, t] == -np.inf:
+                continue
+            slot = ctx[t]
+            for d in range(dim):
+                key[d] = widen(k[slot, kvh, d])
+            for g in range(group):
+                acc = np.float32(0)
+                for d in range(dim):
+                    acc += qg[g, d] * key[d]
+                score = acc * scale
+                if softcap != 0:
+                    score = np.float32(np.tanh(score / softcap)) * softcap
+                scores[g, t] = score + mask[s, t]
+        acc_out = np.zeros((group, dv), np.float32)
+        value = np.empty(dv, np.float32)
+        for g in range(group):
+            top = scores[g].max()
+            total = np.float32(0)
+            for t in range(length):
+                e = np.float32(np.exp(scores[g, t] - top))
+                scores[g, t] = e
+                total += e
+            for t in range(length):
+                scores[g, t] = narrow(scores[g, t] / total, precision)
+        for t in range(length):
+            if mask[s, t] == -np.inf:
+                continue
+            slot = ctx[t]
+            for d in range(dv):
+                value[d] = widen(v[slot, kvh, d])
+            for g in range(group):
+                p = scores[g, t]
+                for d in range(dv):
+                    acc_out[g, d] += p * value[d]
+        for g in range(group):
+            for d in range(dv):
+                out[s, kvh * group + g, d] = acc_out[g, d]
+
+
+def flat_cache(pages: np.ndarray) -> np.ndarray:
+    """Pages [P, block, H, D] as [slots, H, D]; f16 as its bits (numba has no float16)."""
+    flat = pages.reshape(-1, *pages.shape[2:])
+    return flat.view(np.uint16) if flat.dtype == np.float16 else flat
+
+
+@jet("paged_attention", CPU, [(F, F, F, INT, F), (F, F, F, INT, "none")]
+     + [("f32", c, c, INT, m) for c in HALF for m in ("f32", "none")])
+def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, softcap=0.0):
+    like = dtype_of(q)
+    S, H, D = q.shape
+    T = ctx_slots.shape[0]
+    scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    if mask is None:
+        mask = np.zeros((1, 1, S, T), np.float32)
+    fits = S <= DECODE_ROWS and k_pages.dtype in (np.float32, np.float16) and mask.shape[:2] == (1, 1)
+    if not fits:
+        keys, values = (np.take(p.reshape(-1, *p.shape[2:]), ctx_slots, axis=0).transpose(1, 0, 2)[None]
+                        for p in (k_pages, v_pages))
+        result = sdpa(q.transpose(1, 0, 2)[None], keys, values, mask, scale=scale, softcap=softcap)
+        return deliver(result[0].transpose(1, 0, 2), like, out)
+    result = np.empty((S, H, v_pages.shape[3]), np.float32)
+    precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
+    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots,
+                     np.ascontiguousarray(np.broadcast_to(f32(mask)[0, 0], (S, T))), scale, np.float32(softcap),
+                     precision, result)
+    return deliver(result, like, out)
