@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.graph import Graph, GraphBuilder
 
@@ -55,6 +56,43 @@ def check_shapes(cfg: DecoderConfig, weights: Weights) -> None:
             want = (2 * want[0], want[1])                      # gate and up fused (phi3)
         if got != want:
             raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(got)}, the config needs {list(want)}")
+
+
+def stack_rows(tensors: list):
+    """Weights [N_i, K] of one storage type stacked into one [sum N_i, K] (None if types differ)."""
+    if isinstance(tensors[0], QTensor):
+        if len({(t.dtype.name, t.shape[1:]) for t in tensors if isinstance(t, QTensor)}) != 1 or \
+                not all(isinstance(t, QTensor) for t in tensors):
+            return None
+        rows = sum(t.shape[0] for t in tensors)
+        return QTensor(np.concatenate([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
+    if len({(np.asarray(t).dtype, np.shape(t)[1:]) for t in tensors}) != 1:
+        return None
+    return np.concatenate([np.asarray(t) for t in tensors])
+
+
+def fuse_projections(cfg: DecoderConfig, weights: Weights) -> Weights:
+    """q/k/v as one attn_qkv and gate/up as one ffn_up (phi3's layout) where their storage types agree:
+    one matmul reads the shared input once, one pass quantizes it. The copies replace mmap pages that
+    are then never touched, so resident memory stays the same."""
+    fused = dict(weights.tensors)
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}"
+        parts = [f"{p}.attn_{n}.weight" for n in "qkv"]
+        biases = [f"{p}.attn_{n}.bias" for n in "qkv"]
+        if all(n in fused for n in parts) and (stacked := stack_rows([fused[n] for n in parts])) is not None:
+            if all(b in fused for b in biases):
+                fused[f"{p}.attn_qkv.bias"] = np.concatenate([as_f32(fused.pop(b)) for b in biases])
+            elif any(b in fused for b in biases):
+                continue
+            fused[f"{p}.attn_qkv.weight"] = stacked
+            for n in parts:
+                del fused[n]
+        gate_up = [f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"]
+        if all(n in fused for n in gate_up) and (stacked := stack_rows([fused[n] for n in gate_up])) is not None:
+            del fused[gate_up[0]]
+            fused[gate_up[1]] = stacked
+    return Weights(fused, weights.source)
 
 
 def as_f32(t):

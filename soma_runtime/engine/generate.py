@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights, build_decoder, mask_name
+from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams
 from soma_runtime.errors import RequestError
@@ -71,8 +71,9 @@ class Engine:
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32"):
         self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
         self.n_ctx = min(n_ctx or 4096, cfg.max_position)
-        self.weights, self.kv_dtype, self.activations = weights, kv_dtype, activations
-        self.graph = build_decoder(cfg, weights, kv_dtype=kv_dtype, activations=activations)
+        check_shapes(cfg, weights)
+        self.weights, self.kv_dtype, self.activations = fuse_projections(cfg, weights), kv_dtype, activations
+        self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
         self.full_graph = None                # all positions' logits, built when first asked for
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, dtype=kv_dtype)
         self.plans: dict[tuple[int, int], Plan] = {}

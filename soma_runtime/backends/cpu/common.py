@@ -40,3 +40,15 @@ def float_kernel(fn):
         like = next(dtype_of(x) for x in inputs if x is not None and not isinstance(x, QTensor))
         return deliver(fn(*[f32(x) for x in inputs], **attrs), like, out)
     return run
+
+
+def all_f32(*arrays) -> bool:
+    """Inputs a numba fast path takes as they are: f32 numpy arrays in C order."""
+    return all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+
+
+def out_f32(out, shape) -> np.ndarray:
+    """The planned output buffer when it is a C-ordered f32 array of `shape`, else a new one."""
+    if out is not None and out.dtype == np.float32 and out.shape == tuple(shape) and out.flags.c_contiguous:
+        return out
+    return np.empty(shape, np.float32)

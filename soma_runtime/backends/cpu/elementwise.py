@@ -1,12 +1,13 @@
-"""CPU jets for elementwise ops, activations, norms and softmax (numpy, whole-tensor, no loops)."""
+"""CPU jets for elementwise ops, activations, norms and softmax: numpy over whole tensors, and numba
+loops for the f32 shapes a decode step calls hundreds of times (where numpy's temporaries dominate)."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import vectorize
+from numba import njit, vectorize
 
-from soma_runtime.backends.cpu.common import CPU, F, deliver, float_kernel
+from soma_runtime.backends.cpu.common import CPU, F, all_f32, deliver, float_kernel, out_f32
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -61,9 +62,24 @@ def leaky_relu(x, negative_slope): return np.where(x > 0, x, x * np.float32(nega
 def gelu(x, approximate): return gelu_f32(x, approximate)
 
 
+@njit(cache=True)
+def _swiglu(gate, up, out):
+    for i in range(gate.size):
+        g = gate.flat[i]
+        out.flat[i] = g / (np.float32(1) + np.exp(-g)) * up.flat[i]
+
+
 @jet("swiglu", CPU, [(F, F)])
+def swiglu(gate, up, out=None):
+    if all_f32(gate, up) and gate.shape == up.shape:
+        result = out_f32(out, gate.shape)
+        _swiglu(gate, up, result)
+        return result
+    return _swiglu_numpy(gate, up, out=out)
+
+
 @float_kernel
-def swiglu(gate, up): return gate * sigmoid_f32(gate) * up
+def _swiglu_numpy(gate, up): return gate * sigmoid_f32(gate) * up
 
 
 @jet("geglu", CPU, [(F, F)])
@@ -71,9 +87,29 @@ def swiglu(gate, up): return gate * sigmoid_f32(gate) * up
 def geglu(gate, up, approximate): return gelu_f32(gate, approximate) * up
 
 
+@njit(cache=True)
+def _rmsnorm_rows(x, weight, eps, out):
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        total = 0.0
+        for i in range(n):
+            total += np.float64(x[r, i]) * np.float64(x[r, i])
+        inv = np.float32(1) / np.sqrt(np.float32(total / n) + eps)
+        for i in range(n):
+            out[r, i] = x[r, i] * inv * weight[i]
+
+
 @jet("rmsnorm", CPU, [(F, F), (F, "none")])
+def rmsnorm(x, weight, out=None, eps=1e-6):
+    if weight is not None and all_f32(x, weight) and x.ndim >= 2 and weight.shape == x.shape[-1:]:
+        result = out_f32(out, x.shape)
+        _rmsnorm_rows(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), result.reshape(-1, x.shape[-1]))
+        return result
+    return _rmsnorm_numpy(x, weight, eps=eps, out=out)
+
+
 @float_kernel
-def rmsnorm(x, weight, eps):
+def _rmsnorm_numpy(x, weight, eps):
     # the mean of squares accumulates in f64 (as ggml does), then scales in f32
     mean = (np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(np.float32)
     y = x * (np.float32(1) / np.sqrt(mean + np.float32(eps)))

@@ -3,8 +3,9 @@ the paged KV cache."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32, float_kernel
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.qmatmul import matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
@@ -23,9 +24,35 @@ def matmul(a, b, out=None, transpose_b=False, activations="f32"):
     return deliver(np.matmul(f32(a), b), like, out)
 
 
+@njit(cache=True)
+def _rope(x, positions, inv_freq, neox, out):
+    """x, out [S, H, D] f32; pairs (i, i + R/2) when neox, else (2i, 2i + 1); dims past R copy through."""
+    half = inv_freq.shape[0]
+    for s in range(x.shape[0]):
+        for i in range(half):
+            angle = np.float32(positions[s]) * inv_freq[i]
+            c, sn = np.cos(angle), np.sin(angle)
+            a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(x.shape[1]):
+                first, second = x[s, h, a], x[s, h, b]
+                out[s, h, a] = first * c - second * sn
+                out[s, h, b] = second * c + first * sn
+        for h in range(x.shape[1]):
+            for d in range(2 * half, x.shape[2]):
+                out[s, h, d] = x[s, h, d]
+
+
 @jet("rope", CPU, [(F, INT, "f32")])
+def rope(x, positions, inv_freq, out=None, style="neox"):
+    if all_f32(x) and x.ndim == 3 and positions.shape == x.shape[:1]:
+        result = out_f32(out, x.shape)
+        _rope(x, positions, inv_freq, style == "neox", result)
+        return result
+    return _rope_numpy(x, positions, inv_freq, style=style, out=out)
+
+
 @float_kernel
-def rope(x, positions, inv_freq, style):
+def _rope_numpy(x, positions, inv_freq, style):
     half = inv_freq.shape[0]
     angle = (positions[..., None].astype(np.float32) * inv_freq)[..., None, :]   # [..., S, 1, R/2]
     cos, sin = np.cos(angle), np.sin(angle)
