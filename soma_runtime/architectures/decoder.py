@@ -13,6 +13,7 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.graph import Graph, GraphBuilder
+from soma_runtime.memory import release
 
 
 class Weights:
@@ -65,10 +66,14 @@ def stack_rows(tensors: list):
                 not all(isinstance(t, QTensor) for t in tensors):
             return None
         rows = sum(t.shape[0] for t in tensors)
-        return QTensor(np.concatenate([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
-    if len({(np.asarray(t).dtype, np.shape(t)[1:]) for t in tensors}) != 1:
+        stacked = QTensor(np.concatenate([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
+    elif len({(np.asarray(t).dtype, np.shape(t)[1:]) for t in tensors}) == 1:
+        stacked = np.concatenate([np.asarray(t) for t in tensors])
+    else:
         return None
-    return np.concatenate([np.asarray(t) for t in tensors])
+    for t in tensors:                                  # the originals are never read again
+        release(t.data if isinstance(t, QTensor) else np.asarray(t))
+    return stacked
 
 
 def fuse_projections(cfg: DecoderConfig, weights: Weights) -> Weights:

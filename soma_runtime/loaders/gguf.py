@@ -121,4 +121,6 @@ def load_gguf_model(path: str):
     tokenizer = Tokenizer.from_gguf(f.metadata, path)
     if not cfg.vocab_size:
         cfg.vocab_size = tokenizer.vocab_size
-    return LoadedModel(path, "gguf", cfg, Weights(f.tensors, path), tokenizer, metadata=f.metadata)
+    # the vocabulary's long arrays live on in the tokenizer; as Python lists they would hold ~15 MB
+    metadata = {k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 1024)}
+    return LoadedModel(path, "gguf", cfg, Weights(f.tensors, path), tokenizer, metadata=metadata)

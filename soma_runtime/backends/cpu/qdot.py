@@ -63,10 +63,11 @@ def quantize(x):
     return qs, d, s, gs
 
 
-def make_matmul(fmt: int, vnni: str | None):
+def make_matmul(fmt: int, portable: bool = False):
     """x [M, K] f32 @ weight rows [N, row bytes] of `fmt` -> out [M, N]: activations quantized once,
-    then tiles of weight rows in parallel, each block decoded once per 4 activation rows."""
-    four, one = simd.row_dots(fmt, 4, vnni), simd.row_dots(fmt, 1, vnni)
+    then tiles of weight rows in parallel, each block decoded once per 4 activation rows.
+    `portable` skips VNNI (to test that path where the CPU has it)."""
+    path = int(portable)
 
     @njit(parallel=True, cache=True)
     def matmul(w, x, out):
@@ -77,16 +78,16 @@ def make_matmul(fmt: int, vnni: str | None):
             m = 0
             while m + 4 <= m_rows:
                 for n in range(lo, hi):
-                    four(w, qs, d, s, gs, m, n, out)
+                    simd.row_dots(fmt, 4, path, w, qs, d, s, gs, m, n, out)
                 m += 4
             while m < m_rows:
                 for n in range(lo, hi):
-                    one(w, qs, d, s, gs, m, n, out)
+                    simd.row_dots(fmt, 1, path, w, qs, d, s, gs, m, n, out)
                 m += 1
     return matmul
 
 
-MATMUL = {fmt: make_matmul(fmt, simd.host_vnni()) for fmt in FORMATS}
+MATMUL = {fmt: make_matmul(fmt) for fmt in FORMATS}
 
 
 def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:

@@ -133,57 +133,57 @@ def hsum(builder, v):
     return builder.fadd(builder.extract_element(pair, i32(0)), builder.extract_element(pair, i32(1)))
 
 
-def row_dots(fmt: int, rows: int, vnni: str | None):
-    """An intrinsic `f(w, qs, d, s, gs, m0, n, out)`: out[m0 + r, n] = weight row n . activation row m0 + r
-    for r < `rows`, the weight blocks decoded once for all those rows. Activations are q8 blocks:
-    qs [M, K] int8, scales d [M, K/32], s = d * block sum [M, K/32], 4-byte group sums gs [M, K/4]."""
-    layout = LAYOUTS[fmt]
+@intrinsic
+def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, gs, m0, n, out):
+    """out[m0 + r, n] = weight row n . activation row m0 + r for r < `rows`, each weight block decoded
+    once for all those rows. `fmt` (a GGML type id), `rows` and `portable` (1: no VNNI) must be
+    compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32],
+    s = d * block sum [M, K/32], 4-byte group sums gs [M, K/4]; weights w [N, row bytes]."""
+    if not all(isinstance(t, types.IntegerLiteral) for t in (fmt, rows, portable)):
+        return None
+    layout, n_rows = LAYOUTS[fmt.literal_value], rows.literal_value
+    vnni = None if portable.literal_value else host_vnni()
+    sig = types.void(fmt, rows, portable, w, qs, d, s, gs, types.intp, types.intp, out)
 
-    @intrinsic
-    def kernel(typingctx, w, qs, d, s, gs, m0, n, out):
-        sig = types.void(w, qs, d, s, gs, types.intp, types.intp, out)
-
-        def codegen(context, builder, signature, args):
-            w, qs, d, s, gs, out = (context.make_array(t)(context, builder, v)
-                                    for t, v in zip(signature.args[:5] + signature.args[7:], args[:5] + args[7:]))
-            m0, n = args[5], args[6]
-            intp = m0.type
-            k = builder.extract_value(qs.shape, 1)
-            blocks = builder.udiv(k, ir.Constant(intp, 32))
-            n_out = builder.extract_value(out.shape, 1)
-            row = builder.gep(w.data, [builder.mul(n, builder.extract_value(w.shape, 1))])
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)) for _ in range(rows)]
-            mins = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(rows)]
-            with cgutils.for_range(builder, blocks) as loop:
-                b = loop.index
-                block = builder.gep(row, [builder.mul(b, ir.Constant(intp, layout.size))])
-                with builder.if_then(builder.icmp_unsigned("==", builder.and_(b, ir.Constant(intp, 1)), ir.Constant(intp, 0))):
-                    prefetch(builder, builder.gep(block, [ir.Constant(intp, PREFETCH_BYTES)]))
-                weights, scale, minimum = decode_block(builder, block, layout)
-                for r in range(rows):
-                    m = builder.add(m0, ir.Constant(intp, r))
-                    at = builder.add(builder.mul(m, blocks), b)            # index of (m, b) in d, s
-                    quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, ir.Constant(intp, 32))), vec(I8, 32))
-                    start = ir.Constant(vec(I32, 8), [i32(0)] * 8)
-                    if layout.bias:
-                        groups = load(builder, gs.data, builder.mul(at, ir.Constant(intp, 8)), vec(I32, 8))
-                        start = builder.sub(start, builder.mul(groups, const_vec(I32, [layout.bias] * 8)))
-                    total = dot_groups(builder, weights, quants, start, vnni)
-                    block_scale = builder.fmul(scale, builder.load(builder.gep(d.data, [at])))
-                    term = builder.fmul(builder.sitofp(total, vec(F32, 8)), splat(builder, block_scale))
-                    builder.store(builder.fadd(builder.load(accs[r]), term), accs[r])
-                    if minimum is not None:
-                        term = builder.fmul(minimum, builder.load(builder.gep(s.data, [at])))
-                        builder.store(builder.fadd(builder.load(mins[r]), term), mins[r])
-            for r in range(rows):
-                value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.load(mins[r]))
+    def codegen(context, builder, signature, args):
+        w, qs, d, s, gs, out = (context.make_array(t)(context, builder, v)
+                                for t, v in zip(signature.args[3:8] + signature.args[10:], args[3:8] + args[10:]))
+        m0, n = args[8], args[9]
+        intp = m0.type
+        k = builder.extract_value(qs.shape, 1)
+        blocks = builder.udiv(k, ir.Constant(intp, 32))
+        n_out = builder.extract_value(out.shape, 1)
+        row = builder.gep(w.data, [builder.mul(n, builder.extract_value(w.shape, 1))])
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)) for _ in range(n_rows)]
+        mins = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            block = builder.gep(row, [builder.mul(b, ir.Constant(intp, layout.size))])
+            with builder.if_then(builder.icmp_unsigned("==", builder.and_(b, ir.Constant(intp, 1)), ir.Constant(intp, 0))):
+                prefetch(builder, builder.gep(block, [ir.Constant(intp, PREFETCH_BYTES)]))
+            weights, scale, minimum = decode_block(builder, block, layout)
+            for r in range(n_rows):
                 m = builder.add(m0, ir.Constant(intp, r))
-                builder.store(value, builder.gep(out.data, [builder.add(builder.mul(m, n_out), n)]))
-            return context.get_dummy_value()
+                at = builder.add(builder.mul(m, blocks), b)            # index of (m, b) in d, s
+                quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, ir.Constant(intp, 32))), vec(I8, 32))
+                start = ir.Constant(vec(I32, 8), [i32(0)] * 8)
+                if layout.bias:
+                    groups = load(builder, gs.data, builder.mul(at, ir.Constant(intp, 8)), vec(I32, 8))
+                    start = builder.sub(start, builder.mul(groups, const_vec(I32, [layout.bias] * 8)))
+                total = dot_groups(builder, weights, quants, start, vnni)
+                block_scale = builder.fmul(scale, builder.load(builder.gep(d.data, [at])))
+                term = builder.fmul(builder.sitofp(total, vec(F32, 8)), splat(builder, block_scale))
+                builder.store(builder.fadd(builder.load(accs[r]), term), accs[r])
+                if minimum is not None:
+                    term = builder.fmul(minimum, builder.load(builder.gep(s.data, [at])))
+                    builder.store(builder.fadd(builder.load(mins[r]), term), mins[r])
+        for r in range(n_rows):
+            value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.load(mins[r]))
+            m = builder.add(m0, ir.Constant(intp, r))
+            builder.store(value, builder.gep(out.data, [builder.add(builder.mul(m, n_out), n)]))
+        return context.get_dummy_value()
 
-        return sig, codegen
-
-    return kernel
+    return sig, codegen
 
 
 @intrinsic

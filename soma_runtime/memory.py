@@ -1,0 +1,38 @@
+"""Resident memory of tensors that are views into mmapped model files.
+
+Weights are used in place, so a page of the file becomes resident only when a kernel reads it. A
+tensor that has been copied (weights stacked for one matmul) gives its pages back here, so the copy
+replaces the original in resident memory instead of adding to it.
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+
+def _mapping_of(array: np.ndarray):
+    """(mmap object, address of its first byte) for a view of an np.memmap, else None."""
+    base = array
+    while isinstance(base, np.ndarray) and not isinstance(base.base, mmap.mmap):
+        base = base.base                                        # views of a memmap are memmaps too: find the root
+    if not isinstance(base, np.memmap):
+        return None
+    lead = base.offset % mmap.ALLOCATIONGRANULARITY          # np.memmap maps from an aligned start
+    return base.base, base.ctypes.data - lead
+
+
+def release(array: np.ndarray) -> int:
+    """Drop the resident file pages that lie wholly inside `array` (a later read maps them again).
+    Returns the bytes released; arrays that are not mmapped views are left alone."""
+    found = _mapping_of(array)
+    if found is None or array.nbytes == 0:
+        return 0
+    mm, start_address = found
+    begin = array.ctypes.data - start_address
+    first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (begin + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return 0
+    mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+    return last - first
