@@ -28,6 +28,10 @@ class Step:
     attrs: dict
     out: np.ndarray | None       # arena view the kernel writes into, if planned
 
+    @property
+    def single(self) -> bool:
+        return len(self.outputs) == 1
+
 
 def bind_attrs(attrs: dict, bindings: dict[str, int]) -> dict:
     """Resolve symbolic sizes inside tuple attrs (a reshape to (B, S, -1))."""
@@ -72,6 +76,7 @@ class Plan:
         self.memory = plan_memory(g, self.metas) if memory_plan else None
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
+        self.input_shapes = {name: meta.bind(self.bindings).shape for name, meta in g.inputs.items()}
 
     @classmethod
     def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
@@ -106,10 +111,10 @@ class Plan:
 
     def run(self, inputs: dict) -> list:
         env = dict(self.graph.constants)
-        for name, meta in self.graph.inputs.items():
+        for name, shape in self.input_shapes.items():
             value = inputs.get(name)
-            if value is None or tuple(np.shape(value)) != meta.bind(self.bindings).shape:
-                raise GraphError(f"input {name!r}: expected shape {list(meta.bind(self.bindings).shape)}, "
+            if value is None or np.shape(value) != shape:
+                raise GraphError(f"input {name!r}: expected shape {list(shape)}, "
                                  f"got {None if value is None else list(np.shape(value))}")
             env[name] = value
         with np.errstate(all="ignore"):       # inf/nan follow IEEE semantics; no warning per op
@@ -119,11 +124,12 @@ class Plan:
 
     def _run_steps(self, env: dict) -> None:
         for step in self.steps:
-            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=step.out, **step.attrs)
-            if step.out is not None and result is not step.out:
-                step.out[...] = result
-                result = step.out
-            if len(step.outputs) == 1:
+            out = step.out
+            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=out, **step.attrs)
+            if out is not None and result is not out:
+                out[...] = result
+                result = out
+            if step.single:
                 env[step.outputs[0]] = result
             else:
                 env.update(zip(step.outputs, result))

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32, out_f32
 from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
 from soma_runtime.backends.cpu.simd import narrow, widen
 from soma_runtime.dtypes import dtype_of
@@ -115,15 +115,14 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, 
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
     if mask is None:
         mask = np.zeros((1, 1, S, T), np.float32)
-    fits = S <= DECODE_ROWS and k_pages.dtype in (np.float32, np.float16) and mask.shape[:2] == (1, 1)
+    fits = S <= DECODE_ROWS and k_pages.dtype in (np.float32, np.float16) and mask.shape == (1, 1, S, T)
     if not fits:
         keys, values = (np.take(p.reshape(-1, *p.shape[2:]), ctx_slots, axis=0).transpose(1, 0, 2)[None]
                         for p in (k_pages, v_pages))
         result = sdpa(q.transpose(1, 0, 2)[None], keys, values, mask, scale=scale, softcap=softcap)
         return deliver(result[0].transpose(1, 0, 2), like, out)
-    result = np.empty((S, H, v_pages.shape[3]), np.float32)
+    result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
-    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots,
-                     np.ascontiguousarray(np.broadcast_to(f32(mask)[0, 0], (S, T))), scale, np.float32(softcap),
-                     precision, result)
-    return deliver(result, like, out)
+    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, np.ascontiguousarray(f32(mask)[0, 0]),
+                     scale, np.float32(softcap), precision, result)
+    return result if result is out else deliver(result, like, out)

@@ -79,7 +79,11 @@ def embedding(table, ids, out=None):
 def kv_append(pages, new, slots, out=None):
     """Write new rows into their slots in place; the returned tensor is the cache itself."""
     flat = pages.reshape(-1, *pages.shape[2:])
-    flat[slots.reshape(-1)] = new.reshape(-1, *pages.shape[2:])     # numpy rounds to the cache's dtype
+    rows = new.reshape(-1, *pages.shape[2:])
+    if rows.shape[0] == 1:                  # decode: one row, where fancy indexing's setup dominates
+        flat[int(slots.reshape(-1)[0])] = rows[0]
+    else:
+        flat[slots.reshape(-1)] = rows      # numpy rounds to the cache's dtype
     return pages
 
 
