@@ -54,7 +54,7 @@ def test_dead_nodes_are_removed_and_constants_folded():
     g.relu(x)                                  # dead: nothing reads it
     graph = g.output(g.add(x, folded))
     plan = Plan(graph)
-    assert [s.kernel.__name__ for s in plan.steps] == ["<lambda>"] and len(plan.steps) == 1
+    assert [s.kernel.__name__ for s in plan.steps] == ["add"]
     np.testing.assert_array_equal(plan.run({"x": np.ones(4, np.float32)})[0], np.full(4, 7.0, np.float32))
 
 

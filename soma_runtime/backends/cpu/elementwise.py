@@ -34,6 +34,7 @@ def binary_jet(ufunc):
         if out is not None and all_f32(a, b, out) and a.shape == b.shape == out.shape:
             return ufunc(a, b, out=out)           # the decode step's residual adds: no temporaries
         return general(a, b, out=out)
+    run.__name__ = ufunc.__name__
     return run
 
 
