@@ -30,9 +30,9 @@ def _f16_round(v):
 
 
 @njit(cache=True)
-def _quantize_rows(x, qs, d, s, gs):
-    """x [M, K] f32 -> qs [M, K] int8, d and s (= d * sum q) [M, K/32] f32, f16-rounded like the file
-    format, and the sums of each 4 quants gs [M, K/4] (they take a stored weight's bias off)."""
+def _quantize_rows(x, qs, d, s):
+    """x [M, K] f32 -> qs [M, K] int8, d [M, K/32] and s = d * sum q [K/32, M] f32 (transposed: the
+    kernels read one block's sums for several rows at once), f16-rounded like the file format."""
     for m in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             amax = np.float32(0)
@@ -40,49 +40,50 @@ def _quantize_rows(x, qs, d, s, gs):
                 amax = max(amax, abs(x[m, b * 32 + j]))
             inv = np.float32(127) / amax if amax != 0 else np.float32(0)
             total = 0
-            for g in range(8):
-                group = 0
-                for j in range(g * 4, g * 4 + 4):
-                    q = np.int32(np.rint(x[m, b * 32 + j] * inv))
-                    qs[m, b * 32 + j] = q
-                    group += q
-                gs[m, b * 8 + g] = group
-                total += group
+            for j in range(32):
+                q = np.int32(np.rint(x[m, b * 32 + j] * inv))
+                qs[m, b * 32 + j] = q
+                total += q
             scale = amax / np.float32(127)
             d[m, b] = _f16_round(scale)
-            s[m, b] = _f16_round(scale * np.float32(total))
+            s[b, m] = _f16_round(scale * np.float32(total))
 
 
 @njit(cache=True)
 def quantize(x):
-    """The q8 blocks of x [M, K]: (qs, d, s, gs) as `_quantize_rows` describes."""
+    """The q8 blocks of x [M, K]: (qs, d, s) as `_quantize_rows` describes."""
     m, k = x.shape
-    qs, gs = np.empty((m, k), np.int8), np.empty((m, k // 4), np.int32)
-    d, s = np.empty((m, k // 32), np.float32), np.empty((m, k // 32), np.float32)
-    _quantize_rows(x, qs, d, s, gs)
-    return qs, d, s, gs
+    qs = np.empty((m, k), np.int8)
+    d, s = np.empty((m, k // 32), np.float32), np.empty((k // 32, m), np.float32)
+    _quantize_rows(x, qs, d, s)
+    return qs, d, s
 
 
 def make_matmul(fmt: int, portable: bool = False):
     """x [M, K] f32 @ weight rows [N, row bytes] of `fmt` -> out [M, N]: activations quantized once,
-    then tiles of weight rows in parallel, each block decoded once per 4 activation rows.
+    then tiles of weight rows in parallel, each block decoded once per 8 (or 4) activation rows.
     `portable` skips VNNI (to test that path where the CPU has it)."""
-    path = int(portable)
+    path, stamp = int(portable), simd.SOURCE_STAMP
 
     @njit(parallel=True, cache=True)
     def matmul(w, x, out):
-        qs, d, s, gs = quantize(x)
+        assert stamp == simd.SOURCE_STAMP        # in the closure, so the disk cache keys on simd.py too
+        qs, d, s = quantize(x)
         m_rows, n_rows = x.shape[0], w.shape[0]
         for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
             lo, hi = tile * TILE_ROWS, min(n_rows, (tile + 1) * TILE_ROWS)
             m = 0
+            while m + 8 <= m_rows:
+                for n in range(lo, hi):
+                    simd.row_dots(fmt, 8, path, w, qs, d, s, m, n, out)
+                m += 8
             while m + 4 <= m_rows:
                 for n in range(lo, hi):
-                    simd.row_dots(fmt, 4, path, w, qs, d, s, gs, m, n, out)
+                    simd.row_dots(fmt, 4, path, w, qs, d, s, m, n, out)
                 m += 4
             while m < m_rows:
                 for n in range(lo, hi):
-                    simd.row_dots(fmt, 1, path, w, qs, d, s, gs, m, n, out)
+                    simd.row_dots(fmt, 1, path, w, qs, d, s, m, n, out)
                 m += 1
     return matmul
 

@@ -1,16 +1,20 @@
 """LLVM vector IR for integer block dot products, emitted into numba kernels through intrinsics.
 
 numba types integer arithmetic as int64, which keeps byte-sized math out of SIMD lanes. Here each
-32-weight block is decoded into a <32 x u8> vector and dotted with 32 int8 activations in groups
-of 4 bytes into <8 x i32>: one `vpdpbusd` where the CPU has VNNI, portable vector IR elsewhere
-(LLVM picks the instructions). Both give the same exact integers, so every path agrees bit for bit.
+32-weight block is decoded once into a byte vector and dotted with 32 int8 activations in groups
+of 4 bytes into <8 x i32>: one `vpdpbusd` (unsigned x signed bytes) where the CPU has VNNI,
+portable vector IR elsewhere (LLVM picks the instructions). Both give the same exact integers.
 
-Weights are unsigned here; a signed format stores w + bias, and the bias comes off through the
-accumulator's start value, -bias * (sum of each 4-byte activation group), precomputed per block.
+Formats with unsigned weights (q4_1, q5_1) dot them with the signed activations directly. Formats
+with signed weights (q4_0, q5_0, q8_0) dot them with the activations shifted to unsigned (q + 128);
+the shift comes off through the accumulator's start, -128 * (sum of each 4 weights), computed once
+per block for all the activation rows that share it.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import llvmlite.binding
 import numba
@@ -21,6 +25,9 @@ from numba.extending import intrinsic
 
 from soma_runtime.quant.formats import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
+# numba's disk cache keys a kernel on its own module; kernels built on this IR carry this stamp in
+# their closure so that a change here recompiles them
+SOURCE_STAMP = zlib.crc32(Path(__file__).read_bytes())
 I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 # weights stream once per token: asking for them this far ahead (every other block: about one cache
 # line) takes a 2-core decode read from ~10 to ~13 GB/s
@@ -47,7 +54,7 @@ class BlockLayout:
     quants: int
     min: int | None = None        # offset of the f16 min (formats that add m * sum of activations)
     high_bits: int | None = None  # offset of the 32-bit word of 5th bits
-    bias: int = 0
+    bias: int = 0                 # stored value - weight (4- and 5-bit formats without a min)
     bits: int = 4
 
 
@@ -56,7 +63,7 @@ LAYOUTS = {
     Q4_1: BlockLayout(20, scale=0, min=2, quants=4),
     Q5_0: BlockLayout(22, scale=0, high_bits=2, quants=6, bias=16),
     Q5_1: BlockLayout(24, scale=0, min=2, high_bits=4, quants=8),
-    Q8_0: BlockLayout(34, scale=0, quants=2, bias=128, bits=8),
+    Q8_0: BlockLayout(34, scale=0, quants=2, bits=8),
 }
 
 
@@ -81,11 +88,12 @@ def load_f16(builder, base, offset):
     return builder.fpext(load(builder, base, i32(offset), ir.HalfType()), F32)
 
 
-def decode_block(builder, block, layout: BlockLayout):
-    """(weights as <32 x u8> stored values, scale, min or None) of the block at byte pointer `block`."""
-    if layout.bits == 8:                             # int8 weights; flipping the sign bit adds 128
-        raw = load(builder, block, i32(layout.quants), vec(I8, 32))
-        weights = builder.xor(raw, const_vec(I8, [0x80] * 32))
+def decode_block(builder, block, layout: BlockLayout, vnni):
+    """(weights <32 x i8>, accumulator start <8 x i32> or None, scale, min or None) of the block at
+    byte pointer `block`: unsigned weights and no start, or signed weights and the start that
+    cancels the activations' +128 shift."""
+    if layout.bits == 8:
+        weights = load(builder, block, i32(layout.quants), vec(I8, 32))
     else:
         raw = load(builder, block, i32(layout.quants), vec(I8, 16))
         low = builder.and_(raw, const_vec(I8, [15] * 16))
@@ -97,20 +105,36 @@ def decode_block(builder, block, layout: BlockLayout):
                                             ir.Constant(vec(I32, 32), None), const_vec(I32, [0] * 32))
             bit = builder.and_(builder.lshr(spread, const_vec(I32, list(range(32)))), const_vec(I32, [1] * 32))
             weights = builder.or_(weights, builder.shl(builder.trunc(bit, vec(I8, 32)), const_vec(I8, [4] * 32)))
+        if layout.bias:
+            weights = builder.sub(weights, const_vec(I8, [layout.bias] * 32))
+    start = None
+    if layout.bias or layout.bits == 8:
+        sums = dot_groups(builder, const_vec(I8, [1] * 32), weights, zeros(vec(I32, 8)), vnni)
+        start = builder.sub(zeros(vec(I32, 8)), builder.shl(sums, const_vec(I32, [7] * 8)))
     scale = load_f16(builder, block, layout.scale)
     minimum = load_f16(builder, block, layout.min) if layout.min is not None else None
-    return weights, scale, minimum
+    return weights, start, scale, minimum
 
 
-def dot_groups(builder, weights, quants, acc, vnni: str | None):
-    """acc[i] + sum over j<4 of weights[4i+j] (unsigned) * quants[4i+j] (signed), as <8 x i32>."""
+def zeros(ty):
+    return ir.Constant(ty, None)
+
+
+def dot_groups(builder, unsigned, signed, acc, vnni: str | None):
+    """acc[i] + sum over j<4 of unsigned[4i+j] * signed[4i+j] (bytes), as <8 x i32>."""
     if vnni:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)]), vnni)
-        return builder.call(fn, [acc, weights, quants])
-    products = builder.mul(builder.zext(weights, vec(I32, 32)), builder.sext(quants, vec(I32, 32)))
+        return builder.call(fn, [acc, unsigned, signed])
+    products = builder.mul(builder.zext(unsigned, vec(I32, 32)), builder.sext(signed, vec(I32, 32)))
     for j in range(4):
         acc = builder.add(acc, builder.shuffle_vector(products, products, const_vec(I32, [4 * i + j for i in range(8)])))
     return acc
+
+
+def fmuladd(builder, a, b, c):
+    """a * b + c, fused where the CPU has FMA (as ggml's x86 kernels accumulate)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fmuladd.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
 
 
 def prefetch(builder, ptr):
@@ -134,51 +158,51 @@ def hsum(builder, v):
 
 
 @intrinsic
-def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, gs, m0, n, out):
+def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
     """out[m0 + r, n] = weight row n . activation row m0 + r for r < `rows`, each weight block decoded
     once for all those rows. `fmt` (a GGML type id), `rows` and `portable` (1: no VNNI) must be
-    compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32],
-    s = d * block sum [M, K/32], 4-byte group sums gs [M, K/4]; weights w [N, row bytes]."""
+    compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32] and
+    s = d * block sum [K/32, M] (for formats with a min); weights w [N, row bytes]."""
     if not all(isinstance(t, types.IntegerLiteral) for t in (fmt, rows, portable)):
         return None
     layout, n_rows = LAYOUTS[fmt.literal_value], rows.literal_value
     vnni = None if portable.literal_value else host_vnni()
-    sig = types.void(fmt, rows, portable, w, qs, d, s, gs, types.intp, types.intp, out)
+    sig = types.void(fmt, rows, portable, w, qs, d, s, types.intp, types.intp, out)
 
     def codegen(context, builder, signature, args):
-        w, qs, d, s, gs, out = (context.make_array(t)(context, builder, v)
-                                for t, v in zip(signature.args[3:8] + signature.args[10:], args[3:8] + args[10:]))
-        m0, n = args[8], args[9]
+        w, qs, d, s, out = (context.make_array(t)(context, builder, v)
+                            for t, v in zip(signature.args[3:7] + signature.args[9:], args[3:7] + args[9:]))
+        m0, n = args[7], args[8]
         intp = m0.type
         k = builder.extract_value(qs.shape, 1)
         blocks = builder.udiv(k, ir.Constant(intp, 32))
         n_out = builder.extract_value(out.shape, 1)
         row = builder.gep(w.data, [builder.mul(n, builder.extract_value(w.shape, 1))])
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)) for _ in range(n_rows)]
-        mins = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+        m_rows = builder.extract_value(qs.shape, 0)
+        accs = [cgutils.alloca_once_value(builder, zeros(vec(F32, 8))) for _ in range(n_rows)]
+        mins = cgutils.alloca_once_value(builder, zeros(vec(F32, n_rows)))     # one lane per activation row
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             block = builder.gep(row, [builder.mul(b, ir.Constant(intp, layout.size))])
             with builder.if_then(builder.icmp_unsigned("==", builder.and_(b, ir.Constant(intp, 1)), ir.Constant(intp, 0))):
                 prefetch(builder, builder.gep(block, [ir.Constant(intp, PREFETCH_BYTES)]))
-            weights, scale, minimum = decode_block(builder, block, layout)
+            weights, start, scale, minimum = decode_block(builder, block, layout, vnni)
+            scale_vec = splat(builder, scale)
+            if minimum is not None:            # s is stored [K/32, M]: the rows' sums of block b sit together
+                sums = load(builder, s.data, builder.add(builder.mul(b, m_rows), m0), vec(F32, n_rows))
+                builder.store(fmuladd(builder, splat(builder, minimum, n_rows), sums, builder.load(mins)), mins)
             for r in range(n_rows):
                 m = builder.add(m0, ir.Constant(intp, r))
                 at = builder.add(builder.mul(m, blocks), b)            # index of (m, b) in d, s
                 quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, ir.Constant(intp, 32))), vec(I8, 32))
-                start = ir.Constant(vec(I32, 8), [i32(0)] * 8)
-                if layout.bias:
-                    groups = load(builder, gs.data, builder.mul(at, ir.Constant(intp, 8)), vec(I32, 8))
-                    start = builder.sub(start, builder.mul(groups, const_vec(I32, [layout.bias] * 8)))
-                total = dot_groups(builder, weights, quants, start, vnni)
-                block_scale = builder.fmul(scale, builder.load(builder.gep(d.data, [at])))
-                term = builder.fmul(builder.sitofp(total, vec(F32, 8)), splat(builder, block_scale))
-                builder.store(builder.fadd(builder.load(accs[r]), term), accs[r])
-                if minimum is not None:
-                    term = builder.fmul(minimum, builder.load(builder.gep(s.data, [at])))
-                    builder.store(builder.fadd(builder.load(mins[r]), term), mins[r])
+                if start is None:
+                    total = dot_groups(builder, weights, quants, zeros(vec(I32, 8)), vnni)
+                else:                                                  # flipping the sign bit adds 128
+                    total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32)), weights, start, vnni)
+                block_scale = builder.fmul(scale_vec, splat(builder, builder.load(builder.gep(d.data, [at]))))
+                builder.store(fmuladd(builder, builder.sitofp(total, vec(F32, 8)), block_scale, builder.load(accs[r])), accs[r])
         for r in range(n_rows):
-            value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.load(mins[r]))
+            value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.extract_element(builder.load(mins), i32(r)))
             m = builder.add(m0, ir.Constant(intp, r))
             builder.store(value, builder.gep(out.data, [builder.add(builder.mul(m, n_out), n)]))
         return context.get_dummy_value()
