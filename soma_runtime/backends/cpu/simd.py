@@ -68,15 +68,13 @@ LAYOUTS = {
 
 
 def host_vnni() -> str | None:
-    """The VNNI intrinsic this CPU runs, if numba compiles for the host (NUMBA_CPU_NAME unset)."""
+    """The VNNI this CPU runs ("avx512" or "avx"), if numba compiles for the host (NUMBA_CPU_NAME unset)."""
     if numba.config.CPU_NAME:
         return None
     features = llvmlite.binding.get_host_cpu_features()
     if features.get("avx512vnni") and features.get("avx512vl"):
-        return "llvm.x86.avx512.vpdpbusd.256"
-    if features.get("avxvnni"):
-        return "llvm.x86.avxvnni.vpdpbusd.256"
-    return None
+        return "avx512"
+    return "avx" if features.get("avxvnni") else None
 
 
 def load(builder, base, offset, ty):
@@ -121,14 +119,25 @@ def zeros(ty):
 
 
 def dot_groups(builder, unsigned, signed, acc, vnni: str | None):
-    """acc[i] + sum over j<4 of unsigned[4i+j] * signed[4i+j] (bytes), as <8 x i32>."""
-    if vnni:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)]), vnni)
+    """acc[i] + sum over j<4 of unsigned[4i+j] * signed[4i+j], for 32 or 64 bytes into 8 or 16 i32 lanes."""
+    lanes = acc.type.count
+    if vnni == "avx512" or (vnni == "avx" and lanes == 8):
+        name = f"llvm.x86.avx512.vpdpbusd.{lanes * 32}" if vnni == "avx512" else "llvm.x86.avxvnni.vpdpbusd.256"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type, unsigned.type, signed.type]), name)
         return builder.call(fn, [acc, unsigned, signed])
-    products = builder.mul(builder.zext(unsigned, vec(I32, 32)), builder.sext(signed, vec(I32, 32)))
+    if vnni == "avx":                                 # 256-bit VNNI only: two halves
+        halves = [dot_groups(builder, *(builder.shuffle_vector(v, v, const_vec(I32, list(range(h * n, h * n + n))))
+                                        for v, n in ((unsigned, 32), (signed, 32), (acc, 8))), vnni) for h in (0, 1)]
+        return builder.shuffle_vector(halves[0], halves[1], const_vec(I32, list(range(16))))
+    wide = vec(I32, 4 * lanes)
+    products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
     for j in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(products, products, const_vec(I32, [4 * i + j for i in range(8)])))
+        acc = builder.add(acc, builder.shuffle_vector(products, products, const_vec(I32, [4 * i + j for i in range(lanes)])))
     return acc
+
+
+def concat(builder, a, b):
+    return builder.shuffle_vector(a, b, const_vec(I32, list(range(2 * a.type.count))))
 
 
 def fmuladd(builder, a, b, c):
@@ -162,7 +171,8 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
     """out[m0 + r, n] = weight row n . activation row m0 + r for r < `rows`, each weight block decoded
     once for all those rows. `fmt` (a GGML type id), `rows` and `portable` (1: no VNNI) must be
     compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32] and
-    s = d * block sum [K/32, M] (for formats with a min); weights w [N, row bytes]."""
+    s = d * block sum [K/32, M] (for formats with a min); weights w [N, row bytes].
+    Blocks go two at a time through 16-lane vectors (an odd last one through the low 8 lanes)."""
     if not all(isinstance(t, types.IntegerLiteral) for t in (fmt, rows, portable)):
         return None
     layout, n_rows = LAYOUTS[fmt.literal_value], rows.literal_value
@@ -174,37 +184,56 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
                             for t, v in zip(signature.args[3:7] + signature.args[9:], args[3:7] + args[9:]))
         m0, n = args[7], args[8]
         intp = m0.type
-        k = builder.extract_value(qs.shape, 1)
-        blocks = builder.udiv(k, ir.Constant(intp, 32))
-        n_out = builder.extract_value(out.shape, 1)
+        const = lambda v: ir.Constant(intp, v)
+        k, m_rows = builder.extract_value(qs.shape, 1), builder.extract_value(qs.shape, 0)
+        blocks = builder.udiv(k, const(32))
         row = builder.gep(w.data, [builder.mul(n, builder.extract_value(w.shape, 1))])
-        m_rows = builder.extract_value(qs.shape, 0)
-        accs = [cgutils.alloca_once_value(builder, zeros(vec(F32, 8))) for _ in range(n_rows)]
+        accs = [cgutils.alloca_once_value(builder, zeros(vec(F32, 16))) for _ in range(n_rows)]
         mins = cgutils.alloca_once_value(builder, zeros(vec(F32, n_rows)))     # one lane per activation row
-        with cgutils.for_range(builder, blocks) as loop:
-            b = loop.index
-            block = builder.gep(row, [builder.mul(b, ir.Constant(intp, layout.size))])
-            with builder.if_then(builder.icmp_unsigned("==", builder.and_(b, ir.Constant(intp, 1)), ir.Constant(intp, 0))):
-                prefetch(builder, builder.gep(block, [ir.Constant(intp, PREFETCH_BYTES)]))
-            weights, start, scale, minimum = decode_block(builder, block, layout, vnni)
-            scale_vec = splat(builder, scale)
-            if minimum is not None:            # s is stored [K/32, M]: the rows' sums of block b sit together
-                sums = load(builder, s.data, builder.add(builder.mul(b, m_rows), m0), vec(F32, n_rows))
-                builder.store(fmuladd(builder, splat(builder, minimum, n_rows), sums, builder.load(mins)), mins)
+
+        def step(b, count):
+            """Blocks b .. b + count - 1 (count 1 or 2) into every row's accumulator."""
+            decoded = [decode_block(builder, builder.gep(row, [builder.mul(builder.add(b, const(i)), const(layout.size))]),
+                                    layout, vnni) for i in range(count)]
+            weights = decoded[0][0] if count == 1 else concat(builder, decoded[0][0], decoded[1][0])
+            start = None if decoded[0][1] is None else (decoded[0][1] if count == 1 else concat(builder, decoded[0][1], decoded[1][1]))
+            scales = [splat(builder, x[2]) for x in decoded]
+            scales = scales[0] if count == 1 else concat(builder, *scales)
+            for i, (_, _, _, minimum) in enumerate(decoded):
+                if minimum is not None:        # s is stored [K/32, M]: the rows' sums of one block sit together
+                    sums = load(builder, s.data, builder.add(builder.mul(builder.add(b, const(i)), m_rows), m0), vec(F32, n_rows))
+                    builder.store(fmuladd(builder, splat(builder, minimum, n_rows), sums, builder.load(mins)), mins)
             for r in range(n_rows):
-                m = builder.add(m0, ir.Constant(intp, r))
-                at = builder.add(builder.mul(m, blocks), b)            # index of (m, b) in d, s
-                quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, ir.Constant(intp, 32))), vec(I8, 32))
+                m = builder.add(m0, const(r))
+                quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, const(32))), vec(I8, 32 * count))
                 if start is None:
-                    total = dot_groups(builder, weights, quants, zeros(vec(I32, 8)), vnni)
+                    total = dot_groups(builder, weights, quants, zeros(vec(I32, 8 * count)), vnni)
                 else:                                                  # flipping the sign bit adds 128
-                    total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32)), weights, start, vnni)
-                block_scale = builder.fmul(scale_vec, splat(builder, builder.load(builder.gep(d.data, [at]))))
-                builder.store(fmuladd(builder, builder.sitofp(total, vec(F32, 8)), block_scale, builder.load(accs[r])), accs[r])
+                    total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32 * count)), weights, start, vnni)
+                act = load(builder, d.data, builder.add(builder.mul(m, blocks), b), vec(F32, count))
+                act = builder.shuffle_vector(act, act, const_vec(I32, [i for i in range(count) for _ in range(8)]))
+                term = builder.sitofp(total, vec(F32, 8 * count))
+                if count == 1:                 # the low 8 lanes only
+                    term = concat(builder, term, zeros(vec(F32, 8)))
+                    act = concat(builder, builder.fmul(scales, act), zeros(vec(F32, 8)))
+                else:
+                    act = builder.fmul(scales, act)
+                builder.store(fmuladd(builder, term, act, builder.load(accs[r])), accs[r])
+
+        pairs = builder.udiv(blocks, const(2))
+        with cgutils.for_range(builder, pairs) as loop:
+            b = builder.mul(loop.index, const(2))
+            prefetch(builder, builder.gep(row, [builder.add(builder.mul(b, const(layout.size)), const(PREFETCH_BYTES))]))
+            step(b, 2)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(blocks, const(1)), const(0))):
+            step(builder.sub(blocks, const(1)), 1)
+        n_out = builder.extract_value(out.shape, 1)
         for r in range(n_rows):
-            value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.extract_element(builder.load(mins), i32(r)))
-            m = builder.add(m0, ir.Constant(intp, r))
-            builder.store(value, builder.gep(out.data, [builder.add(builder.mul(m, n_out), n)]))
+            acc = builder.load(accs[r])
+            lanes8 = builder.fadd(builder.shuffle_vector(acc, acc, const_vec(I32, list(range(8)))),
+                                  builder.shuffle_vector(acc, acc, const_vec(I32, list(range(8, 16)))))
+            value = builder.fadd(hsum(builder, lanes8), builder.extract_element(builder.load(mins), i32(r)))
+            builder.store(value, builder.gep(out.data, [builder.add(builder.mul(builder.add(m0, const(r)), n_out), n)]))
         return context.get_dummy_value()
 
     return sig, codegen
