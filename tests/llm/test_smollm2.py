@@ -14,7 +14,8 @@ TEXT = ("The history of astronomy is a long story. Ancient people watched the sk
         "the motion of the Sun and Moon to keep time. Later, telescopes revealed moons around Jupiter and the "
         "phases of Venus, which changed how we see our place in the universe. Today, space telescopes study "
         "distant galaxies and the light left over from the early universe.")
-QUESTIONS = ["What is 2+2?", "Explain photosynthesis in two sentences.", "Why is the sky blue?"]
+QUESTIONS = ["What is 2+2?", "Explain photosynthesis in two sentences.", "Why is the sky blue?",
+             "Name three primary colors.", "What is the capital of France?"]
 # Two correct engines whose float ops differ (llama.cpp's SIMD expf, FMA contraction, lane-ordered sums)
 # disagree where the top-2 logits are this close; greedy tokens must agree everywhere else.
 NEAR_TIE = 0.25

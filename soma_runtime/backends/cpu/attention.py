@@ -76,15 +76,16 @@ def _paged_attention(q, k, v, ctx, mask, scale, softcap, precision, out):
                 scores[g, t] = score + mask[s, t]
         acc_out = np.zeros((group, dv), np.float32)
         value = np.empty(dv, np.float32)
-        for g in range(group):
+        for g in range(group):             # softmax as ggml: exps summed in f64, scaled by the reciprocal
             top = scores[g].max()
-            total = np.float32(0)
+            total = 0.0
             for t in range(length):
                 e = np.float32(np.exp(scores[g, t] - top))
                 scores[g, t] = e
                 total += e
+            inv = np.float32(1.0 / total)
             for t in range(length):
-                scores[g, t] = narrow(scores[g, t] / total, precision)
+                scores[g, t] = narrow(scores[g, t] * inv, precision)
         for t in range(length):
             if mask[s, t] == -np.inf:
                 continue

@@ -104,7 +104,7 @@ def _rmsnorm_rows(x, weight, eps, out):
     for r in range(x.shape[0]):
         total = 0.0
         for i in range(n):
-            total += np.float64(x[r, i]) * np.float64(x[r, i])
+            total += np.float64(x[r, i] * x[r, i])        # squares in f32, their sum in f64: as ggml
         inv = np.float32(1) / np.sqrt(np.float32(total / n) + eps)
         for i in range(n):
             out[r, i] = x[r, i] * inv * weight[i]

@@ -172,7 +172,8 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
     once for all those rows. `fmt` (a GGML type id), `rows` and `portable` (1: no VNNI) must be
     compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32] and
     s = d * block sum [K/32, M] (for formats with a min); weights w [N, row bytes].
-    Blocks go two at a time through 16-lane vectors (an odd last one through the low 8 lanes)."""
+    Blocks go two at a time through the integer dot (64 bytes), then one at a time into 8 float
+    lanes per row, in ggml's order."""
     if not all(isinstance(t, types.IntegerLiteral) for t in (fmt, rows, portable)):
         return None
     layout, n_rows = LAYOUTS[fmt.literal_value], rows.literal_value
@@ -188,7 +189,7 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
         k, m_rows = builder.extract_value(qs.shape, 1), builder.extract_value(qs.shape, 0)
         blocks = builder.udiv(k, const(32))
         row = builder.gep(w.data, [builder.mul(n, builder.extract_value(w.shape, 1))])
-        accs = [cgutils.alloca_once_value(builder, zeros(vec(F32, 16))) for _ in range(n_rows)]
+        accs = [cgutils.alloca_once_value(builder, zeros(vec(F32, 8))) for _ in range(n_rows)]
         mins = cgutils.alloca_once_value(builder, zeros(vec(F32, n_rows)))     # one lane per activation row
 
         def step(b, count):
@@ -211,14 +212,13 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
                 else:                                                  # flipping the sign bit adds 128
                     total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32 * count)), weights, start, vnni)
                 act = load(builder, d.data, builder.add(builder.mul(m, blocks), b), vec(F32, count))
-                act = builder.shuffle_vector(act, act, const_vec(I32, [i for i in range(count) for _ in range(8)]))
+                act = builder.fmul(scales, builder.shuffle_vector(act, act, const_vec(I32, [i for i in range(count) for _ in range(8)])))
                 term = builder.sitofp(total, vec(F32, 8 * count))
-                if count == 1:                 # the low 8 lanes only
-                    term = concat(builder, term, zeros(vec(F32, 8)))
-                    act = concat(builder, builder.fmul(scales, act), zeros(vec(F32, 8)))
-                else:
-                    act = builder.fmul(scales, act)
-                builder.store(fmuladd(builder, term, act, builder.load(accs[r])), accs[r])
+                acc = builder.load(accs[r])
+                for i in range(count):         # block by block into 8 lanes: ggml's order of float sums
+                    lanes = const_vec(I32, list(range(8 * i, 8 * i + 8)))
+                    acc = fmuladd(builder, builder.shuffle_vector(term, term, lanes), builder.shuffle_vector(act, act, lanes), acc)
+                builder.store(acc, accs[r])
 
         pairs = builder.udiv(blocks, const(2))
         with cgutils.for_range(builder, pairs) as loop:
@@ -229,10 +229,7 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
             step(builder.sub(blocks, const(1)), 1)
         n_out = builder.extract_value(out.shape, 1)
         for r in range(n_rows):
-            acc = builder.load(accs[r])
-            lanes8 = builder.fadd(builder.shuffle_vector(acc, acc, const_vec(I32, list(range(8)))),
-                                  builder.shuffle_vector(acc, acc, const_vec(I32, list(range(8, 16)))))
-            value = builder.fadd(hsum(builder, lanes8), builder.extract_element(builder.load(mins), i32(r)))
+            value = builder.fadd(hsum(builder, builder.load(accs[r])), builder.extract_element(builder.load(mins), i32(r)))
             builder.store(value, builder.gep(out.data, [builder.add(builder.mul(builder.add(m0, const(r)), n_out), n)]))
         return context.get_dummy_value()
 
