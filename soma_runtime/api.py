@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from soma_runtime import loaders
+from soma_runtime import loaders, schedule
 from soma_runtime.backends import detect_all
+from soma_runtime.backends.cpu import physical_cores
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.errors import RequestError
@@ -93,9 +94,9 @@ class Model:
 
 class Runtime:
     def __init__(self, backend: str = "auto", threads: int | None = None):
-        if threads:
-            import numba
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        import numba
+        threads = threads or physical_cores()          # SMT siblings share the core's SIMD units
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
         self.backend = "cpu" if backend == "auto" else backend
         self.models: dict[str, Model] = {}
         self._ids = itertools.count()
@@ -104,11 +105,14 @@ class Runtime:
         return detect_all()
 
     def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
-             kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None) -> Model:
+             kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
+             autotune: bool = True) -> Model:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
-        transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic."""
-        with tqdm(total=3, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
+        transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
+        With `autotune`, kernel variants for weight shapes this machine has not seen are timed once
+        and the choice cached on disk (schedule.py)."""
+        with tqdm(total=4, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
             bar.set_postfix_str("weights")
             loaded = loaders.load(path_or_name, sha256)
             bar.update()
@@ -119,6 +123,10 @@ class Runtime:
             bar.update()
             bar.set_postfix_str("kernels")
             engine.plan(1, 128)                   # compile the decode plan (numba caches on disk)
+            bar.update()
+            bar.set_postfix_str("autotune")
+            if autotune and engine.activations == "q8" and self.backend == "cpu":
+                schedule.tune(engine.layer_weights())
             bar.update()
         model_id = f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
         self.models[model_id] = Model(model_id, loaded, engine)

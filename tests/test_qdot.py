@@ -50,6 +50,6 @@ def test_portable_and_vnni_paths_agree_bitwise(name):
     results = []
     for portable in (False, True):
         out = np.empty((13, 24), np.float32)
-        qdot.make_matmul(fmt, portable)(blocks, x, out)
+        qdot.make_matmul(fmt, portable)(blocks, x, out, qdot.TILE_ROWS)
         results.append(out)
     np.testing.assert_array_equal(results[0], results[1])

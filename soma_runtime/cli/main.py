@@ -28,7 +28,7 @@ def add_model_args(p, default_model=True):
                    help="a .gguf file, a HF or soma model directory, or a name (default: the bundled SmolLM2)")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: min(4096, the model's))")
     p.add_argument("--sha256", default=None, help="verify the weights file against this sha256 before loading")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
 
 
 def load_model(args):
@@ -73,6 +73,19 @@ def cmd_bench(args) -> int:
     else:
         for k, v in result.items():
             print(f"{k:18s} {v:.2f}" if isinstance(v, float) else f"{k:18s} {v}")
+    return 0
+
+
+def cmd_autotune(args) -> int:
+    """Time the kernel variants for the model's weight shapes on this machine and cache the choices."""
+    from soma_runtime import schedule
+    from soma_runtime.api import Runtime
+    model = Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256, autotune=False)
+    measured = schedule.tune(model.engine.layer_weights(), force=True)
+    for key, result in measured.items():
+        times = "  ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in result["seconds"].items())
+        print(f"{key:44s} -> {result['choice']:5s} ({times})")
+    print(f"{len(measured)} shapes tuned for {schedule.machine_key()}; table: {schedule.cache_path()}")
     return 0
 
 
@@ -124,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(run=cmd_bench)
+
+    tune = sub.add_parser("autotune", help="time kernel variants for a model's shapes on this machine; cache the choices")
+    add_model_args(tune)
+    tune.set_defaults(run=cmd_autotune)
 
     imp = sub.add_parser("import", help="write a soma model directory (config.toml, chat.toml, ...) for a HF directory")
     imp.add_argument("src", help="Hugging Face model directory")

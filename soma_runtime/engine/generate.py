@@ -81,6 +81,10 @@ class Engine:
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.metrics = Metrics()
 
+    def layer_weights(self) -> list:
+        """The per-layer weight tensors, which prefill multiplies by every prompt row (the head sees one)."""
+        return [w for name, w in self.weights.tensors.items() if name.startswith("blk.")]
+
     def plan(self, new: int, context: int, all_positions: bool = False) -> Plan:
         key = (new, context, all_positions)
         if key not in self.plans:

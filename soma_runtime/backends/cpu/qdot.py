@@ -66,12 +66,12 @@ def make_matmul(fmt: int, portable: bool = False):
     path, stamp = int(portable), simd.SOURCE_STAMP
 
     @njit(parallel=True, cache=True)
-    def matmul(w, x, out):
+    def matmul(w, x, out, tile_rows):
         assert stamp == simd.SOURCE_STAMP        # in the closure, so the disk cache keys on simd.py too
         qs, d, s = quantize(x)
         m_rows, n_rows = x.shape[0], w.shape[0]
-        for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-            lo, hi = tile * TILE_ROWS, min(n_rows, (tile + 1) * TILE_ROWS)
+        for tile in prange((n_rows + tile_rows - 1) // tile_rows):
+            lo, hi = tile * tile_rows, min(n_rows, (tile + 1) * tile_rows)
             m = 0
             while m + 8 <= m_rows:
                 for n in range(lo, hi):
@@ -94,5 +94,12 @@ MATMUL = {fmt: make_matmul(fmt) for fmt in FORMATS}
 def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:
     """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32."""
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out)
+    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, TILE_ROWS)
     return out
+
+
+def q8_rounded(x: np.ndarray) -> np.ndarray:
+    """The activations as their q8 blocks represent them (q * d), for a BLAS product: equal to the
+    integer-dot result up to f32 summation order (and, for q4_1/q5_1, the f16 rounding of block sums)."""
+    qs, d, _ = quantize(np.ascontiguousarray(x, dtype=np.float32))
+    return (qs.reshape(*d.shape, 32).astype(np.float32) * d[..., None]).reshape(x.shape)

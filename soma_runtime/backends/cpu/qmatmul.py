@@ -1,8 +1,8 @@
 """Matmul with a stored-format weight (GGUF blocks, f16, bf16) read in place, never expanded whole.
 
 With `quantize_activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's
-scheme: q8 activations and integer block dots (qdot.py), for any number of rows. Otherwise weight
-rows decode to f32:
+scheme: q8 activations and integer block dots (qdot.py); for many rows the autotune table may pick
+the q8-rounded activations through the BLAS path below instead. Otherwise weight rows decode to f32:
 
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from soma_runtime import schedule
 from soma_runtime.backends.cpu import qdot
 from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
@@ -60,7 +61,9 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
     if quantize_activations and fmt in qdot.FORMATS:
-        return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
+        if few or schedule.choice(prefill_key(w)) != "blas":
+            return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
+        rows = qdot.q8_rounded(rows)          # the tuned choice here: llama.cpp's rounding at BLAS speed
     if few:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)
@@ -80,3 +83,18 @@ def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarr
         dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
         np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
     return result_t.T
+
+
+def prefill_key(w) -> str | None:
+    """The autotune key of a many-row q8-activation matmul with this weight (None: nothing to choose)."""
+    if not isinstance(w, QTensor) or w.dtype.ggml_id not in qdot.FORMATS or len(w.shape) != 2:
+        return None
+    return f"matmul_q8/{w.dtype.name}/{w.shape[0]}x{w.shape[1]}/prefill"
+
+
+def prefill_variants(w: QTensor, rows: int) -> dict:
+    """The kernels a prefill matmul with `w` can run, as calls on random activations: integer block
+    dots, or q8-rounded activations times dequantized tiles through BLAS."""
+    x = np.random.default_rng(0).standard_normal((rows, w.shape[1])).astype(np.float32)
+    return {"int8": lambda: qdot.matmul_q8(x, w.data, w.dtype.ggml_id),
+            "blas": lambda: gemm_tiled(qdot.q8_rounded(x), w.data, w.dtype.ggml_id, w.shape[0])}

@@ -1,0 +1,54 @@
+"""The autotune table: variants are timed, the winner is recorded on disk, and both variants of a
+q8 prefill matmul agree with each other (they differ only in float summation order)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from soma_runtime import schedule
+from soma_runtime.backends.cpu import qmatmul
+from soma_runtime.dtypes import quantize
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOMA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(schedule, "_table", None)
+    yield tmp_path / "autotune.json"
+    schedule._table = None
+
+
+def test_tune_records_the_fastest_variant_per_shape(table):
+    w = quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), "q4_0")
+    measured = schedule.tune([w, w])
+    key = qmatmul.prefill_key(w)
+    assert list(measured) == [key]
+    times = measured[key]["seconds"]
+    assert set(times) == {"int8", "blas"} and measured[key]["choice"] == min(times, key=times.get)
+    assert schedule.choice(key) == measured[key]["choice"]
+    on_disk = json.loads(table.read_text())
+    assert on_disk[schedule.machine_key()][key] == measured[key]["choice"]
+    assert schedule.tune([w]) == {}                      # known shapes are not timed again
+
+
+# q4_1 differs by more: the integer path takes each block's activation sum as f16 (as llama.cpp)
+@pytest.mark.parametrize("name,tol", [("q4_0", 1e-5), ("q8_0", 1e-5), ("q4_1", 2e-3)])
+def test_prefill_variants_agree(table, name, tol):
+    w = quantize(np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32), name)
+    results = {variant: run() for variant, run in qmatmul.prefill_variants(w, 16).items()}
+    scale = np.abs(results["int8"]).max()
+    assert np.abs(results["int8"] - results["blas"]).max() <= tol * scale
+
+
+def test_a_recorded_blas_choice_is_followed(table, monkeypatch):
+    w = quantize(np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32), "q8_0")
+    x = np.random.default_rng(3).standard_normal((12, 64)).astype(np.float32)
+    int8 = qmatmul.matmul_stored(x, w, quantize_activations=True)
+    schedule.record({qmatmul.prefill_key(w): "blas"})
+    calls = []
+    monkeypatch.setattr(qmatmul, "gemm_tiled", lambda *a: calls.append(a) or np.zeros((12, 32), np.float32))
+    qmatmul.matmul_stored(x, w, quantize_activations=True)
+    assert calls, "the recorded choice was not used"
+    assert int8.shape == (12, 32)
