@@ -1,7 +1,7 @@
 """LLM speed on CPU: ours vs llama.cpp (llama-cpp-python) vs HF transformers, same machine, same run.
 
-Models: the bundled SmolLM2-135M Q4_1 GGUF, and a Llama-3.2-1B-shape q4_0 GGUF with random weights
-(written here). Each engine runs in its own process (so peak RSS is its own): a 128-token prompt,
+Models: the bundled SmolLM2-135M Q4_1 GGUF, and Llama-3.2-1B-shape GGUFs (q4_0, q8_0, f16) with
+random weights (written here; HF transformers runs the SmolLM2 and f16 ones). Each engine runs in its own process (so peak RSS is its own): a 128-token prompt,
 then 128 greedy tokens, median of 3 runs after a warm-up. Decode GB/s counts the weight bytes one
 token reads, against this machine's measured matrix-vector read bandwidth.
 Run: python bench/llm_cpu.py [--threads 2] [--skip-1b] [--skip-hf]; JSON goes to bench/out/llm_cpu.json.
@@ -101,8 +101,9 @@ def decode_bytes(path) -> int:
     return total if "output.weight" not in tensors else total - int(tensors["token_embd.weight"].nbytes)
 
 
-def write_1b_q4_0(path: str) -> str:
-    """A Llama-3.2-1B-shape q4_0 GGUF with random blocks (finite f16 scales) and a 128k vocabulary."""
+def write_1b(path: str, kind: str) -> str:
+    """A Llama-3.2-1B-shape GGUF with random weights (finite scales) and a 128k vocabulary; `kind` is
+    q4_0, q8_0 (random blocks) or f16 (normal * 0.02)."""
     import gguf
 
     from soma_runtime.loaders import default_model_path
@@ -128,28 +129,27 @@ def write_1b_q4_0(path: str) -> str:
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    block = {"q4_0": 18, "q8_0": 34}
 
-    def q4_0(rows, cols):
-        blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
-        blocks[:, :2] = (rng.standard_normal((len(blocks), 1)) * 0.004).astype(np.float16).view(np.uint8)
-        return blocks.reshape(rows, -1)
+    def add_matrix(name, rows, cols):
+        if kind == "f16":
+            w.add_tensor(name, (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16))
+            return
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, block[kind]), dtype=np.uint8)
+        blocks[:, :2] = (rng.standard_normal((len(blocks), 1)) * (0.004 if kind == "q4_0" else 0.0005)).astype(np.float16).view(np.uint8)
+        w.add_tensor(name, blocks.reshape(rows, -1), raw_shape=blocks.reshape(rows, -1).shape,
+                     raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
 
-    def add(name, data, shape=None):
-        if shape is None:
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-
-    add("token_embd.weight", q4_0(vocab, hidden), True)
-    add("output_norm.weight", np.ones(hidden, np.float32))
+    add_matrix("token_embd.weight", vocab, hidden)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         p = f"blk.{i}"
-        add(f"{p}.attn_norm.weight", np.ones(hidden, np.float32))
-        add(f"{p}.ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"{p}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"{p}.ffn_norm.weight", np.ones(hidden, np.float32))
         for name, rows, cols in [("attn_q", heads * hd, hidden), ("attn_k", kv * hd, hidden), ("attn_v", kv * hd, hidden),
                                  ("attn_output", hidden, heads * hd), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
                                  ("ffn_down", hidden, ffn)]:
-            add(f"{p}.{name}.weight", q4_0(rows, cols), True)
+            add_matrix(f"{p}.{name}.weight", rows, cols)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -181,14 +181,15 @@ def main():
     OUT.mkdir(exist_ok=True)
     models = {"SmolLM2-135M Q4_1": default_model_path()}
     if not args.skip_1b:
-        models["Llama-3.2-1B shape q4_0"] = write_1b_q4_0(str(OUT / "llama-1b-shape.q4_0.gguf"))
+        for kind in ("q4_0", "q8_0", "f16"):
+            models[f"Llama-3.2-1B shape {kind}"] = write_1b(str(OUT / f"llama-1b-shape.{kind}.gguf"), kind)
     print(f"threads={args.threads}  prompt={PROMPT_TOKENS}  new={NEW_TOKENS}  bandwidth={bw:.1f} GB/s")
     print(f"{'model':26s} {'engine':10s} {'prefill t/s':>11s} {'decode t/s':>10s} {'decode GB/s':>11s} {'of bw':>6s} "
           f"{'RSS MB':>7s} {'decode vs llama.cpp':>20s}")
     report = {"threads": args.threads, "bandwidth_GBps": bw, "models": {}}
     for label, path in models.items():
         nbytes = decode_bytes(path)
-        engines = ["ours", "llama.cpp"] + ([] if args.skip_hf or "1B" in label else ["hf-f32"])
+        engines = ["ours", "llama.cpp"] + ([] if args.skip_hf or label.endswith(("q4_0", "q8_0")) else ["hf-f32"])
         results = {e: run_worker(e, path, args.threads) for e in engines}
         report["models"][label] = {"path": path, "decode_weight_bytes": nbytes, "limit_tok_s": bw * 1e9 / nbytes, **results}
         peer = results["llama.cpp"].get("decode_tok_s")

@@ -28,3 +28,14 @@ def test_backends_lists_cpu_with_what_it_detected():
 def test_unknown_command_is_a_clear_error():
     r = soma("frobnicate")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_autotune_times_the_default_models_shapes_and_caches_the_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOMA_CACHE_DIR", str(tmp_path))
+    r = soma("autotune", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("4 shapes tuned for ") and lines[-1].endswith("/1t; table: " + str(tmp_path / "autotune.json"))
+    table = json.loads((tmp_path / "autotune.json").read_text())
+    (choices,) = table.values()
+    assert len(choices) == 4 and set(choices.values()) <= {"int8", "blas"}

@@ -15,10 +15,10 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime import schedule
-from soma_runtime.backends.cpu import qdot
+from soma_runtime.backends.cpu import qdot, simd
 from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
-from soma_runtime.quant.formats import F16_TABLE, dequant_row, dequant_rows_serial
+from soma_runtime.quant.formats import BF16, F16, F16_TABLE, dequant_row, dequant_rows_serial
 
 GEMV_MAX_ROWS = 8      # up to this many activation rows, the fused decode-and-dot pass wins
 TILE_BYTES = 1 << 21   # f32 bytes of weight rows decoded per GEMM tile (fits L2)
@@ -34,6 +34,25 @@ def _gemv(w, fmt, x, out, lut):
             dequant_row(fmt, w[n], row, lut)
             for m in range(x.shape[0]):
                 out[m, n] = _dot(x[m], row)
+
+
+def _make_half_gemv(bf16: bool):
+    """Few activation rows times f16/bf16 weight rows ([N, K] as uint16 bits), converted in registers."""
+    to_f32 = simd.widen_bf16 if bf16 else simd.widen
+
+    @njit(parallel=True, fastmath={"reassoc", "nsz", "contract"}, cache=True)
+    def gemv(w, x, out):
+        for n in prange(w.shape[0]):
+            for m in range(x.shape[0]):
+                acc = np.float32(0)
+                for i in range(w.shape[1]):
+                    acc += to_f32(w[n, i]) * x[m, i]
+                out[m, n] = acc
+    return gemv
+
+
+HALF_GEMV = {"f16": _make_half_gemv(False), "bf16": _make_half_gemv(True)}
+HALF_NUMPY = {F16: np.dtype(np.float16), BF16: dtype("bf16").numpy}
 
 
 @njit(fastmath={"reassoc", "nsz", "contract"}, cache=True)
@@ -64,7 +83,11 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
         if few or schedule.choice(prefill_key(w)) != "blas":
             return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
         rows = qdot.q8_rounded(rows)          # the tuned choice here: llama.cpp's rounding at BLAS speed
-    if few:
+    half = None if isinstance(w, QTensor) else {F16: "f16", BF16: "bf16"}.get(fmt)
+    if few and half:
+        result = np.empty((rows.shape[0], n), np.float32)
+        HALF_GEMV[half](data.view(np.uint16), rows, result)
+    elif few:
         result = np.empty((rows.shape[0], n), np.float32)
         _gemv(data, fmt, rows, result, F16_TABLE)
     else:
@@ -80,7 +103,10 @@ def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarr
     tile = np.empty((min(tile_rows, n), k), np.float32)
     for start in range(0, n, tile_rows):
         stop = min(n, start + tile_rows)
-        dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
+        if fmt in HALF_NUMPY:                 # numpy's SIMD casts beat a per-element decode
+            tile[: stop - start] = data[start:stop].view(HALF_NUMPY[fmt])
+        else:
+            dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
         np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
     return result_t.T
 

@@ -254,3 +254,11 @@ def narrow(typingctx, x, like):
             return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), F32)
         return args[0]
     return types.float32(x, like), codegen
+
+
+@intrinsic
+def widen_bf16(typingctx, x):
+    """bf16 bits (uint16) as f32: the high half of the f32 bit pattern."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], I32), i32(16)), F32)
+    return types.float32(types.uint16), codegen
