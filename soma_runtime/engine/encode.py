@@ -1,0 +1,148 @@
+"""Batched encoder inference: tokenize, sort by length, pad per batch, run, pool, restore order.
+
+Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
+bucket of 8, so plans are reused); the key mask keeps padding out of attention and pooling.
+Pooling follows sentence-transformers' Pooling config (mean, cls, max, last token), then an
+optional L2 normalization (its Normalize module).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.encoder import EncoderConfig, build_encoder
+from soma_runtime.errors import RequestError
+from soma_runtime.ir.plan import Plan
+from soma_runtime.text.tokenizer import Tokenizer
+
+log = logging.getLogger("soma_runtime.encode")
+BUCKET = 8
+
+
+@dataclass
+class Pooling:
+    mode: str = "mean"            # mean | cls | max | last
+    normalize: bool = False
+
+    @classmethod
+    def from_sentence_transformers(cls, config: dict, normalize: bool) -> Pooling:
+        for key, mode in (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
+                          ("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean")):
+            if config.get(key):
+                return cls(mode, normalize)
+        return cls("mean", normalize)
+
+    def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """hidden [B, S, D], mask [B, S] (1 for tokens) -> [B, D]."""
+        if self.mode == "cls":
+            out = hidden[:, 0]
+        elif self.mode == "last":
+            out = hidden[np.arange(len(hidden)), mask.sum(1).astype(np.int64) - 1]
+        elif self.mode == "max":
+            out = np.where(mask[..., None] > 0, hidden, -np.inf).max(1)
+        else:
+            m = mask[..., None].astype(np.float32)
+            out = (hidden * m).sum(1) / np.maximum(m.sum(1), np.float32(1e-9))
+        if self.normalize:
+            out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
+        return out.astype(np.float32)
+
+
+class Encoder:
+    def __init__(self, cfg: EncoderConfig, weights: Weights, tokenizer: Tokenizer, pooling: Pooling,
+                 max_tokens: int | None = None, backend: str = "cpu"):
+        self.cfg, self.weights, self.tokenizer, self.pooling, self.backend = cfg, weights, tokenizer, pooling, backend
+        self.max_tokens = min(max_tokens or cfg.max_tokens, cfg.max_tokens)
+        self.graphs: dict = {}
+        self.plans: dict[tuple, Plan] = {}
+        self._truncating = None
+
+    def plan(self, head: str | None, batch: int, length: int) -> Plan:
+        key = (head, batch, length)
+        if key not in self.plans:
+            if head not in self.graphs:
+                self.graphs[head] = build_encoder(self.cfg, self.weights, head)
+            self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
+        return self.plans[key]
+
+    def tokenize(self, texts, pairs=None, truncate: bool = True) -> list:
+        """Encodings of the texts (with their special tokens), cut to the model's maximum length."""
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise RequestError("texts must be a list of strings")
+        if not texts:
+            raise RequestError("no texts given")
+        if pairs is not None and len(pairs) != len(texts):
+            raise RequestError(f"{len(pairs)} second segments for {len(texts)} texts")
+        inputs = list(zip(texts, pairs)) if pairs is not None else list(texts)
+        encodings = self.tokenizer.hf.encode_batch(inputs, add_special_tokens=True)
+        long = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_tokens]
+        if long and not truncate:
+            raise RequestError(f"text {long[0]} has {len(encodings[long[0]].ids)} tokens; the model takes at most {self.max_tokens}")
+        if long:
+            log.warning("%d text(s) longer than %d tokens were truncated", len(long), self.max_tokens)
+            cut = self.truncating().encode_batch([inputs[i] for i in long], add_special_tokens=True)
+            for i, encoding in zip(long, cut):
+                encodings[i] = encoding
+        return encodings
+
+    def truncating(self):
+        """A copy of the tokenizer that cuts at the model's length and keeps the special tokens, as
+        sentence-transformers does (the shared one never truncates)."""
+        if self._truncating is None:
+            from tokenizers import Tokenizer as HFTokenizer
+            self._truncating = HFTokenizer.from_str(self.tokenizer.hf.to_str())
+            self._truncating.enable_truncation(self.max_tokens)
+        return self._truncating
+
+    def run(self, encodings: list, head: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One padded batch through the graph: (output, mask [B, S])."""
+        lengths = [len(e.ids) for e in encodings]
+        length = -(-max(lengths) // BUCKET) * BUCKET
+        ids = np.full((len(encodings), length), self.cfg.pad_token_id, np.int64)
+        types = np.zeros_like(ids)
+        mask = np.zeros(ids.shape, np.float32)
+        for row, e in enumerate(encodings):
+            ids[row, : len(e.ids)] = e.ids
+            types[row, : len(e.ids)] = e.type_ids
+            mask[row, : len(e.ids)] = 1
+        inputs = {"ids": ids, "positions": self.cfg.positions(mask), "types": types,
+                  "mask": np.where(mask > 0, np.float32(0), np.float32(-np.inf))[:, None, None, :]}
+        (out,) = self.plan(head, len(encodings), length).run(inputs)
+        return out, mask
+
+    def batches(self, encodings: list, batch_size: int):
+        """(indices, encodings) per batch, longest first, so each batch pads to similar lengths."""
+        if batch_size < 1:
+            raise RequestError(f"batch_size must be >= 1, got {batch_size}")
+        order = sorted(range(len(encodings)), key=lambda i: -len(encodings[i].ids))
+        for start in range(0, len(order), batch_size):
+            chosen = order[start: start + batch_size]
+            yield chosen, [encodings[i] for i in chosen]
+
+    def embed(self, texts: list[str], batch_size: int = 32, truncate: bool = True) -> np.ndarray:
+        encodings = self.tokenize(texts, truncate=truncate)
+        out = np.empty((len(encodings), self.cfg.hidden_size), np.float32)
+        for chosen, batch in self.batches(encodings, batch_size):
+            hidden, mask = self.run(batch)
+            out[chosen] = self.pooling(hidden, mask)
+        return out
+
+    def classify(self, texts: list[str], pairs: list[str] | None = None, batch_size: int = 32,
+                 truncate: bool = True) -> np.ndarray:
+        """Sequence-classification logits [len(texts), labels] (each text with its pair, if given)."""
+        encodings = self.tokenize(texts, pairs, truncate)
+        out = None
+        for chosen, batch in self.batches(encodings, batch_size):
+            logits, _ = self.run(batch, "sequence")
+            out = np.empty((len(encodings), logits.shape[1]), np.float32) if out is None else out
+            out[chosen] = logits
+        return out
+
+    def token_logits(self, text: str, truncate: bool = True) -> np.ndarray:
+        """Token-classification logits [tokens, labels] of one text."""
+        (encoding,) = self.tokenize([text], truncate=truncate)
+        logits, _ = self.run([encoding], "token")
+        return logits[0, : len(encoding.ids)]

@@ -1,0 +1,80 @@
+"""Tiny random encoders of every registered family against HF transformers in the same run:
+hidden states and classification logits within 1e-4, over a padded batch of unequal lengths."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from soma_runtime.api import Runtime
+from tests.encoders.tiny import FAMILIES, build
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "this is a tiny test of encoders and some more words",
+         "caf\u00e9 na\u00efve tokyo"]
+TOL = 1e-4
+
+
+def padded(model, texts):
+    encodings = model.encoder.tokenize(texts)
+    length = max(len(e.ids) for e in encodings)
+    ids = torch.full((len(texts), length), model.loaded.config.pad_token_id)
+    mask = torch.zeros((len(texts), length), dtype=torch.long)
+    for row, e in enumerate(encodings):
+        ids[row, : len(e.ids)] = torch.tensor(e.ids)
+        mask[row, : len(e.ids)] = 1
+    return encodings, ids, mask
+
+
+def close(got, want):
+    want = want.detach().numpy()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= TOL * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hidden_states_match_transformers(family, tmp_path):
+    reference = build(family, None, tmp_path)
+    ours = Runtime().load(str(tmp_path), progress=False)
+    encodings, ids, mask = padded(ours, TEXTS)
+    hidden, _ = ours.encoder.run(encodings)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    for row, e in enumerate(encodings):                      # padding positions are nobody's output
+        close(hidden[row, : len(e.ids)], want[row, : len(e.ids)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sequence_classification_logits_match_transformers(family, tmp_path):
+    reference = build(family, "sequence", tmp_path)
+    ours = Runtime().load(str(tmp_path), progress=False)
+    _, ids, mask = padded(ours, TEXTS)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+    close(ours.encoder.classify(TEXTS, batch_size=3), want)
+    label, _ = ours.classify(TEXTS[0])[0]
+    assert label == reference.config.id2label[int(want[0].argmax())]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_classification_logits_match_transformers(family, tmp_path):
+    reference = build(family, "token", tmp_path)
+    ours = Runtime().load(str(tmp_path), progress=False)
+    _, ids, mask = padded(ours, TEXTS[:1])
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits[0]
+    close(ours.encoder.token_logits(TEXTS[0]), want)
+
+
+def test_zero_shot_scores_each_label_by_its_entailment_logit(tmp_path):
+    reference = build("bert", "sequence", tmp_path)
+    ours = Runtime().load(str(tmp_path), progress=False)
+    labels = ["sports", "cooking", "travel"]
+    scores = dict(ours.classify("the quick brown fox", labels))
+    hypotheses = [f"This example is {x}." for x in labels]
+    batch = ours.tokenizer.hf.encode_batch([("the quick brown fox", h) for h in hypotheses])
+    ids = torch.tensor([e.ids for e in batch])              # equal lengths: every hypothesis is 4 words
+    types = torch.tensor([e.type_ids for e in batch])
+    with torch.no_grad():
+        entail = reference(input_ids=ids, token_type_ids=types).logits[:, 0]
+    want = torch.softmax(entail, 0).numpy()
+    assert np.allclose([scores[x] for x in labels], want, atol=1e-5)

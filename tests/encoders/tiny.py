@@ -1,0 +1,50 @@
+"""Tiny random-weight HF encoders (BERT, RoBERTa, XLM-RoBERTa) with a WordPiece tokenizer, saved
+the way transformers saves them, one directory per (family, head)."""
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+WORDS = ["the", "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "this", "is", "tiny",
+         "test", "of", "encoders", "and", "some", "more", "words", "to", "make", "longer", "sentences", "caf\u00e9",
+         "na\u00efve", "city", "tokyo"]
+FAMILIES = {
+    # specials in the order each family's tokenizer numbers them; pad id feeds RoBERTa's positions
+    "bert": {"specials": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "pad": 0, "cls": 2, "sep": 3, "type_vocab_size": 2},
+    "roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
+    "xlm-roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
+}
+LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
+
+
+def tokenizer(family: str) -> Tokenizer:
+    spec = FAMILIES[family]
+    vocab = {tok: i for i, tok in enumerate(spec["specials"] + WORDS + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"])}
+    unk = spec["specials"][1] if family == "bert" else "<unk>"
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = (spec["specials"][spec["cls"]], spec["cls"]), (spec["specials"][spec["sep"]], spec["sep"])
+    tok.post_processor = processors.BertProcessing(sep, cls) if family == "bert" else processors.RobertaProcessing(sep, cls)
+    return tok
+
+
+def build(family: str, head: str | None, directory) -> torch.nn.Module:
+    """Save a tiny `family` model with `head` (None, "sequence", "token") and its tokenizer; return it."""
+    import transformers
+    spec = FAMILIES[family]
+    tok = tokenizer(family)
+    names = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    config = getattr(transformers, f"{names}Config")(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=40, type_vocab_size=spec["type_vocab_size"],
+        pad_token_id=spec["pad"], hidden_act="gelu", id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    suffix = {None: "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification"}[head]
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{names}{suffix}")(config).eval()
+    with torch.no_grad():                   # move every weight off its init (layernorms included)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    return model
