@@ -44,7 +44,7 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
     return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
+@njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
 def _paged_attention(q, k, v, ctx, mask, scale, softcap, precision, out):
     """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T]; out [S, H, Dv].
     q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache

@@ -31,8 +31,8 @@ def binary_jet(ufunc):
     general = float_kernel(lambda a, b: ufunc(a, b))
 
     def run(a, b, out=None):
-        if out is not None and all_f32(a, b, out) and a.shape == b.shape == out.shape:
-            return ufunc(a, b, out=out)           # the decode step's residual adds: no temporaries
+        if out is not None and all_f32(a, b, out) and np.broadcast_shapes(a.shape, b.shape) == out.shape:
+            return ufunc(a, b, out=out)           # residual and bias adds straight into the planned buffer
         return general(a, b, out=out)
     run.__name__ = ufunc.__name__
     return run
@@ -68,12 +68,44 @@ def relu(x): return np.maximum(x, 0)
 def leaky_relu(x, negative_slope): return np.where(x > 0, x, x * np.float32(negative_slope))
 
 
+# erf as Eigen's rational approximation on [-4, 4] (|error| < 5e-7): it vectorizes, libm's erf does not
+P0, P1, P2, P3, P4, P5, P6 = (np.float32(c) for c in (
+    -2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+    -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02))
+Q0, Q1, Q2, Q3, Q4 = (np.float32(c) for c in (
+    -1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+    -1.42647390514189e-02))
+
+
+# serial on purpose: these run between BLAS calls, and a parallel region's spinning workers would
+# take the cores from BLAS's threads (measured: 2x slower encoder matmuls). error_model="numpy":
+# IEEE division (no zero check), which lets LLVM vectorize the loop
+@njit(cache=True, error_model="numpy")
+def _gelu_erf(x, out):
+    flat, dst = x.reshape(-1), out.reshape(-1)
+    for i in range(flat.size):
+        v = flat[i]
+        z = min(max(v * np.float32(1 / math.sqrt(2)), np.float32(-4)), np.float32(4))
+        z2 = z * z
+        p = ((((((P0 * z2 + P1) * z2 + P2) * z2 + P3) * z2 + P4) * z2 + P5) * z2 + P6) * z
+        q = (((Q0 * z2 + Q1) * z2 + Q2) * z2 + Q3) * z2 + Q4
+        dst[i] = np.float32(0.5) * v * (np.float32(1) + p / q)
+
+
 @jet("gelu", CPU, [(F,)])
+def gelu(x, out=None, approximate="none"):
+    if approximate == "none" and all_f32(x):
+        result = out_f32(out, x.shape)
+        _gelu_erf(x, result)
+        return result
+    return _gelu_numpy(x, approximate=approximate, out=out)
+
+
 @float_kernel
-def gelu(x, approximate): return gelu_f32(x, approximate)
+def _gelu_numpy(x, approximate): return gelu_f32(x, approximate)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _swiglu(gate, up, out):
     for i in range(gate.size):
         g = gate.flat[i]
@@ -98,7 +130,7 @@ def _swiglu_numpy(gate, up): return gate * sigmoid_f32(gate) * up
 def geglu(gate, up, approximate): return gelu_f32(gate, approximate) * up
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _rmsnorm_rows(x, weight, eps, out):
     n = x.shape[1]
     for r in range(x.shape[0]):
@@ -143,9 +175,33 @@ def affine(y, weight, bias, shape):
 OPTIONAL2 = [(F, a, b) for a in (F, "none") for b in (F, "none")]
 
 
+@njit(cache=True, error_model="numpy")
+def _layernorm_rows(x, weight, bias, eps, out):
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        mean = np.float32(0)
+        for i in range(n):
+            mean += x[r, i]
+        mean /= n
+        var = np.float32(0)
+        for i in range(n):
+            var += (x[r, i] - mean) * (x[r, i] - mean)
+        inv = np.float32(1) / np.sqrt(var / n + eps)
+        for i in range(n):
+            out[r, i] = (x[r, i] - mean) * inv * weight[i] + bias[i]
+
+
 @jet("layernorm", CPU, OPTIONAL2)
+def layernorm(x, weight, bias, out=None, eps=1e-5):
+    if weight is not None and bias is not None and all_f32(x, weight, bias) and x.ndim >= 2:
+        result = out_f32(out, x.shape)
+        _layernorm_rows(x.reshape(-1, x.shape[-1]), weight, bias, np.float32(eps), result.reshape(-1, x.shape[-1]))
+        return result
+    return _layernorm_numpy(x, weight, bias, eps=eps, out=out)
+
+
 @float_kernel
-def layernorm(x, weight, bias, eps): return affine(normalize(x, -1, eps), weight, bias, (-1,))
+def _layernorm_numpy(x, weight, bias, eps): return affine(normalize(x, -1, eps), weight, bias, (-1,))
 
 
 @jet("groupnorm", CPU, OPTIONAL2)

@@ -3,12 +3,38 @@ the paged KV cache."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.qmatmul import matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
+
+SMALL_ROWS = 32      # up to this many rows, BLAS's packing of the weight costs more than the product
+
+
+@njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True)
+def _few_rows_matmul(a, w, out):
+    """a [M, K] @ w[N, K].T for small M: each weight row is read once and dotted with 4 rows at a time."""
+    rows = a.shape[0]
+    for n in prange(w.shape[0]):
+        wr = w[n]
+        m = 0
+        while m + 4 <= rows:
+            a0, a1, a2, a3 = a[m], a[m + 1], a[m + 2], a[m + 3]
+            s0 = s1 = s2 = s3 = np.float32(0)
+            for k in range(wr.size):
+                s0 += a0[k] * wr[k]
+                s1 += a1[k] * wr[k]
+                s2 += a2[k] * wr[k]
+                s3 += a3[k] * wr[k]
+            out[m, n], out[m + 1, n], out[m + 2, n], out[m + 3, n] = s0, s1, s2, s3
+            m += 4
+        for r in range(m, rows):
+            s = np.float32(0)
+            for k in range(wr.size):
+                s += a[r, k] * wr[k]
+            out[r, n] = s
 
 
 @jet("matmul", CPU, [(F, F)] + [("f32", q) for q in QUANTIZED])
@@ -18,13 +44,20 @@ def matmul(a, b, out=None, transpose_b=False, activations="f32"):
     if stored:
         return deliver(matmul_stored(f32(a), b, quantize_activations=activations == "q8"), like, out)
     b = f32(b)
+    if transpose_b and b.ndim == 2 and all_f32(a, b) and a.size // a.shape[-1] <= SMALL_ROWS:
+        result = out_f32(out, (*a.shape[:-1], b.shape[0]))
+        _few_rows_matmul(a.reshape(-1, a.shape[-1]), b, result.reshape(-1, b.shape[0]))
+        return result
     b = np.swapaxes(b, -1, -2) if transpose_b else b
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:     # one BLAS call over all rows, not one per batch item
+        rows = np.matmul(f32(a).reshape(-1, a.shape[-1]), b)
+        return deliver(rows.reshape(*a.shape[:-1], b.shape[-1]), like, out)
     if out is not None and like == "f32":
         return np.matmul(a, b, out=out)
     return deliver(np.matmul(f32(a), b), like, out)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _rope(x, positions, inv_freq, neox, out):
     """x, out [S, H, D] f32; pairs (i, i + R/2) when neox, else (2i, 2i + 1); dims past R copy through."""
     half = inv_freq.shape[0]

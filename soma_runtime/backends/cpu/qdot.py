@@ -29,7 +29,7 @@ def _f16_round(v):
     return np.float32(np.rint(np.float64(v) / ulp) * ulp)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _quantize_rows(x, qs, d, s):
     """x [M, K] f32 -> qs [M, K] int8, d [M, K/32] and s = d * sum q [K/32, M] f32 (transposed: the
     kernels read one block's sums for several rows at once), f16-rounded like the file format."""
