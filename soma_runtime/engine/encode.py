@@ -108,9 +108,19 @@ class Encoder:
             ids[row, : len(e.ids)] = e.ids
             types[row, : len(e.ids)] = e.type_ids
             mask[row, : len(e.ids)] = 1
+        keys = mask[:, None, None, :] > 0
         inputs = {"ids": ids, "positions": self.cfg.positions(mask), "types": types,
-                  "mask": np.where(mask > 0, np.float32(0), np.float32(-np.inf))[:, None, None, :]}
-        (out,) = self.plan(head, len(encodings), length).run(inputs)
+                  "mask": np.where(keys, np.float32(0), np.float32(-np.inf))}
+        plan = self.plan(head, len(encodings), length)
+        if "mask_local" in plan.graph.inputs:         # local layers also drop keys farther than the window
+            distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+            near = distance <= max(self.cfg.layer_windows)
+            # a padding query far from every token still sees itself: no all -inf row, no NaN to spread
+            visible = (keys & near[None, None]) | (distance == 0)[None, None]
+            inputs["mask_local"] = np.where(visible, np.float32(0), np.float32(-np.inf))
+        if "token_mask" in plan.graph.inputs:
+            inputs["token_mask"] = mask[..., None]
+        (out,) = plan.run(inputs)
         return out, mask
 
     def batches(self, encodings: list, batch_size: int):

@@ -78,3 +78,12 @@ def test_zero_shot_scores_each_label_by_its_entailment_logit(tmp_path):
         entail = reference(input_ids=ids, token_type_ids=types).logits[:, 0]
     want = torch.softmax(entail, 0).numpy()
     assert np.allclose([scores[x] for x in labels], want, atol=1e-5)
+
+
+def test_modernbert_mean_pooling_head_matches_transformers(tmp_path):
+    reference = build("modernbert", "sequence", tmp_path, pooling="mean")
+    ours = Runtime().load(str(tmp_path), progress=False)
+    _, ids, mask = padded(ours, TEXTS)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+    close(ours.encoder.classify(TEXTS, batch_size=3), want)

@@ -13,6 +13,7 @@ FAMILIES = {
     "bert": {"specials": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "pad": 0, "cls": 2, "sep": 3, "type_vocab_size": 2},
     "roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
     "xlm-roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
+    "modernbert": {"specials": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "pad": 0, "cls": 2, "sep": 3},
 }
 LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
 
@@ -20,25 +21,32 @@ LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
 def tokenizer(family: str) -> Tokenizer:
     spec = FAMILIES[family]
     vocab = {tok: i for i, tok in enumerate(spec["specials"] + WORDS + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"])}
-    unk = spec["specials"][1] if family == "bert" else "<unk>"
+    unk = "[UNK]" if "[UNK]" in spec["specials"] else "<unk>"
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls, sep = (spec["specials"][spec["cls"]], spec["cls"]), (spec["specials"][spec["sep"]], spec["sep"])
-    tok.post_processor = processors.BertProcessing(sep, cls) if family == "bert" else processors.RobertaProcessing(sep, cls)
+    tok.post_processor = processors.RobertaProcessing(sep, cls) if "roberta" in family else processors.BertProcessing(sep, cls)
     return tok
 
 
-def build(family: str, head: str | None, directory) -> torch.nn.Module:
-    """Save a tiny `family` model with `head` (None, "sequence", "token") and its tokenizer; return it."""
+def build(family: str, head: str | None, directory, pooling: str = "cls") -> torch.nn.Module:
+    """Save a tiny `family` model with `head` (None, "sequence", "token") and its tokenizer; return it.
+    `pooling` is ModernBERT's classifier pooling (cls or mean)."""
     import transformers
     spec = FAMILIES[family]
     tok = tokenizer(family)
-    names = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
-    config = getattr(transformers, f"{names}Config")(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=40, type_vocab_size=spec["type_vocab_size"],
-        pad_token_id=spec["pad"], hidden_act="gelu", id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    names = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "modernbert": "ModernBert"}[family]
+    shape = {"vocab_size": tok.get_vocab_size(), "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+             "pad_token_id": spec["pad"], "id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
+    if family == "modernbert":              # 4 layers: global, local, local, global; a window shorter than the texts
+        config = transformers.ModernBertConfig(**shape, num_hidden_layers=4, max_position_embeddings=64, local_attention=6,
+                                               global_attn_every_n_layers=3, classifier_pooling=pooling,
+                                               cls_token_id=spec["cls"], sep_token_id=spec["sep"], bos_token_id=spec["cls"],
+                                               eos_token_id=spec["sep"], attn_implementation="eager")
+    else:
+        config = getattr(transformers, f"{names}Config")(**shape, num_hidden_layers=2, max_position_embeddings=40,
+                                                         type_vocab_size=spec["type_vocab_size"], hidden_act="gelu")
     suffix = {None: "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification"}[head]
     torch.manual_seed(0)
     model = getattr(transformers, f"{names}{suffix}")(config).eval()
