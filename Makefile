@@ -33,6 +33,7 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	$(PY) bench/ops.py
 	$(PY) bench/llm_cpu.py
+	$(PY) bench/embed.py
 
 clean:
 	rm -rf $(VENV) bench/out
