@@ -257,8 +257,25 @@ def narrow(typingctx, x, like):
 
 
 @intrinsic
-def widen_bf16(typingctx, x):
-    """bf16 bits (uint16) as f32: the high half of the f32 bit pattern."""
+def widen_bits(typingctx, x, bf16):
+    """16-bit float bits (uint16) as f32: f16 when the literal `bf16` is 0, else bf16 (the high half
+    of an f32's bit pattern)."""
+    if not isinstance(bf16, types.IntegerLiteral):
+        return None
+
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.shl(builder.zext(args[0], I32), i32(16)), F32)
-    return types.float32(types.uint16), codegen
+        if signature.args[1].literal_value:
+            return builder.bitcast(builder.shl(builder.zext(args[0], I32), i32(16)), F32)
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
+    return types.float32(types.uint16, bf16), codegen
+
+
+@intrinsic
+def prefetch_element(typingctx, array, index, ahead):
+    """Ask for the cache line `ahead` bytes past array.flat[index] (a read that comes soon)."""
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        base = builder.bitcast(builder.gep(arr.data, [args[1]]), I8.as_pointer())
+        prefetch(builder, builder.gep(base, [args[2]]))
+        return context.get_dummy_value()
+    return types.void(array, types.intp, types.intp), codegen
