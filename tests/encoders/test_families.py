@@ -87,3 +87,17 @@ def test_modernbert_mean_pooling_head_matches_transformers(tmp_path):
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits
     close(ours.encoder.classify(TEXTS, batch_size=3), want)
+
+
+def test_unsupported_encoder_and_mismatched_weights_are_clear_errors(tmp_path):
+    import json
+
+    from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+    build("bert", None, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2"}))
+    with pytest.raises(UnsupportedModelError, match="deberta-v2.*not supported yet"):
+        Runtime().load(str(tmp_path), progress=False)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(ModelLoadError, match="ffn_up.weight.*shape"):
+        Runtime().load(str(tmp_path), progress=False)
