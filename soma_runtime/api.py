@@ -133,8 +133,7 @@ class EncoderModel:
 
     def classify_tokens(self, text: str) -> list[tuple[str, str]]:
         """(token, label) for every token, for token-classification models (NER)."""
-        logits = self.encoder.token_logits(text)
-        (encoding,) = self.encoder.tokenize([text])
+        logits, encoding = self.encoder.token_logits(text)
         own = self.loaded.config.labels
         return [(tok, own.get(int(i), f"LABEL_{int(i)}")) for tok, i in zip(encoding.tokens, logits.argmax(-1))]
 
@@ -166,12 +165,12 @@ class Runtime:
 
     def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool = True) -> Model | EncoderModel:
+             autotune: bool | None = None) -> Model | EncoderModel:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
         transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
-        With `autotune`, kernel variants for weight shapes this machine has not seen are timed once
-        and the choice cached on disk (schedule.py)."""
+        With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
+        machine has not seen are timed once and the choice cached on disk (schedule.py)."""
         with tqdm(total=4, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
             bar.set_postfix_str("weights")
             loaded = loaders.load(path_or_name, sha256)
@@ -188,6 +187,8 @@ class Runtime:
             engine.plan(1, 128)                   # compile the decode plan (numba caches on disk)
             bar.update()
             bar.set_postfix_str("autotune")
+            if autotune is None:
+                autotune = os.environ.get("SOMA_AUTOTUNE", "1") != "0"
             if autotune and engine.activations == "q8" and self.backend == "cpu":
                 schedule.tune(engine.layer_weights())
             bar.update()

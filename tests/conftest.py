@@ -1,7 +1,11 @@
-"""Test-session settings: the autotune table lives in a fresh directory, never the user's cache."""
+"""Test-session settings: the autotune table lives in a fresh directory, never the user's cache, and
+loads do not tune: a choice made by timing would let reference comparisons vary from run to run
+(the integer block dots, llama.cpp's own arithmetic, stay the kernel; tests/test_schedule.py and
+the CLI test exercise tuning itself)."""
 from __future__ import annotations
 
 import os
 import tempfile
 
 os.environ["SOMA_CACHE_DIR"] = tempfile.mkdtemp(prefix="soma-test-cache-")
+os.environ["SOMA_AUTOTUNE"] = "0"

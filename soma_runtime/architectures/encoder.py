@@ -197,13 +197,6 @@ def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
                                  f"the config needs {list(shape)}")
 
 
-def heads_of(weights: Weights) -> list[str]:
-    """The task heads these weights carry: "sequence" (pooler/dense + classifier), "token" (classifier only)."""
-    if "classifier.weight" not in weights:
-        return []
-    return ["sequence"] if "pooler.weight" in weights else ["token"]
-
-
 def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None) -> Graph:
     """Hidden states [B, S, D] (head None), or the logits of a "sequence" [B, labels] or "token"
     [B, S, labels] head."""

@@ -151,8 +151,8 @@ class Encoder:
             out[chosen] = logits
         return out
 
-    def token_logits(self, text: str, truncate: bool = True) -> np.ndarray:
-        """Token-classification logits [tokens, labels] of one text."""
+    def token_logits(self, text: str, truncate: bool = True) -> tuple[np.ndarray, object]:
+        """Token-classification logits [tokens, labels] of one text, and its encoding (tokens, offsets)."""
         (encoding,) = self.tokenize([text], truncate=truncate)
         logits, _ = self.run([encoding], "token")
-        return logits[0, : len(encoding.ids)]
+        return logits[0, : len(encoding.ids)], encoding

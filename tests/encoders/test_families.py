@@ -62,7 +62,10 @@ def test_token_classification_logits_match_transformers(family, tmp_path):
     _, ids, mask = padded(ours, TEXTS[:1])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits[0]
-    close(ours.encoder.token_logits(TEXTS[0]), want)
+    close(ours.encoder.token_logits(TEXTS[0])[0], want)
+    labelled = ours.classify_tokens(TEXTS[0])
+    assert [tok for tok, _ in labelled] == ours.tokenizer.hf.encode(TEXTS[0]).tokens
+    assert [label for _, label in labelled] == [reference.config.id2label[int(i)] for i in want.argmax(-1)]
 
 
 def test_zero_shot_scores_each_label_by_its_entailment_logit(tmp_path):
