@@ -36,7 +36,8 @@ class Model:
         template = loaded.tokenizer.chat_template
         self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else None
 
-    def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, **params) -> GenerationRequest:
+    def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
+                **params) -> GenerationRequest:
         defaults = self.loaded.sampling
         max_tokens = max_tokens if max_tokens is not None else defaults.get("max_tokens", 256)
         stop = stop if stop is not None else defaults.get("stop")
@@ -46,7 +47,7 @@ class Model:
             raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         sampling = SamplingParams(**{**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS}, **params})
         stop = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationRequest(list(prompt_ids), max_tokens, stop, sampling)
+        return GenerationRequest(list(prompt_ids), max_tokens, stop, sampling, logprobs)
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, **params) -> Iterator[Token]:
         """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason."""
@@ -63,10 +64,13 @@ class Model:
             raise RequestError(f"model {self.id} has no chat template; use generate() with a raw prompt")
         return self.chat_template.render(messages, add_generation_prompt)
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt tokens of a conversation, through the model's chat template."""
+        return self.tokenizer.hf.encode(self.chat_prompt(messages), add_special_tokens=False).ids
+
     def chat(self, messages: list[dict], stream: bool = True, **params):
         """Apply the model's chat template and generate the assistant's reply."""
-        ids = self.tokenizer.hf.encode(self.chat_prompt(messages), add_special_tokens=False).ids
-        tokens = self.generate(ids, **params)
+        tokens = self.generate(self.chat_ids(messages), **params)
         return tokens if stream else "".join(t.text for t in tokens)
 
     def logits(self, prompt: str | list[int]) -> np.ndarray:
@@ -165,7 +169,7 @@ class Runtime:
 
     def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool | None = None) -> Model | EncoderModel:
+             autotune: bool | None = None, model_id: str | None = None) -> Model | EncoderModel:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
         transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
@@ -177,14 +181,14 @@ class Runtime:
             bar.update()
             if loaded.is_encoder:
                 return self._add(EncoderModel, loaded, Encoder(loaded.config, loaded.weights, loaded.tokenizer,
-                                                               loaded.pooling, loaded.max_tokens, self.backend))
+                                                               loaded.pooling, loaded.max_tokens, self.backend), model_id)
             bar.set_postfix_str("graph")
             gguf = loaded.format == "gguf"
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,
                             kv_dtype or ("f16" if gguf else "f32"), activations or ("q8" if gguf else "f32"))
             bar.update()
             bar.set_postfix_str("kernels")
-            engine.plan(1, 128)                   # compile the decode plan (numba caches on disk)
+            engine.plan(1)                        # compile the decode plan (numba caches on disk)
             bar.update()
             bar.set_postfix_str("autotune")
             if autotune is None:
@@ -192,10 +196,10 @@ class Runtime:
             if autotune and engine.activations == "q8" and self.backend == "cpu":
                 schedule.tune(engine.layer_weights())
             bar.update()
-        return self._add(Model, loaded, engine)
+        return self._add(Model, loaded, engine, model_id)
 
-    def _add(self, kind, loaded, engine):
-        model_id = f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
+    def _add(self, kind, loaded, engine, model_id=None):
+        model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
         self.models[model_id] = kind(model_id, loaded, engine)
         return self.models[model_id]
 

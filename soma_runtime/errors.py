@@ -23,3 +23,7 @@ class UnsupportedModelError(SomaError):
 
 class RequestError(SomaError):
     """A bad generation request: parameters out of range, prompt too long."""
+
+
+class PromptTooLong(RequestError):
+    """A prompt that does not fit the model's context."""

@@ -2,8 +2,10 @@
 
 embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm -> head.
 Graph inputs: token `ids`, their `positions`, the cache `slots` they are written to, the
-`ctx_slots` attention reads (padded to a bucket), additive attention masks (one per window size),
-and per layer the K/V pages. Outputs: logits, then every layer's updated K and V pages.
+`ctx_slots` attention reads, additive attention masks [1, 1, S, T] (one per window size), the
+`logit_rows` whose logits are wanted, and per layer the K/V pages. Outputs: logits [R, vocab], then
+every layer's updated K and V pages. Rows are independent except through the masks, so one graph
+serves a prompt, a decode step, or a continuous batch of many sequences' rows.
 """
 from __future__ import annotations
 
@@ -108,8 +110,7 @@ def mask_name(window: int) -> str:
     return f"mask_w{window}" if window else "mask"
 
 
-def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, kv_dtype: str = "f32",
-                  activations: str = "f32") -> Graph:
+def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", activations: str = "f32") -> Graph:
     """`kv_dtype` is the cache's precision; `activations="q8"` lets matmuls with block-quantized weights
     quantize their inputs as llama.cpp does (see the matmul op)."""
     check_shapes(cfg, weights)
@@ -120,6 +121,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, 
     slots = g.input("slots", ("S",), "i64")
     ctx = g.input("ctx_slots", ("T",), "i64")
     masks = {w: g.input(mask_name(w), (1, 1, "S", "T"), "f32") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
+    logit_rows = g.input("logit_rows", ("R",), "i64")
 
     def const(name, f32=False):
         return g.const(name, as_f32(weights[name]) if f32 else weights[name])
@@ -174,8 +176,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, last_only: bool = True, 
         if cfg.sandwich_norms:
             mlp = norm(mlp, f"{p}.post_ffw_norm")
         x = g.add(x, mlp)
-    if last_only:
-        x = g.slice(x, axis=0, start=-1)
+    x = g.embedding(x, logit_rows)                    # the rows that sample a token: the head reads only those
     x = norm(x, "output_norm")
     head = "token_embd.weight" if cfg.tie_embeddings or "output.weight" not in weights else "output.weight"
     logits = g.matmul(x, const(head), transpose_b=True, activations=activations)

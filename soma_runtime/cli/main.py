@@ -118,6 +118,14 @@ def cmd_autotune(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from soma_runtime.server import serve
+    budget = int(args.memory_budget * 2**30) if args.memory_budget else None
+    serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
+          args.max_queue)
+    return 0
+
+
 def cmd_import(args) -> int:
     from soma_runtime.loaders.soma import import_hf_dir
     print(import_hf_dir(args.src, args.dst))
@@ -184,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("autotune", help="time kernel variants for a model's shapes on this machine; cache the choices")
     add_model_args(tune)
     tune.set_defaults(run=cmd_autotune)
+
+    srv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API, with continuous batching")
+    srv.add_argument("--model", "-m", action="append", default=None, metavar="[ID=]PATH|NAME",
+                     help="a model to load (repeatable; default: the bundled SmolLM2, as id 'default')")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--uds", default=None, help="listen on this unix socket instead of TCP")
+    srv.add_argument("--ctx", type=int, default=None, help="context length per sequence")
+    srv.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    srv.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together per model")
+    srv.add_argument("--step-tokens", type=int, default=256, help="most rows (decode + prompt chunks) per batched step")
+    srv.add_argument("--max-queue", type=int, default=256, help="queued requests per model before answering 503")
+    srv.add_argument("--memory-budget", type=float, default=None, help="GiB the loaded models may take (default: 80%% of RAM)")
+    srv.set_defaults(run=cmd_serve)
 
     imp = sub.add_parser("import", help="write a soma model directory (config.toml, chat.toml, ...) for a HF directory")
     imp.add_argument("src", help="Hugging Face model directory")

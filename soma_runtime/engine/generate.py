@@ -1,12 +1,16 @@
 """The generation loop: prefill the prompt, then decode token by token over the paged KV cache.
 
-Plans are cached per (new tokens, context bucket): a decode plan is reused for `BUCKET` tokens of
-growing context, the padded context slots masked out. Text streams through an incremental
-detokenizer; stop strings are held back until they can no longer match.
+`Engine.forward` runs one batch: any number of sequences, each with its new tokens, as rows of one
+graph run (a prompt, a decode step, or a continuous batch of both). Every sequence's context sits in
+its own segment of the attention inputs, `BUCKET`-aligned and masked off from the other rows, so a
+sequence gets the same numbers alone or batched. Plans are cached per (rows, logit rows); the
+context length is a free dim. A `Stream` is one request's decoding state: sampler, stop strings,
+incremental detokenizer; text stops are held back until they can no longer match.
 """
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,17 +20,19 @@ import numpy as np
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name
 from soma_runtime.engine.kv import KVPool, Sequence
-from soma_runtime.engine.sampling import Sampler, SamplingParams
-from soma_runtime.errors import RequestError
+from soma_runtime.engine.sampling import Sampler, SamplingParams, log_softmax
+from soma_runtime.errors import PromptTooLong, RequestError
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 BUCKET = 128
+KV_TOKENS = 32768          # default pool size: room for many sequences (pages are mapped as they fill)
 
 
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    cached_tokens: int = 0         # prompt tokens whose K/V came from the prefix cache
     generated_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
@@ -48,10 +54,13 @@ class Metrics:
 
 @dataclass
 class Token:
-    """One step of a stream: the token id, the text it completes (may be empty), and the end if any."""
+    """One step of a stream: the token id, the text it completes (may be empty), and the end if any.
+    With logprobs asked for: the token's log-probability and the most likely alternatives."""
     id: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,70 +69,141 @@ class GenerationRequest:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None        # alternatives to report per token (0: only the chosen one)
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class Stream:
+    """One request's decoding state. `pending` holds the tokens not yet in the cache: the prompt's
+    uncached tail, then each sampled token until the next step runs it."""
+
+    def __init__(self, engine: Engine, req: GenerationRequest):
+        engine.check_prompt(req.prompt_ids, req.max_tokens)
+        self.engine, self.req, self.seq = engine, req, Sequence()
+        self.sampler = Sampler(req.sampling)
+        self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_ids[-4:])
+        self.stops = StopMatcher(req.stop)
+        self.history, self.generated = list(req.prompt_ids), []
+        self.metrics = Metrics(prompt_tokens=len(req.prompt_ids))
+        self.metrics.cached_tokens = engine.pool.attach_prefix(self.seq, req.prompt_ids)
+        self.pending = list(req.prompt_ids[self.metrics.cached_tokens:])
+        self.finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.generated
+
+    @property
+    def budget_pages(self) -> int:
+        """The pages this stream may still take before it ends."""
+        total = min(len(self.req.prompt_ids) + self.req.max_tokens, self.engine.n_ctx)
+        return max(0, self.engine.pool.pages_for(total) - len(self.seq.pages))
+
+    def take(self, limit: int) -> list[int]:
+        """The next tokens to run (at most `limit`)."""
+        tokens, self.pending = self.pending[:limit], self.pending[limit:]
+        return tokens
+
+    def accept(self, logits: np.ndarray) -> Token:
+        """Sample the next token from the logits after the last pending token; say if the stream ends."""
+        if self.prefilling:
+            self.engine.pool.publish(self.seq, self.req.prompt_ids)
+        token = self.sampler(logits, self.history, self.generated)
+        self.history.append(token)
+        self.generated.append(token)
+        self.metrics.generated_tokens += 1
+        out = Token(token, "")
+        if self.req.logprobs is not None:
+            logp = log_softmax(logits)
+            top = np.argsort(-logp, kind="stable")[: self.req.logprobs]
+            out.logprob, out.top_logprobs = float(logp[token]), [(int(i), float(logp[i])) for i in top]
+        if token in self.engine.stop_ids:
+            out.text, out.finish_reason = self.stops.flush(), "stop"
+        else:
+            out.text, stopped = self.stops.push(self.detok.push(token))
+            if stopped:
+                out.finish_reason = "stop"
+            elif len(self.generated) >= self.req.max_tokens or self.seq.length + 1 >= self.engine.n_ctx:
+                out.text, out.finish_reason = out.text + self.stops.flush(), "length"
+            else:
+                self.pending = [token]
+        self.finish_reason = self.metrics.finish_reason = out.finish_reason
+        return out
+
+
 class Engine:
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: str = "cpu",
-                 n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32"):
+                 n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None):
         self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
         self.n_ctx = min(n_ctx or 4096, cfg.max_position)
         check_shapes(cfg, weights)
         self.weights, self.kv_dtype, self.activations = fuse_projections(cfg, weights), kv_dtype, activations
         self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
-        self.full_graph = None                # all positions' logits, built when first asked for
-        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, dtype=kv_dtype)
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(self.n_ctx, kv_tokens or KV_TOKENS),
+                           dtype=kv_dtype)
         self.plans: dict[tuple[int, int], Plan] = {}
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.metrics = Metrics()
+        self.lock = threading.Lock()          # one forward at a time: plans own their arenas
 
     def layer_weights(self) -> list:
         """The per-layer weight tensors, which prefill multiplies by every prompt row (the head sees one)."""
         return [w for name, w in self.weights.tensors.items() if name.startswith("blk.")]
 
-    def plan(self, new: int, context: int, all_positions: bool = False) -> Plan:
-        key = (new, context, all_positions)
+    def plan(self, rows: int, logit_rows: int = 1) -> Plan:
+        key = (rows, logit_rows)
         if key not in self.plans:
-            if all_positions and self.full_graph is None:
-                self.full_graph = build_decoder(self.cfg, self.weights, last_only=False, kv_dtype=self.kv_dtype,
-                                                activations=self.activations)
             k = self.pool.k[0]
-            self.plans[key] = Plan(self.full_graph if all_positions else self.graph, self.backend,
-                                   {"S": new, "T": context, "P": k.shape[0], "BLK": k.shape[1]})
+            self.plans[key] = Plan(self.graph, self.backend, {"S": rows, "R": logit_rows, "P": k.shape[0], "BLK": k.shape[1]},
+                                   free=("T",))
         return self.plans[key]
 
-    def forward(self, seq: Sequence, tokens: list[int], all_positions: bool = False) -> np.ndarray:
-        """Append tokens to the sequence's cache; return the logits after the last one (or after each)."""
-        start, stop = seq.length, seq.length + len(tokens)
-        self.pool.reserve(seq, stop)
-        bucket = -(-stop // BUCKET) * BUCKET
-        ctx = np.zeros(bucket, np.int64)                     # padding points at scratch page 0
-        ctx[:stop] = self.pool.slots(seq, 0, stop)
-        inputs = {"ids": np.asarray(tokens, np.int64), "positions": np.arange(start, stop, dtype=np.int64),
-                  "slots": self.pool.slots(seq, start, stop), "ctx_slots": ctx}
-        query = np.arange(start, stop)[:, None]
-        key = np.arange(bucket)[None, :]
-        for w in self.windows:
-            visible = (key <= query) & ((query - key < w) if w else True)
-            inputs[mask_name(w)] = np.where(visible, np.float32(0), np.float32(-np.inf))[None, None]
+    def forward(self, batch: list[tuple[Sequence, list[int], int]]) -> list[np.ndarray]:
+        """Run each sequence's new tokens, appending them to its cache. Item (seq, tokens, want) asks for
+        the logits after its last `want` tokens; the result has one [want, vocab] array per item."""
+        for seq, tokens, _ in batch:
+            self.pool.reserve(seq, seq.length + len(tokens))
+        rows = sum(len(tokens) for _, tokens, _ in batch)
+        buckets = [-(-(seq.length + len(tokens)) // BUCKET) * BUCKET for seq, tokens, _ in batch]
+        ctx = np.zeros(sum(buckets), np.int64)                # padding points at scratch page 0
+        masks = {w: np.full((1, 1, rows, ctx.size), -np.inf, np.float32) for w in self.windows}
+        positions, logit_rows, row, offset = [], [], 0, 0
+        for (seq, tokens, want), bucket in zip(batch, buckets):
+            start, stop = seq.length, seq.length + len(tokens)
+            ctx[offset: offset + stop] = self.pool.slots(seq, 0, stop)
+            query, key = np.arange(start, stop)[:, None], np.arange(stop)[None, :]
+            for w, mask in masks.items():
+                visible = (key <= query) & ((query - key < w) if w else True)
+                mask[0, 0, row: row + len(tokens), offset: offset + stop][visible] = 0
+            positions.append(np.arange(start, stop))
+            logit_rows.extend(range(row + len(tokens) - want, row + len(tokens)))
+            row, offset = row + len(tokens), offset + bucket
+        positions = np.concatenate(positions).astype(np.int64)
+        inputs = {"ids": np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64), "positions": positions,
+                  "slots": np.concatenate([self.pool.slots(seq, seq.length, seq.length + len(tokens))
+                                           for seq, tokens, _ in batch]),
+                  "ctx_slots": ctx, "logit_rows": np.asarray(logit_rows, np.int64),
+                  **{mask_name(w): mask for w, mask in masks.items()}}
         for i in range(self.cfg.num_layers):
             inputs[f"k_pages.{i}"], inputs[f"v_pages.{i}"] = self.pool.k[i], self.pool.v[i]
-        logits, *pages = self.plan(len(tokens), bucket, all_positions).run(inputs)
-        for i in range(self.cfg.num_layers):                 # backends that update out of place return new pages
-            self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
-        seq.length = stop
-        return logits if all_positions else logits[-1]
+        with self.lock:
+            logits, *pages = self.plan(rows, len(logit_rows)).run(inputs)
+            for i in range(self.cfg.num_layers):             # backends that update out of place return new pages
+                self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
+        for seq, tokens, _ in batch:
+            seq.length += len(tokens)
+        return np.split(logits, np.cumsum([want for _, _, want in batch])[:-1])
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
         self.check_prompt(tokens, 1)
         seq = Sequence()
         try:
-            return self.forward(seq, tokens, all_positions=True)
+            return self.forward([(seq, tokens, len(tokens))])[0]
         finally:
             self.pool.release(seq)
 
@@ -131,45 +211,29 @@ class Engine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) >= self.n_ctx:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.n_ctx}")
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.n_ctx}")
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
 
     def generate(self, req: GenerationRequest) -> Iterator[Token]:
-        self.check_prompt(req.prompt_ids, req.max_tokens)
-        sampler = Sampler(req.sampling)
-        seq = Sequence()
-        m = self.metrics = Metrics(prompt_tokens=len(req.prompt_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids[-4:])
-        stops = StopMatcher(req.stop)
-        history = list(req.prompt_ids)
+        """One request on its own: the whole uncached prompt in one step, then a step per token."""
+        stream = Stream(self, req)
+        self.metrics = m = stream.metrics
         try:
             t = time.perf_counter()
-            logits = self.forward(seq, req.prompt_ids)
-            m.prefill_ms = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
             while True:
-                token = sampler(logits, history)
-                history.append(token)
-                m.generated_tokens += 1
-                if token in self.stop_ids:
-                    m.finish_reason = "stop"
-                    yield Token(token, stops.flush(), "stop")
+                prefill = stream.prefilling
+                logits = self.forward([(stream.seq, stream.take(len(stream.pending)), 1)])[0][-1]
+                token = stream.accept(logits)
+                if prefill:
+                    m.prefill_ms, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
+                else:
+                    m.decode_ms = (time.perf_counter() - t) * 1e3
+                yield token
+                if token.finish_reason:
                     return
-                text, stopped = stops.push(detok.push(token))
-                if stopped:
-                    m.finish_reason = "stop"
-                    yield Token(token, text, "stop")
-                    return
-                if m.generated_tokens >= req.max_tokens or seq.length + 1 >= self.n_ctx:
-                    m.finish_reason = "length"
-                    yield Token(token, text + stops.flush(), "length")
-                    return
-                yield Token(token, text)
-                logits = self.forward(seq, [token])
-                m.decode_ms = (time.perf_counter() - t) * 1e3
         finally:
-            self.pool.release(seq)
+            self.pool.release(stream.seq)
             m.peak_rss_mb = peak_rss_mb()
 
 

@@ -3,9 +3,15 @@
 A sequence owns a block table (its pages, in order); token position p lives in slot
 `table[p // block] * block + p % block`. Page 0 is never handed out: padded context slots point
 there, and attention masks them out.
+
+Prefix caching: a full page is published under the hash of every token up to its end, so a later
+sequence whose prompt starts with the same tokens attaches those pages instead of computing them
+(a shared system prompt is prefilled once). Pages are reference-counted; a published page nobody
+holds stays cached until the pool needs it back, least recently used first.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +24,16 @@ from soma_runtime.errors import RequestError
 class Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0                   # tokens whose K/V are in the cache
+    published: int = 0                # leading pages already in the prefix cache
+
+
+def prefix_hashes(tokens: list[int], block: int) -> list[int]:
+    """One hash per full block: of the block's tokens chained to the hash of everything before it."""
+    hashes, h = [], 0
+    for start in range(0, len(tokens) - block + 1, block):
+        h = hash((h, tuple(tokens[start:start + block])))
+        hashes.append(h)
+    return hashes
 
 
 class KVPool:
@@ -31,17 +47,78 @@ class KVPool:
         self.k = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))
+        self.refs = np.zeros(self.num_pages, np.int32)
+        self.by_hash: dict[int, int] = {}          # prefix hash -> page
+        self.hash_of: dict[int, int] = {}          # page -> prefix hash
+        self.idle: OrderedDict[int, None] = OrderedDict()   # published pages nobody holds, LRU first
+
+    @property
+    def available(self) -> int:
+        """Pages a sequence can still get: free ones plus cached ones nobody holds."""
+        return len(self.free) + len(self.idle)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - self.available
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.block)
+
+    def _take(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        else:                                      # reclaim the least recently used cached page
+            page, _ = self.idle.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(page)]
+        self.refs[page] = 1
+        return page
 
     def reserve(self, seq: Sequence, total_tokens: int) -> None:
-        need = -(-total_tokens // self.block) - len(seq.pages)
-        if need > len(self.free):
-            raise RequestError(f"KV cache full: {total_tokens} tokens need {need} more pages, {len(self.free)} free")
-        seq.pages.extend(self.free.pop() for _ in range(max(0, need)))
+        need = self.pages_for(total_tokens) - len(seq.pages)
+        if need > self.available:
+            raise RequestError(f"KV cache full: {total_tokens} tokens need {need} more pages, {self.available} free")
+        seq.pages.extend(self._take() for _ in range(max(0, need)))
 
     def slots(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
         pos = np.arange(start, stop)
         return np.asarray(seq.pages, np.int64)[pos // self.block] * self.block + pos % self.block
 
+    def attach_prefix(self, seq: Sequence, tokens: list[int]) -> int:
+        """Give an empty sequence the cached pages of the longest published prefix of `tokens`, leaving
+        at least the last token to compute (its logits are needed). Returns the tokens attached."""
+        assert not seq.pages
+        for h in prefix_hashes(tokens[:-1], self.block):
+            page = self.by_hash.get(h)
+            if page is None:
+                break
+            self.idle.pop(page, None)
+            self.refs[page] += 1
+            seq.pages.append(page)
+        seq.length = seq.published = len(seq.pages)
+        seq.length *= self.block
+        return seq.length
+
+    def publish(self, seq: Sequence, tokens: list[int]) -> None:
+        """Publish the sequence's full pages, whose K/V are the cache of `tokens`' prefix."""
+        full = min(seq.length, len(tokens)) // self.block
+        for i, h in enumerate(prefix_hashes(tokens[: full * self.block], self.block)[seq.published:], seq.published):
+            page = seq.pages[i]
+            if h not in self.by_hash and page not in self.hash_of:
+                self.by_hash[h], self.hash_of[page] = page, h
+        seq.published = max(seq.published, full)
+
     def release(self, seq: Sequence) -> None:
-        self.free.extend(reversed(seq.pages))
-        seq.pages, seq.length = [], 0
+        for page in reversed(seq.pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.hash_of:
+                    self.idle[page] = None
+                else:
+                    self.free.append(page)
+        seq.pages, seq.length, seq.published = [], 0, 0
+
+    def clear_prefix_cache(self) -> None:
+        for page in self.idle:
+            del self.by_hash[self.hash_of.pop(page)]
+            self.free.append(page)
+        self.idle.clear()

@@ -1,5 +1,6 @@
-"""The sampling pipeline, in SPEC order: repetition penalty -> temperature -> top-k -> top-p ->
-min-p -> draw. Temperature 0 is greedy. Each stage is a small function over a logits vector."""
+"""The sampling pipeline, in SPEC order: repetition penalty (and OpenAI's presence/frequency
+penalties over the generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw.
+Temperature 0 is greedy. Each stage is a small function over a logits vector."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,12 +18,16 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
     def validate(self) -> SamplingParams:
         checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                  (self.repeat_penalty > 0, "repeat_penalty must be > 0")]
+                  (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+                  (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")]
         for ok, message in checks:
             if not ok:
                 raise RequestError(message)
@@ -37,6 +42,22 @@ def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float)
     out = logits.copy()
     out[seen] = np.where(out[seen] > 0, out[seen] / penalty, out[seen] * penalty)
     return out
+
+
+def apply_openai_penalties(logits: np.ndarray, generated: list[int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's: subtract `frequency` per earlier occurrence and `presence` once, over generated tokens."""
+    if not generated or presence == frequency == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+    out = logits.copy()
+    out[ids] -= frequency * counts + presence
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
 
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
@@ -76,10 +97,11 @@ class Sampler:
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = ()) -> int:
         p = self.params
         logits = apply_repeat_penalty(np.asarray(logits, np.float64), history[-p.repeat_last_n:] if p.repeat_last_n else history,
                                       p.repeat_penalty)
+        logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
         if p.temperature == 0:
             return int(np.argmax(logits))
         logits = logits / p.temperature

@@ -88,8 +88,11 @@ class TensorMeta:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def bind(self, bindings: dict[str, int]) -> TensorMeta:
-        return TensorMeta(tuple(resolve(d, bindings) for d in self.shape), self.dtype, self.residency)
+    def bind(self, bindings: dict[str, int], free: frozenset[str] = frozenset()) -> TensorMeta:
+        """Concrete dims from the bindings; dims over a `free` name stay symbolic."""
+        shape = tuple(d if isinstance(d, Sym) and free & set(_NAME.findall(d.expr)) else resolve(d, bindings)
+                      for d in self.shape)
+        return TensorMeta(shape, self.dtype, self.residency)
 
 
 def meta_of(value) -> TensorMeta:

@@ -3,6 +3,8 @@
 Making a plan runs the passes (dead nodes, constant folding), binds symbolic dims, picks each
 node's kernel from the jet registry once, and lays intermediates out in one arena. Running it is
 a loop over prepared steps: no lookups, no shape inference, no allocation for planned tensors.
+A dim left `free` may take any size per run; only graph inputs may carry it (the decoder's
+context length: its slots and masks vary per step, no intermediate does).
 """
 from __future__ import annotations
 
@@ -59,12 +61,17 @@ def bindings_from(graph: Graph, inputs: dict) -> dict[str, int]:
     return found
 
 
+def fits(actual: tuple, planned: tuple) -> bool:
+    return len(actual) == len(planned) and all(isinstance(p, Sym) or a == p for a, p in zip(actual, planned))
+
+
 class Plan:
     def __init__(self, graph: Graph, backend: str = "cpu", bindings: dict[str, int] | None = None,
-                 memory_plan: bool = True):
+                 memory_plan: bool = True, free: tuple[str, ...] = ()):
         load_backend(backend)
         self.backend = backend
         self.bindings = dict(bindings or {})
+        self.free = frozenset(free)
         g = copy.copy(graph)
         g.nodes = [copy.copy(n) for n in graph.nodes]
         g.constants = dict(graph.constants)
@@ -76,7 +83,7 @@ class Plan:
         self.memory = plan_memory(g, self.metas) if memory_plan else None
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
-        self.input_shapes = {name: meta.bind(self.bindings).shape for name, meta in g.inputs.items()}
+        self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
 
     @classmethod
     def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
@@ -88,12 +95,14 @@ class Plan:
         return kernel(*inputs, **OPS[node.op].full_attrs(node.attrs))
 
     def _bind_metas(self, g: Graph) -> dict[str, TensorMeta]:
-        metas = {k: m.bind(self.bindings) for k, m in g.inputs.items()}
+        metas = {k: m.bind(self.bindings, self.free) for k, m in g.inputs.items()}
         metas.update({k: meta_of(v) for k, v in g.constants.items()})
         for n in g.nodes:
             n.attrs = bind_attrs(n.attrs, self.bindings)
             ins = [None if i is None else metas[i] for i in n.inputs]
             for name, meta in zip(n.outputs, OPS[n.op].infer(ins, n.attrs, n.name)):
+                if any(isinstance(d, Sym) for d in meta.shape):
+                    raise GraphError(f"{n.name}: output {name!r} has shape {list(meta.shape)}; free dims may only size inputs")
                 metas[name] = meta
         return metas
 
@@ -113,7 +122,7 @@ class Plan:
         env = dict(self.graph.constants)
         for name, shape in self.input_shapes.items():
             value = inputs.get(name)
-            if value is None or np.shape(value) != shape:
+            if value is None or not fits(np.shape(value), shape):
                 raise GraphError(f"input {name!r}: expected shape {list(shape)}, "
                                  f"got {None if value is None else list(np.shape(value))}")
             env[name] = value

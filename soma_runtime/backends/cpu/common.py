@@ -43,8 +43,14 @@ def float_kernel(fn):
 
 
 def all_f32(*arrays) -> bool:
-    """Inputs a numba fast path takes as they are: f32 numpy arrays in C order."""
-    return all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+    """Inputs a numba fast path takes (through `dense`): f32 numpy arrays."""
+    return all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays)
+
+
+def dense(x: np.ndarray) -> np.ndarray:
+    """C order for a numba kernel. Strided views (the parts of a split) are copied rather than sent
+    down another path: a row's result must not depend on which rows came with it (batching)."""
+    return np.ascontiguousarray(x)
 
 
 def out_f32(out, shape) -> np.ndarray:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import njit, vectorize
 
-from soma_runtime.backends.cpu.common import CPU, F, all_f32, deliver, float_kernel, out_f32
+from soma_runtime.backends.cpu.common import CPU, F, all_f32, deliver, dense, float_kernel, out_f32
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -31,7 +31,7 @@ def binary_jet(ufunc):
     general = float_kernel(lambda a, b: ufunc(a, b))
 
     def run(a, b, out=None):
-        if out is not None and all_f32(a, b, out) and np.broadcast_shapes(a.shape, b.shape) == out.shape:
+        if out is not None and all_f32(a, b, out) and out.flags.c_contiguous and np.broadcast_shapes(a.shape, b.shape) == out.shape:
             return ufunc(a, b, out=out)           # residual and bias adds straight into the planned buffer
         return general(a, b, out=out)
     run.__name__ = ufunc.__name__
@@ -96,7 +96,7 @@ def _gelu_erf(x, out):
 def gelu(x, out=None, approximate="none"):
     if approximate == "none" and all_f32(x):
         result = out_f32(out, x.shape)
-        _gelu_erf(x, result)
+        _gelu_erf(dense(x), result)
         return result
     return _gelu_numpy(x, approximate=approximate, out=out)
 
@@ -116,7 +116,7 @@ def _swiglu(gate, up, out):
 def swiglu(gate, up, out=None):
     if all_f32(gate, up) and gate.shape == up.shape:
         result = out_f32(out, gate.shape)
-        _swiglu(gate, up, result)
+        _swiglu(dense(gate), dense(up), result)
         return result
     return _swiglu_numpy(gate, up, out=out)
 
@@ -146,7 +146,7 @@ def _rmsnorm_rows(x, weight, eps, out):
 def rmsnorm(x, weight, out=None, eps=1e-6):
     if weight is not None and all_f32(x, weight) and x.ndim >= 2 and weight.shape == x.shape[-1:]:
         result = out_f32(out, x.shape)
-        _rmsnorm_rows(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), result.reshape(-1, x.shape[-1]))
+        _rmsnorm_rows(dense(x).reshape(-1, x.shape[-1]), dense(weight), np.float32(eps), result.reshape(-1, x.shape[-1]))
         return result
     return _rmsnorm_numpy(x, weight, eps=eps, out=out)
 
@@ -195,7 +195,8 @@ def _layernorm_rows(x, weight, bias, eps, out):
 def layernorm(x, weight, bias, out=None, eps=1e-5):
     if weight is not None and bias is not None and all_f32(x, weight, bias) and x.ndim >= 2:
         result = out_f32(out, x.shape)
-        _layernorm_rows(x.reshape(-1, x.shape[-1]), weight, bias, np.float32(eps), result.reshape(-1, x.shape[-1]))
+        _layernorm_rows(dense(x).reshape(-1, x.shape[-1]), dense(weight), dense(bias), np.float32(eps),
+                        result.reshape(-1, x.shape[-1]))
         return result
     return _layernorm_numpy(x, weight, bias, eps=eps, out=out)
 

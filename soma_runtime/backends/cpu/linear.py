@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, f32, float_kernel, out_f32
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, dense, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.qmatmul import matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
@@ -46,7 +46,7 @@ def matmul(a, b, out=None, transpose_b=False, activations="f32"):
     b = f32(b)
     if transpose_b and b.ndim == 2 and all_f32(a, b) and a.size // a.shape[-1] <= SMALL_ROWS:
         result = out_f32(out, (*a.shape[:-1], b.shape[0]))
-        _few_rows_matmul(a.reshape(-1, a.shape[-1]), b, result.reshape(-1, b.shape[0]))
+        _few_rows_matmul(dense(a).reshape(-1, a.shape[-1]), dense(b), result.reshape(-1, b.shape[0]))
         return result
     b = np.swapaxes(b, -1, -2) if transpose_b else b
     if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:     # one BLAS call over all rows, not one per batch item
@@ -79,7 +79,7 @@ def _rope(x, positions, inv_freq, neox, out):
 def rope(x, positions, inv_freq, out=None, style="neox"):
     if all_f32(x) and x.ndim == 3 and positions.shape == x.shape[:1]:
         result = out_f32(out, x.shape)
-        _rope(x, positions, inv_freq, style == "neox", result)
+        _rope(dense(x), dense(positions), dense(inv_freq), style == "neox", result)
         return result
     return _rope_numpy(x, positions, inv_freq, style=style, out=out)
 

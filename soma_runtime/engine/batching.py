@@ -1,0 +1,183 @@
+"""Continuous batching: an iteration-level scheduler over one Engine (vLLM-style).
+
+Requests join and leave the running batch between steps. Each step runs, as one forward, a decode
+row for every running stream plus chunks of the prompts being prefilled, up to `step_tokens` rows,
+so a long prompt never stalls the streams already running. A request is admitted when the KV pool
+can hold its whole prompt and `max_tokens`; a cancelled one (a client gone) frees its pages at the
+next step. Tokens go back through each job's callback, from the scheduler's thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
+from soma_runtime.errors import RequestError
+
+log = logging.getLogger("soma_runtime.batching")
+
+
+@dataclass
+class Job:
+    """A submitted request. `emit` receives each Token, then None at the end (or an Exception)."""
+    req: GenerationRequest
+    emit: Callable[[Token | Exception | None], None]
+    stream: Stream | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class SchedulerStats:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    last_batch: int = 0            # sequences in the latest step
+    max_batch: int = 0             # most sequences one step has run
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int = 16, step_tokens: int = 256):
+        self.engine, self.max_batch, self.step_tokens = engine, max_batch, step_tokens
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.stats = SchedulerStats()
+        self.wake = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self._loop, name="soma-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, req: GenerationRequest, emit: Callable) -> Job:
+        """Queue a request; raises RequestError at once for one that can never run."""
+        self.engine.check_prompt(req.prompt_ids, req.max_tokens)
+        need = self.engine.pool.pages_for(min(len(req.prompt_ids) + req.max_tokens, self.engine.n_ctx))
+        if need > self.engine.pool.num_pages - 1:
+            raise RequestError(f"request needs {need} KV pages, the pool has {self.engine.pool.num_pages - 1}")
+        job = Job(req, emit)
+        with self.wake:
+            if self.closing:
+                raise RequestError("the server is shutting down")
+            self.waiting.append(job)
+            self.stats.requests += 1
+            self.wake.notify()
+        return job
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; finish the queued and running ones (drain) or cancel them."""
+        with self.wake:
+            self.closing = True
+            if not drain:
+                for job in [*self.waiting, *self.running]:
+                    job.cancel()
+            self.wake.notify()
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self.wake:
+                while not (self.waiting or self.running or self.closing):
+                    self.wake.wait()
+                if self.closing and not (self.waiting or self.running):
+                    return
+            try:
+                self.step()
+            except Exception as exc:      # a failing step ends the requests in it, never the server
+                log.exception("scheduler step failed")
+                for job in list(self.running):
+                    self._finish(job, exc)
+
+    def _admit(self) -> None:
+        pool = self.engine.pool
+        outstanding = sum(job.stream.budget_pages for job in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            job = self.waiting[0]
+            if job.cancelled:
+                self.waiting.popleft()
+                self._finish(job, None)
+                continue
+            try:
+                stream = Stream(self.engine, job.req)
+            except RequestError as exc:
+                self.waiting.popleft()
+                self._finish(job, exc)
+                continue
+            if stream.budget_pages > pool.available - outstanding and self.running:
+                pool.release(stream.seq)          # wait for running streams to give pages back
+                return
+            self.waiting.popleft()
+            job.stream = stream
+            outstanding += stream.budget_pages
+            self.stats.prompt_tokens += len(job.req.prompt_ids)
+            self.stats.cached_tokens += stream.metrics.cached_tokens
+            self.running.append(job)
+
+    def step(self) -> None:
+        with self.wake:
+            for job in [j for j in self.running if j.cancelled]:
+                self._finish(job, None)
+            self._admit()
+        decode = [job for job in self.running if not job.stream.prefilling]
+        budget = max(0, self.step_tokens - len(decode))
+        batch, jobs = [], []
+        for job in self.running:
+            stream = job.stream
+            if stream.prefilling:
+                if budget <= 0:
+                    continue
+                tokens = stream.take(budget)
+                budget -= len(tokens)
+            else:
+                tokens = stream.take(1)
+            batch.append((stream.seq, tokens, 0 if stream.prefilling and stream.pending else 1))
+            jobs.append(job)
+        if not batch:
+            return
+        start = time.perf_counter()
+        logits = self.engine.forward(batch)
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.last_batch = len(batch)
+        self.stats.max_batch = max(self.stats.max_batch, len(batch))
+        for job, rows in zip(jobs, logits):
+            if len(rows):
+                self._deliver(job, job.stream.accept(rows[-1]))
+
+    def _deliver(self, job: Job, token: Token) -> None:
+        self.stats.generated_tokens += 1
+        if job.first_token_s is None:
+            job.first_token_s = time.perf_counter() - job.submitted
+        job.emit(token)
+        if token.finish_reason:
+            self._finish(job, None)
+
+    def _finish(self, job: Job, error: Exception | None) -> None:
+        if job in self.running:
+            self.running.remove(job)
+        if job.stream is not None:
+            self.engine.pool.release(job.stream.seq)
+        if job.cancelled:
+            self.stats.cancelled += 1
+        else:
+            self.stats.finished += 1
+        job.emit(error)

@@ -1,0 +1,155 @@
+"""OpenAI's wire format: request bodies validated into engine requests, responses and stream chunks.
+
+Fields OpenAI defines and this server does not act on (user, tools, response_format, ...) are
+accepted and ignored, as llama.cpp's server does, so existing clients work unchanged; llama.cpp's
+sampling extensions (top_k, min_p, repeat_penalty) are accepted too.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from soma_runtime.api import Model
+from soma_runtime.engine.generate import GenerationRequest, Token
+from soma_runtime.errors import RequestError
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict | None = None
+
+    def requests(self, model: Model, prompt_ids: list[int], logprobs: int | None, default_max: int | None) -> list[GenerationRequest]:
+        """One engine request per choice; with a seed, choice i draws from seed + i."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        params = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                                                "presence_penalty", "frequency_penalty")}
+        max_tokens = self.max_tokens or default_max or max(1, model.engine.n_ctx - len(prompt_ids))
+        return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs,
+                              seed=None if self.seed is None else self.seed + i, **params) for i in range(self.n)]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+    def as_dict(self) -> dict:
+        """Content parts ([{type: text, text}]) joined into the plain text chat templates expect."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompt_ids(self, model: Model) -> list[int]:
+        return model.chat_ids([m.as_dict() for m in self.messages])
+
+    def engine_requests(self, model: Model) -> list[GenerationRequest]:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self.requests(model, self.prompt_ids(model), (self.top_logprobs or 0) if self.logprobs else None, None)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = 16          # OpenAI's default for completions
+
+    def prompt_ids(self, model: Model) -> list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise RequestError("one prompt per request (send a batch as separate requests; they run batched)")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and any(not 0 <= t < model.engine.cfg.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {model.engine.cfg.vocab_size})")
+        return model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def engine_requests(self, model: Model) -> list[GenerationRequest]:
+        return self.requests(model, self.prompt_ids(model), self.logprobs, 16)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Choice:
+    """One choice being generated: its text, logprobs and finish, in chat or completion shape."""
+
+    def __init__(self, index: int, model: Model, chat: bool):
+        self.index, self.model, self.chat = index, model, chat
+        self.text, self.tokens, self.finish_reason = "", 0, None
+        self.logprobs: list[tuple[Token, str]] = []
+
+    def piece(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id])
+
+    def add(self, token: Token) -> None:
+        self.text += token.text
+        self.tokens += 1
+        self.finish_reason = token.finish_reason or self.finish_reason
+        if token.logprob is not None:
+            self.logprobs.append((token, self.piece(token.id)))
+
+    def logprobs_json(self, entries: list[tuple[Token, str]]) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            def entry(token_id, piece, logprob):
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            return {"content": [{**entry(t.id, piece, t.logprob),
+                                 "top_logprobs": [entry(i, self.piece(i), lp) for i, lp in t.top_logprobs]}
+                                for t, piece in entries]}
+        return {"tokens": [piece for _, piece in entries], "token_logprobs": [t.logprob for t, _ in entries],
+                "top_logprobs": [{self.piece(i): lp for i, lp in t.top_logprobs} for t, _ in entries]}
+
+    def final(self) -> dict:
+        body = {"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text}
+        return {"index": self.index, **body, "logprobs": self.logprobs_json(self.logprobs), "finish_reason": self.finish_reason}
+
+    def delta(self, token: Token) -> dict:
+        entries = [(token, self.piece(token.id))] if token.logprob is not None else []
+        body = {"delta": {"content": token.text}} if self.chat else {"text": token.text}
+        return {"index": self.index, **body, "logprobs": self.logprobs_json(entries), "finish_reason": token.finish_reason}
+
+
+def envelope(kind: Literal["chat", "text"], stream: bool, request_id: str, model_id: str, created: int | None = None) -> dict:
+    obj = {"chat": "chat.completion", "text": "text_completion"}[kind] + (".chunk" if stream and kind == "chat" else "")
+    return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model_id}
