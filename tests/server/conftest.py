@@ -2,6 +2,7 @@
 settings), on loopback; stopped through its own handle with SIGTERM, as a user's Ctrl-C would."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -10,12 +11,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from soma_runtime.api import Runtime
+
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=120)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
 
 
 def free_port() -> int:
@@ -25,11 +34,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str):
-        self.port = free_port()
+    def __init__(self, *args: str, uds: str | None = None):
+        self.port, self.uds = free_port(), uds
         self.url = f"http://127.0.0.1:{self.port}"
+        where = ["--uds", uds] if uds else ["--port", str(self.port)]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="soma-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", *where, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -50,12 +60,13 @@ class ServerProcess:
 
     def request(self, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict | str]:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        conn = UnixConnection(self.uds) if self.uds else http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                status, raw = r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read().decode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            status, raw = response.status, response.read().decode()
+        finally:
+            conn.close()
         try:
             return status, json.loads(raw)
         except ValueError:
