@@ -73,7 +73,7 @@ def default_id(source: str | None) -> str:
     if not source:
         return "default"
     name = os.path.basename(os.path.normpath(source))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return name.removesuffix(".gguf")
 
 
 class ModelRegistry:

@@ -38,9 +38,10 @@ class ServerProcess:
         self.port, self.uds = free_port(), uds
         self.url = f"http://127.0.0.1:{self.port}"
         where = ["--uds", uds] if uds else ["--port", str(self.port)]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="soma-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", *where, *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.log = os.path.join(tempfile.mkdtemp(prefix="soma-serve-"), "server.log")
+        with open(self.log, "w") as log:          # the child keeps its own handle
+            self.proc = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", *where, *args],
+                                         stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -55,7 +56,7 @@ class ServerProcess:
         raise RuntimeError(f"the server did not come up:\n{self.output()}")
 
     def output(self) -> str:
-        with open(self.log.name) as f:
+        with open(self.log) as f:
             return f.read()
 
     def request(self, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict | str]:
