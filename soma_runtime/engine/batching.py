@@ -123,13 +123,11 @@ class Scheduler:
                 self._finish(job, exc)
                 continue
             if stream.budget_pages > pool.available - outstanding and self.running:
-                pool.release(stream.seq)          # wait for running streams to give pages back
-                return
+                return                            # wait for running streams to give pages back
             self.waiting.popleft()
             job.stream = stream
             outstanding += stream.budget_pages
             self.stats.prompt_tokens += len(job.req.prompt_ids)
-            self.stats.cached_tokens += stream.metrics.cached_tokens
             self.running.append(job)
 
     def step(self) -> None:
@@ -145,6 +143,9 @@ class Scheduler:
             if stream.prefilling:
                 if budget <= 0:
                     continue
+                if stream.pending is None:
+                    stream.start()
+                    self.stats.cached_tokens += stream.metrics.cached_tokens
                 tokens = stream.take(budget)
                 budget -= len(tokens)
             else:

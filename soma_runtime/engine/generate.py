@@ -88,9 +88,14 @@ class Stream:
         self.stops = StopMatcher(req.stop)
         self.history, self.generated = list(req.prompt_ids), []
         self.metrics = Metrics(prompt_tokens=len(req.prompt_ids))
-        self.metrics.cached_tokens = engine.pool.attach_prefix(self.seq, req.prompt_ids)
-        self.pending = list(req.prompt_ids[self.metrics.cached_tokens:])
+        self.pending: list[int] | None = None          # set by start()
         self.finish_reason: str | None = None
+
+    def start(self) -> None:
+        """Take what the prefix cache holds of the prompt. Done just before the first prompt chunk runs,
+        so a prompt admitted beside another with the same prefix finds it cached one step later."""
+        self.metrics.cached_tokens = self.engine.pool.attach_prefix(self.seq, self.req.prompt_ids)
+        self.pending = list(self.req.prompt_ids[self.metrics.cached_tokens:])
 
     @property
     def prefilling(self) -> bool:
@@ -219,6 +224,7 @@ class Engine:
         """One request on its own: the whole uncached prompt in one step, then a step per token."""
         stream = Stream(self, req)
         self.metrics = m = stream.metrics
+        stream.start()
         try:
             t = time.perf_counter()
             while True:

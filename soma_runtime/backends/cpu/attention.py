@@ -45,22 +45,25 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
 
 
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
-def _paged_attention(q, k, v, ctx, mask, scale, softcap, precision, out):
+def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
     """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T]; out [S, H, Dv].
+    Row s reads only context positions spans[s, 0] <= t < spans[s, 1] (its visible ones, masked-out
+    keys within are skipped): padding, far context and other sequences' segments cost nothing.
     q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache
-    under f32 queries). Masked-out keys (-inf) are skipped: padding and far context cost nothing."""
+    under f32 queries)."""
     rows, heads, dim = q.shape
-    kv_heads, dv, length = k.shape[1], v.shape[2], ctx.shape[0]
+    kv_heads, dv = k.shape[1], v.shape[2]
     group = heads // kv_heads
     for task in prange(rows * kv_heads):
         s, kvh = task // kv_heads, task % kv_heads
+        lo, hi = spans[s, 0], spans[s, 1]
         qg = np.empty((group, dim), np.float32)
         for g in range(group):
             for d in range(dim):
                 qg[g, d] = narrow(q[s, kvh * group + g, d], precision)
-        scores = np.full((group, length), -np.inf, np.float32)
+        scores = np.full((group, hi - lo), -np.inf, np.float32)
         key = np.empty(dim, np.float32)
-        for t in range(length):
+        for t in range(lo, hi):
             if mask[s, t] == -np.inf:
                 continue
             slot = ctx[t]
@@ -73,32 +76,40 @@ def _paged_attention(q, k, v, ctx, mask, scale, softcap, precision, out):
                 score = acc * scale
                 if softcap != 0:
                     score = np.float32(np.tanh(score / softcap)) * softcap
-                scores[g, t] = score + mask[s, t]
+                scores[g, t - lo] = score + mask[s, t]
         acc_out = np.zeros((group, dv), np.float32)
         value = np.empty(dv, np.float32)
         for g in range(group):             # softmax as ggml: exps summed in f64, scaled by the reciprocal
             top = scores[g].max()
             total = 0.0
-            for t in range(length):
+            for t in range(hi - lo):
                 e = np.float32(np.exp(scores[g, t] - top))
                 scores[g, t] = e
                 total += e
             inv = np.float32(1.0 / total)
-            for t in range(length):
+            for t in range(hi - lo):
                 scores[g, t] = narrow(scores[g, t] * inv, precision)
-        for t in range(length):
+        for t in range(lo, hi):
             if mask[s, t] == -np.inf:
                 continue
             slot = ctx[t]
             for d in range(dv):
                 value[d] = widen(v[slot, kvh, d])
             for g in range(group):
-                p = scores[g, t]
+                p = scores[g, t - lo]
                 for d in range(dv):
                     acc_out[g, d] += p * value[d]
         for g in range(group):
             for d in range(dv):
                 out[s, kvh * group + g, d] = acc_out[g, d]
+
+
+def visible_spans(mask: np.ndarray) -> np.ndarray:
+    """[S, 2]: each row's first and one-past-last unmasked context position."""
+    visible = mask != -np.inf
+    first = visible.argmax(axis=1)
+    last = mask.shape[1] - visible[:, ::-1].argmax(axis=1)
+    return np.where(visible.any(axis=1)[:, None], np.stack([first, last], axis=1), 0).astype(np.int64)
 
 
 def flat_cache(pages: np.ndarray) -> np.ndarray:
@@ -124,6 +135,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, 
         return deliver(result[0].transpose(1, 0, 2), like, out)
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
-    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, np.ascontiguousarray(f32(mask)[0, 0]),
+    rows_mask = np.ascontiguousarray(f32(mask)[0, 0])
+    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible_spans(rows_mask),
                      scale, np.float32(softcap), precision, result)
     return result if result is out else deliver(result, like, out)

@@ -21,6 +21,7 @@ from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import BF16, F16, F16_TABLE, dequant_row, dequant_rows_serial
 
 GEMV_MAX_ROWS = 8      # up to this many activation rows, the fused decode-and-dot pass wins
+BLAS_MIN_ROWS = 64     # below this, decoding whole weights per call for BLAS never pays (batched decode)
 TILE_BYTES = 1 << 21   # f32 bytes of weight rows decoded per GEMM tile (fits L2)
 ROWS_PER_TASK = 16
 
@@ -84,7 +85,7 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_acti
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
     if quantize_activations and fmt in qdot.FORMATS:
-        if few or schedule.choice(prefill_key(w)) != "blas":
+        if rows.shape[0] < BLAS_MIN_ROWS or schedule.choice(prefill_key(w)) != "blas":
             return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
         rows = qdot.q8_rounded(rows)          # the tuned choice here: llama.cpp's rounding at BLAS speed
     half = None if isinstance(w, QTensor) else {F16: "f16", BF16: "bf16"}.get(fmt)
