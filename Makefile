@@ -34,6 +34,7 @@ bench: $(VENV)/.test
 	$(PY) bench/ops.py
 	$(PY) bench/llm_cpu.py
 	$(PY) bench/embed.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) bench/out
