@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from soma_runtime import loaders, schedule
-from soma_runtime.backends import detect_all
+from soma_runtime.backends import BACKENDS, detect_all, gpu_available
 from soma_runtime.backends.cpu import physical_cores
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
@@ -160,7 +160,13 @@ class Runtime:
         import numba
         threads = threads or physical_cores()          # SMT siblings share the core's SIMD units
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-        self.backend = "cpu" if backend == "auto" else backend
+        if backend == "auto":
+            backend = "cuda" if gpu_available() else "cpu"
+        elif backend not in BACKENDS:
+            raise RequestError(f"unknown backend {backend!r}; known: auto, {', '.join(BACKENDS)}")
+        elif backend == "cuda" and not detect_all()["cuda"].get("available"):
+            raise RequestError(f"the cuda backend is not available here: {detect_all()['cuda'].get('error')}")
+        self.backend = backend
         self.models: dict[str, Model] = {}
         self._ids = itertools.count()
 
@@ -180,8 +186,9 @@ class Runtime:
             loaded = loaders.load(path_or_name, sha256)
             bar.update()
             if loaded.is_encoder:
+                # encoders run on the CPU backend for now (their sdpa has no CUDA jet yet)
                 return self._add(EncoderModel, loaded, Encoder(loaded.config, loaded.weights, loaded.tokenizer,
-                                                               loaded.pooling, loaded.max_tokens, self.backend), model_id)
+                                                               loaded.pooling, loaded.max_tokens, "cpu"), model_id)
             bar.set_postfix_str("graph")
             gguf = loaded.format == "gguf"
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,

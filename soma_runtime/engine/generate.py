@@ -19,6 +19,7 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name
+from soma_runtime.backends import load_backend
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, log_softmax
 from soma_runtime.errors import PromptTooLong, RequestError
@@ -147,8 +148,10 @@ class Engine:
         check_shapes(cfg, weights)
         self.weights, self.kv_dtype, self.activations = fuse_projections(cfg, weights), kv_dtype, activations
         self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
+        module = load_backend(backend)
+        self.fetch = getattr(module, "fetch", None)       # logits come back to the host for sampling
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(self.n_ctx, kv_tokens or KV_TOKENS),
-                           dtype=kv_dtype)
+                           dtype=kv_dtype, zeros=getattr(module, "zeros", None))
         self.plans: dict[tuple[int, int], Plan] = {}
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
@@ -201,6 +204,8 @@ class Engine:
                 self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
+        if self.fetch:
+            logits = self.fetch(logits)
         return np.split(logits, np.cumsum([want for _, _, want in batch])[:-1])
 
     def logits(self, tokens: list[int]) -> np.ndarray:

@@ -38,14 +38,15 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
 
 class KVPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int, block: int = 16,
-                 dtype: str = "f32"):
+                 dtype: str = "f32", zeros=None):
+        """`zeros(shape, dtype)` allocates the pages where the backend computes (default: host memory,
+        where np.zeros maps pages lazily, so memory grows with the tokens actually cached)."""
         self.block, self.dtype = block, dtype
         self.num_pages = -(-max_tokens // block) + 1
         shape = (self.num_pages, block, kv_heads, head_dim)
-        # np.zeros maps pages lazily: memory grows with the tokens actually cached
-        np_dtype = DTYPES[dtype].numpy
-        self.k = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, np_dtype) for _ in range(num_layers)]
+        zeros = zeros or (lambda shape, name: np.zeros(shape, DTYPES[name].numpy))
+        self.k = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))
         self.refs = np.zeros(self.num_pages, np.int32)
         self.by_hash: dict[int, int] = {}          # prefix hash -> page

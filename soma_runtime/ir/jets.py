@@ -88,6 +88,13 @@ class JetRegistry:
         jet = None
         if backend != "reference":
             jet = self.lookup(opdef.formula_hash(metas, attrs), backend, dtypes)
+            fallback = backend_fallback(backend)
+            if jet is None and fallback:
+                if (opdef.name, backend, dtypes) not in self._missed:
+                    self._missed.add((opdef.name, backend, dtypes))
+                    log.warning("no %s jet for %s%s; running it on %s (inputs copied there)", backend, opdef.name, dtypes,
+                                fallback)
+                return on_other_backend(self._choose(opdef, metas, attrs, fallback, dtypes), backend)
             if jet is None and (opdef.name, backend, dtypes) not in self._missed:
                 self._missed.add((opdef.name, backend, dtypes))
                 log.warning("no %s jet for %s%s; running its atoms", backend, opdef.name, dtypes)
@@ -96,6 +103,21 @@ class JetRegistry:
         if os.environ.get("SOMA_VERIFY") == "1":
             return verified(opdef, jet, backend)
         return jet
+
+
+def backend_fallback(backend: str) -> str | None:
+    from soma_runtime.backends import load_backend
+    return getattr(load_backend(backend), "FALLBACK", None)
+
+
+def on_other_backend(kernel, backend: str):
+    """Run a host kernel for a device backend: inputs fetched to the host, results placed back."""
+    from soma_runtime.backends import fetch, place
+
+    def run(*inputs, out=None, **attrs):
+        result = kernel(*[fetch(backend, x) for x in inputs], **attrs)
+        return tuple(place(backend, r) for r in result) if isinstance(result, tuple) else place(backend, result)
+    return run
 
 
 def _matches(pattern, dt: str) -> bool:
@@ -173,4 +195,6 @@ def run_op(op: str, *inputs, backend: str = "cpu", **attrs):
     metas = [None if x is None else meta_of(x) for x in inputs]
     opdef.infer(metas, attrs, op)
     with np.errstate(all="ignore"):
-        return REGISTRY.kernel_for(opdef, metas, attrs, backend)(*inputs, **opdef.full_attrs(attrs))
+        result = REGISTRY.kernel_for(opdef, metas, attrs, backend)(*inputs, **opdef.full_attrs(attrs))
+    from soma_runtime.backends import fetch  # results on the host, whichever backend ran them
+    return tuple(fetch(backend, r) for r in result) if isinstance(result, tuple) else fetch(backend, result)

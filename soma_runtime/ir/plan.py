@@ -68,8 +68,9 @@ def fits(actual: tuple, planned: tuple) -> bool:
 class Plan:
     def __init__(self, graph: Graph, backend: str = "cpu", bindings: dict[str, int] | None = None,
                  memory_plan: bool = True, free: tuple[str, ...] = ()):
-        load_backend(backend)
+        module = load_backend(backend)
         self.backend = backend
+        self.fold_backend = getattr(module, "FALLBACK", backend)    # constants fold where they live: the host
         self.bindings = dict(bindings or {})
         self.free = frozenset(free)
         g = copy.copy(graph)
@@ -80,10 +81,13 @@ class Plan:
         fold_constants(g, self._run_once)
         self.graph = g
         self.metas = self._bind_metas(g)
-        self.memory = plan_memory(g, self.metas) if memory_plan else None
+        self.memory = plan_memory(g, self.metas) if memory_plan and getattr(module, "HOST_ARENA", True) else None
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
         self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
+        self.place = getattr(module, "place", None)             # weights go to a device backend once, here
+        if self.place:
+            g.constants = {name: self.place(value) for name, value in g.constants.items()}
 
     @classmethod
     def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
@@ -91,7 +95,7 @@ class Plan:
 
     def _run_once(self, node: Node, inputs: list):
         metas = [None if x is None else meta_of(x) for x in inputs]
-        kernel = REGISTRY.kernel_for(OPS[node.op], metas, node.attrs, self.backend)
+        kernel = REGISTRY.kernel_for(OPS[node.op], metas, node.attrs, self.fold_backend)
         return kernel(*inputs, **OPS[node.op].full_attrs(node.attrs))
 
     def _bind_metas(self, g: Graph) -> dict[str, TensorMeta]:
@@ -122,12 +126,14 @@ class Plan:
         env = dict(self.graph.constants)
         for name, shape in self.input_shapes.items():
             value = inputs.get(name)
-            if value is None or not fits(np.shape(value), shape):
-                raise GraphError(f"input {name!r}: expected shape {list(shape)}, "
-                                 f"got {None if value is None else list(np.shape(value))}")
-            env[name] = value
+            got = None if value is None else tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+            if got is None or not fits(got, shape):
+                raise GraphError(f"input {name!r}: expected shape {list(shape)}, got {None if got is None else list(got)}")
+            env[name] = self.place(value) if self.place else value
         with np.errstate(all="ignore"):       # inf/nan follow IEEE semantics; no warning per op
             self._run_steps(env)
+        if not self.memory:
+            return [env[o] for o in self.graph.outputs]
         # outputs may alias the arena, which the next run overwrites
         return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]
 

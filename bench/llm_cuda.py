@@ -1,0 +1,149 @@
+"""LLM speed on an NVIDIA GPU: ours (the cuda backend) vs HF transformers, same GPU, same run.
+
+Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 512-token prompt,
+128 greedy tokens, median of 3 after a warm-up; batch-32 decode too. Decode GB/s counts the weight
+bytes one token reads, against the measured device-to-device copy bandwidth.
+Run (on a GPU machine): python bench/llm_cuda.py [--out DIR] [--shape 1b|8b]; JSON in bench/out/llm_cuda.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+OUT = Path(__file__).parent / "out"
+PROMPT_TOKENS, NEW_TOKENS, RUNS, BATCH = 512, 128, 3, 32
+SHAPES = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False},
+}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read plus written per second (the ceiling decode is held to)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+
+
+def write_model(shape: str, directory: str):
+    """A random-weight HF Llama directory (bf16) with a small BPE tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.llm.tiny import build_tokenizer
+    build_tokenizer(directory)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, rope_theta=500000.0, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    model.save_pretrained(directory)
+    return model
+
+
+def prompt(vocab: int, rows: int = 1) -> np.ndarray:
+    return np.random.default_rng(0).integers(100, min(vocab, 300), (rows, PROMPT_TOKENS))
+
+
+def bench_ours(path: str) -> dict:
+    from soma_runtime.api import Runtime
+    from soma_runtime.bench_llm import bench_model
+    from soma_runtime.engine.generate import Stream
+    model = Runtime("cuda").load(path, n_ctx=1024, progress=False)
+    result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
+    engine = model.engine                                  # batched decode: 32 sequences, one forward per step
+    streams = [Stream(engine, model.request([int(t) for t in row], NEW_TOKENS, temperature=0)) for row in prompt(1000, BATCH)]
+    for s in streams:
+        s.start()
+        engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
+        s.pending = [1]
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams])  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(32):
+        step()
+    result["batch32_decode_tok_s"] = BATCH * 32 / (time.perf_counter() - start)
+    for s in streams:
+        engine.pool.release(s.seq)
+    return result
+
+
+def bench_hf(model, vocab: int) -> dict:
+    ids = torch.tensor(prompt(vocab), device="cuda")
+    prefill, decode = [], []
+    with torch.no_grad():
+        for _ in range(RUNS + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids)
+            torch.cuda.synchronize()
+            prefill.append(PROMPT_TOKENS / (time.perf_counter() - start))
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - start
+            decode.append((NEW_TOKENS - 1) / max(total - PROMPT_TOKENS / prefill[-1], 1e-9))
+        batch = torch.tensor(prompt(vocab, BATCH), device="cuda")
+        start = time.perf_counter()
+        model.generate(batch, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        torch.cuda.synchronize()
+        batch_tok_s = BATCH * 32 / (time.perf_counter() - start)
+    return {"prefill_tok_s": statistics.median(prefill[1:]), "decode_tok_s": statistics.median(decode[1:]),
+            "batch32_decode_tok_s": batch_tok_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    results = {"device": torch.cuda.get_device_name(), "copy_TB_s": bandwidth / 1e12, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = os.path.join(tmp, f"llama-{args.shape}-bf16")
+        hf_model = write_model(args.shape, hf_dir)
+        from soma_runtime.convert import convert_hf_to_gguf
+        q4 = convert_hf_to_gguf(hf_dir, os.path.join(tmp, f"llama-{args.shape}.q4_0.gguf"), "q4_0")
+        rows = {}
+        if not args.skip_hf:
+            rows[f"{args.shape} bf16 / HF eager"] = bench_hf(hf_model.eval(), SHAPES[args.shape]["vocab_size"])
+        del hf_model
+        torch.cuda.empty_cache()
+        for name, path in ((f"{args.shape} bf16 / ours", hf_dir), (f"{args.shape} q4_0 / ours", q4)):
+            rows[name] = bench_ours(path)
+            r = rows[name]
+            r["bandwidth_share"] = r["GB/s"] * 1e9 / bandwidth
+    print(f"\n{'model / engine':28s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'GB/s':>8s} {'of bw':>6s} {'batch32 tok/s':>14s}")
+    for name, r in rows.items():
+        gbs = f"{r['GB/s']:8.0f} {r['bandwidth_share'] * 100:5.0f}%" if "GB/s" in r else f"{'':8s} {'':6s}"
+        print(f"{name:28s} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {gbs} {r['batch32_decode_tok_s']:14.0f}")
+    results["models"] = rows
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "llm_cuda.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""CUDA jets for elementwise ops, activations, norms and softmax: Triton kernels over flat or row
+views, computing in f32 and storing in the op's dtype (broadcast operands are expanded first)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from soma_runtime.backends.cuda.device import TORCH, device_jet
+from soma_runtime.ir.jets import jet
+
+CUDA = "cuda"
+F = ("f32", "f16", "bf16")
+BLOCK = 1024
+BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5}
+
+
+@triton.jit
+def _tanh(x):
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
+def _erf(x):
+    """erf to 1.2e-7 (Numerical Recipes' Chebyshev fit of erfc), in plain arithmetic for every target."""
+    z = tl.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    r = t * tl.exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+    return tl.where(x >= 0, 1.0 - r, r - 1.0)
+
+
+@triton.jit
+def _activate(x, kind: tl.constexpr, slope):
+    if kind == 0:
+        y = x * tl.sigmoid(x)
+    elif kind == 1:
+        y = tl.sigmoid(x)
+    elif kind == 2:
+        y = _tanh(x)
+    elif kind == 3:
+        y = tl.maximum(x, 0.0)
+    elif kind == 4:
+        y = tl.where(x >= 0, x, x * slope)
+    elif kind == 5:
+        y = 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+    else:                                          # gelu, tanh approximation
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    return y
+
+
+@triton.jit
+def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    a = tl.load(a_ptr + offs, mask=keep).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=keep).to(tl.float32)
+    if op == 0:
+        y = a + b
+    elif op == 1:
+        y = a - b
+    elif op == 2:
+        y = a * b
+    else:
+        y = a / b
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _unary_kernel(x_ptr, out_ptr, n, kind: tl.constexpr, slope, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
+    tl.store(out_ptr + offs, _activate(x, kind, slope).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, kind: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    g = tl.load(gate_ptr + offs, mask=keep).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=keep).to(tl.float32)
+    tl.store(out_ptr + offs, (_activate(g, kind, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=keep).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def flat_grid(n: int):
+    return (triton.cdiv(max(n, 1), BLOCK),)
+
+
+def binary_jet(op: int):
+    @device_jet
+    def run(a, b):
+        a, b = (t.contiguous() for t in torch.broadcast_tensors(a, b))
+        out = torch.empty_like(a)
+        _binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, BLOCK=BLOCK)
+        return out
+    return run
+
+
+for _name, _op in BINARY.items():
+    jet(_name, CUDA, [(F, F)])(binary_jet(_op))
+
+
+def unary_jet(kind: int):
+    @device_jet
+    def run(x, negative_slope=0.01, approximate="none"):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        code = 6 if kind == UNARY["gelu"] and approximate == "tanh" else kind
+        _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, slope=float(negative_slope), BLOCK=BLOCK)
+        return out
+    return run
+
+
+for _name, _kind in UNARY.items():
+    jet(_name, CUDA, [(F,)])(unary_jet(_kind))
+
+
+def gated_jet(gelu: bool):
+    @device_jet
+    def run(gate, up, approximate="none"):
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        kind = (6 if approximate == "tanh" else 5) if gelu else 0
+        _gated_kernel[flat_grid(gate.numel())](gate, up, out, gate.numel(), kind=kind, BLOCK=BLOCK)
+        return out
+    return run
+
+
+jet("swiglu", CUDA, [(F, F)])(gated_jet(False))
+jet("geglu", CUDA, [(F, F)])(gated_jet(True))
+
+
+@jet("cast", CUDA, [(F,)])
+@device_jet
+def cast(x, dtype="f32"):
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=TORCH[dtype], device=x.device)
+    _cast_kernel[flat_grid(x.numel())](x, out, x.numel(), BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def _norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 CENTER: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: rmsnorm (CENTER=False) or layernorm (CENTER=True), then weight and bias if given."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+    if CENTER:
+        x = tl.where(keep, x - tl.sum(x, 0) / n, 0.0)
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=keep).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=keep).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def normalize(x, weight, bias, eps, center):
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    _norm_kernel[(x.numel() // max(n, 1),)](x, weight if weight is not None else x, bias if bias is not None else x, out, n,
+                                            float(eps), HAS_W=weight is not None, HAS_B=bias is not None, CENTER=center,
+                                            BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@jet("rmsnorm", CUDA, [(F, F), (F, "none")])
+@device_jet
+def rmsnorm(x, weight, eps=1e-6):
+    return normalize(x, weight, None, eps, center=False)
+
+
+@jet("layernorm", CUDA, [(F, F, F), (F, "none", "none"), (F, F, "none")])
+@device_jet
+def layernorm(x, weight, bias, eps=1e-5):
+    return normalize(x, weight, bias, eps, center=True)
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, mask_ptr, out_ptr, n, rows, causal: tl.constexpr, window, HAS_MASK: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """One row; with `causal`/`window`, query row i of each [rows, n] matrix sees key j when
+    j <= i + n - rows and i + n - rows - j < window (bottom-right aligned, as the op says)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=keep, other=-float("inf")).to(tl.float32)
+    if HAS_MASK:
+        x = x + tl.load(mask_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+    q = row % rows + n - rows
+    if causal:
+        x = tl.where(cols <= q, x, -float("inf"))
+    if window > 0:
+        x = tl.where(q - cols < window, x, -float("inf"))
+    e = tl.exp(x - tl.max(x, 0))
+    tl.store(out_ptr + row * n + cols, (e / tl.sum(e, 0)).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("softmax", CUDA, [(F, F), (F, "none")])
+@device_jet
+def softmax(x, mask, axis=-1, causal=False, window=0):
+    if mask is not None:
+        x, mask = torch.broadcast_tensors(x, mask.to(x.dtype))
+    last = axis in (-1, x.ndim - 1)
+    x = (x if last else x.movedim(axis, -1)).contiguous()
+    if mask is not None:
+        mask = (mask if last else mask.movedim(axis, -1)).contiguous()
+    n, rows = x.shape[-1], x.shape[-2] if x.ndim >= 2 else 1
+    out = torch.empty_like(x)
+    _softmax_kernel[(x.numel() // max(n, 1),)](x, mask if mask is not None else x, out, n, rows, causal=bool(causal),
+                                               window=int(window), HAS_MASK=mask is not None, BLOCK=triton.next_power_of_2(n))
+    return out if last else out.movedim(-1, axis)

@@ -1,0 +1,281 @@
+"""CUDA jets for matmul, embedding, rope and the KV-cache write.
+
+Quantized weights stay in their GGUF bytes on the device and are decoded inside the kernels,
+32 weights (one block, or one sub-block of a 256-weight K-quant block) at a time. With
+`activations="q8"` (llama.cpp's scheme, as on CPU) q8_0/q4_0/q4_1 weights meet q8-quantized
+activations in exact int8 tensor-core dots, one scale multiply-add per block; otherwise blocks are
+decoded to f32 and multiplied in f32 ("ieee": no tf32 rounding).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from soma_runtime.backends.cuda.device import DeviceQTensor, device_jet
+from soma_runtime.ir.jets import jet
+
+CUDA = "cuda"
+F = ("f32", "f16", "bf16")
+INT = ("i32", "i64")
+# GGUF type ids, and the bytes of one block: 32 weights, or 256 for the K-quants
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+INT8_FORMATS = (Q4_0, Q4_1, Q8_0)
+QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+
+
+@triton.jit
+def _f16_at(ptr):
+    """The little-endian f16 stored at byte pointers `ptr`, as f32."""
+    bits = tl.load(ptr).to(tl.uint16) | (tl.load(ptr + 1).to(tl.uint16) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_int8(rows_ptr, b, FMT: tl.constexpr):
+    """Block b of each row (rows_ptr: [R] byte pointers) -> (q [R, 32] int8, scale [R], min [R]):
+    a weight is scale * q (+ min for q4_1)."""
+    j = tl.arange(0, 32)
+    if FMT == 8:                                            # q8_0: d, 32 x int8
+        base = rows_ptr + b * 34
+        q = tl.load(base[:, None] + 2 + j[None, :]).to(tl.int8, bitcast=True)
+        return q, _f16_at(base), _f16_at(base) * 0.0
+    elif FMT == 2:                                          # q4_0: d, 16 bytes of nibbles, q - 8
+        base = rows_ptr + b * 18
+        byte = tl.load(base[:, None] + 2 + (j % 16)[None, :])
+        q = ((byte >> ((j // 16) * 4)[None, :]) & 15).to(tl.int8) - 8
+        return q, _f16_at(base), _f16_at(base) * 0.0
+    else:                                                   # q4_1: d, m, 16 bytes of nibbles
+        base = rows_ptr + b * 20
+        byte = tl.load(base[:, None] + 4 + (j % 16)[None, :])
+        q = ((byte >> ((j // 16) * 4)[None, :]) & 15).to(tl.int8)
+        return q, _f16_at(base), _f16_at(base + 2)
+
+
+@triton.jit
+def _decode_f32(rows_ptr, b, FMT: tl.constexpr):
+    """Weights b*32 .. b*32+31 of each row, decoded to f32 [R, 32]."""
+    j = tl.arange(0, 32)
+    if FMT == 12:                                           # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
+        base = rows_ptr + (b // 8) * 144
+        sub = b % 8
+        if sub < 4:
+            sc = tl.load(base + 4 + sub) & 63
+            mn = tl.load(base + 8 + sub) & 63
+        else:
+            sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
+            mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
+        byte = tl.load(base[:, None] + 16 + (sub // 2) * 32 + j[None, :])
+        q = ((byte >> ((sub % 2) * 4)) & 15).to(tl.float32)
+        return _f16_at(base)[:, None] * sc.to(tl.float32)[:, None] * q - (_f16_at(base + 2) * mn.to(tl.float32))[:, None]
+    elif FMT == 14:                                         # q6_K: 128 ql, 64 qh, 16 int8 scales, d
+        base = rows_ptr + (b // 8) * 210
+        sub = b % 8
+        half, quarter = sub // 4, sub % 4
+        low = tl.load(base[:, None] + 64 * half + 32 * (quarter % 2) + j[None, :])
+        high = tl.load(base[:, None] + 128 + 32 * half + j[None, :])
+        q = ((low >> (4 * (quarter // 2))) & 15) | (((high >> (2 * quarter)) & 3) << 4)
+        scale = tl.load(base[:, None] + 192 + 8 * half + 2 * quarter + (j // 16)[None, :]).to(tl.int8, bitcast=True)
+        return _f16_at(base + 208)[:, None] * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
+    else:
+        q, d, m = _decode_int8(rows_ptr, b, FMT)
+        return d[:, None] * q.to(tl.float32) + m[:, None]
+
+
+@triton.jit
+def _round_half_even(v):
+    r = tl.floor(v + 0.5)
+    return tl.where((r - v == 0.5) & (r % 2 != 0), r - 1.0, r)
+
+
+@triton.jit
+def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks):
+    """One 32-block of one row: d = f16(amax / 127), q = rint(x * 127 / amax), s = f16(amax / 127 * sum q),
+    as the CPU kernels (and ggml's x86 code) compute them."""
+    row, b = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, 32)
+    x = tl.load(x_ptr + row * blocks * 32 + b * 32 + j).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    inv = tl.where(amax != 0, 127.0 / amax, 0.0)
+    q = _round_half_even(x * inv)
+    scale = amax / 127.0
+    tl.store(q_ptr + row * blocks * 32 + b * 32 + j, q.to(tl.int8))
+    tl.store(d_ptr + row * blocks + b, scale.to(tl.float16).to(tl.float32))
+    tl.store(s_ptr + row * blocks + b, (scale * tl.sum(q, 0)).to(tl.float16).to(tl.float32))
+
+
+@triton.jit
+def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks, row_bytes,
+                    FMT: tl.constexpr, Q8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out[M, N] = x[M, K] @ W[N, K]^T, W as GGUF rows of `row_bytes`; K = 32 * blocks."""
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    m = pm * BM + tl.arange(0, BM)
+    n = pn * BN + tl.arange(0, BN)
+    j = tl.arange(0, 32)
+    m_ok, n_ok = m < M, n < N
+    rows_ptr = w_ptr + tl.where(n_ok, n, 0).to(tl.int64) * row_bytes
+    acc = tl.zeros((BM, BN), tl.float32)
+    for b in tl.range(0, blocks):
+        if Q8:
+            wq, wd, wm = _decode_int8(rows_ptr, b, FMT)
+            xq = tl.load(xq_ptr + m[:, None] * blocks * 32 + b * 32 + j[None, :], mask=m_ok[:, None], other=0)
+            dot = tl.dot(xq, tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
+            xd = tl.load(xd_ptr + m * blocks + b, mask=m_ok, other=0.0)
+            acc += dot * (xd[:, None] * wd[None, :])
+            if FMT == 3:
+                acc += tl.load(xs_ptr + m * blocks + b, mask=m_ok, other=0.0)[:, None] * wm[None, :]
+        else:
+            w = _decode_f32(rows_ptr, b, FMT)
+            x = tl.load(x_ptr + m[:, None] * blocks * 32 + b * 32 + j[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
+                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[batch, M, N] = a[batch, M, K] @ b[batch, N, K]^T over strided (possibly broadcast) views."""
+    pm, pn, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pm * BM + tl.arange(0, BM)
+    n = pn * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + batch * sab + m[:, None] * sam + k[None, :] * sak, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + batch * sbb + n[:, None] * sbn + k[None, :] * sbk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+    tl.store(out_ptr + batch * M * N + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool) -> torch.Tensor:
+    fmt = w.dtype.ggml_id
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = rows.shape
+    N, blocks = w.shape[0], K // 32
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    use_q8 = q8 and fmt in INT8_FORMATS
+    if use_q8:
+        xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
+        xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
+        _quantize_q8_kernel[(M, blocks)](rows, xq, xd, xs, blocks)
+    else:
+        xq = xd = xs = rows
+    BM, BN = 16, 64
+    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks, w.data.shape[1],
+                                                                FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.Tensor:
+    bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
+    batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], bt.shape[-2]
+    a3 = a.expand(*batch, M, K).reshape(-1, M, K) if batch else a.reshape(1, M, K)
+    b3 = bt.expand(*batch, N, K).reshape(-1, N, K) if batch else bt.reshape(1, N, K)
+    out = torch.empty((a3.shape[0], M, N), dtype=a.dtype, device=a.device)
+    BM, BN, BK = 16, 64, 32
+    _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), a3.shape[0])](
+        a3, b3, out, M, N, K, a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+        IEEE=a.dtype == torch.float32, BM=BM, BN=BN, BK=BK)
+    return out.reshape(*batch, M, N)
+
+
+@jet("matmul", CUDA, [(F, F)] + [("f32", q) for q in QUANTIZED])
+@device_jet
+def matmul(a, b, transpose_b=False, activations="f32"):
+    if isinstance(b, DeviceQTensor):
+        return quantized_matmul(a, b, activations == "q8")
+    if a.ndim > 1 and b.ndim > 1:
+        return dense_matmul(a, b, transpose_b)
+    # vectors, as numpy: a one-row (or one-column) matrix, squeezed afterwards
+    result = dense_matmul(a.reshape(1, -1) if a.ndim == 1 else a, b.reshape(-1, 1) if b.ndim == 1 else b,
+                          transpose_b and b.ndim > 1)
+    return result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2)
+
+
+@triton.jit
+def _embedding_kernel(table_ptr, ids_ptr, out_ptr, dim, row_bytes, FMT: tl.constexpr, DENSE: tl.constexpr):
+    """Row ids[r], 32 columns per program: dense tables copy, quantized ones decode."""
+    r, b = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, 32)
+    row = tl.load(ids_ptr + r).to(tl.int64)
+    if DENSE:
+        keep = b * 32 + j < dim
+        value = tl.load(table_ptr + row * dim + b * 32 + j, mask=keep)
+        tl.store(out_ptr + r * dim + b * 32 + j, value.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        rows_ptr = table_ptr + row * row_bytes + tl.zeros((1,), tl.int64)
+        value = tl.reshape(_decode_f32(rows_ptr, b, FMT), (32,))
+        tl.store(out_ptr + r * dim + b * 32 + j, value)
+
+
+@jet("embedding", CUDA, [(F, INT)] + [(q, INT) for q in QUANTIZED])
+@device_jet
+def embedding(table, ids):
+    flat = ids.reshape(-1).contiguous()
+    dim = table.shape[-1]
+    dense = not isinstance(table, DeviceQTensor)
+    out = torch.empty((flat.numel(), dim), dtype=table.dtype if dense else torch.float32, device=flat.device)
+    data = table.contiguous() if dense else table.data
+    _embedding_kernel[(flat.numel(), triton.cdiv(dim, 32))](data, flat, out, dim, 0 if dense else data.shape[1],
+                                                             FMT=0 if dense else table.dtype.ggml_id, DENSE=dense)
+    return out.reshape(*ids.shape, dim)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """One (position, head) row of x [rows, heads, dim]: pairs (i, i + half) (neox) or (2i, 2i + 1)."""
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    base = row * dim
+    keep = i < half
+    angle = tl.load(pos_ptr + row // heads).to(tl.float32) * tl.load(freq_ptr + i, mask=keep, other=0.0)
+    c, s = tl.cos(angle), tl.sin(angle)
+    a = tl.where(NEOX, i, 2 * i)
+    b = tl.where(NEOX, i + half, 2 * i + 1)
+    first = tl.load(x_ptr + base + a, mask=keep).to(tl.float32)
+    second = tl.load(x_ptr + base + b, mask=keep).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + base + a, (first * c - second * s).to(ty), mask=keep)
+    tl.store(out_ptr + base + b, (second * c + first * s).to(ty), mask=keep)
+    rest = 2 * half + i
+    tl.store(out_ptr + base + rest, tl.load(x_ptr + base + rest, mask=rest < dim), mask=rest < dim)
+
+
+@jet("rope", CUDA, [(F, INT, "f32")])
+@device_jet
+def rope(x, positions, inv_freq, style="neox"):
+    x = x.contiguous()
+    heads, dim = x.shape[-2], x.shape[-1]
+    positions = positions.expand(x.shape[:-2]).contiguous()
+    out = torch.empty_like(x)
+    half = inv_freq.shape[0]
+    _rope_kernel[(x.numel() // dim,)](x, positions, inv_freq.contiguous(), out, heads, dim, half, NEOX=style == "neox",
+                                      BLOCK=triton.next_power_of_2(max(half, dim - 2 * half, 1)))
+    return out
+
+
+@triton.jit
+def _kv_append_kernel(pages_ptr, new_ptr, slots_ptr, width, BLOCK: tl.constexpr):
+    r, part = tl.program_id(0), tl.program_id(1)
+    i = part * BLOCK + tl.arange(0, BLOCK)
+    keep = i < width
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    value = tl.load(new_ptr + r * width + i, mask=keep)
+    tl.store(pages_ptr + slot * width + i, value.to(pages_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("kv_append", CUDA, [(F, F, INT)])
+@device_jet
+def kv_append(pages, new, slots):
+    """Rows of `new` into their cache slots, in place; the cache itself is the result."""
+    width = pages.shape[2] * pages.shape[3]
+    flat_slots = slots.reshape(-1).contiguous()
+    rows = new.reshape(-1, width).contiguous()
+    _kv_append_kernel[(rows.shape[0], triton.cdiv(width, 256))](pages, rows, flat_slots, width, BLOCK=256)
+    return pages
