@@ -46,6 +46,7 @@ def write_model(shape: str, directory: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.llm.tiny import build_tokenizer
+    os.makedirs(directory, exist_ok=True)
     build_tokenizer(directory)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, rope_theta=500000.0, torch_dtype="bfloat16")
     torch.manual_seed(0)

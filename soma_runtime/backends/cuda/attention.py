@@ -62,7 +62,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, out_ptr, T, 
              mask=g_ok[:, None] & (e[None, :] < dv))
 
 
-@jet("paged_attention", CUDA, [(F, F, F, INT, F), (F, F, F, INT, "none")])
+CACHE_MIXES = [("f32", c, c, INT, m) for c in ("f16", "bf16") for m in ("f32", "none")]   # f32 queries, half cache
+
+
+@jet("paged_attention", CUDA, [(F, F, F, INT, F), (F, F, F, INT, "none")] + CACHE_MIXES)
 @device_jet
 def paged_attention(q, k_pages, v_pages, ctx_slots, mask, scale=None, softcap=0.0):
     S, H, D = q.shape

@@ -23,6 +23,7 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 INT8_FORMATS = (Q4_0, Q4_1, Q8_0)
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
 
 
 @triton.jit
@@ -33,54 +34,53 @@ def _f16_at(ptr):
 
 
 @triton.jit
-def _decode_int8(rows_ptr, b, FMT: tl.constexpr):
-    """Block b of each row (rows_ptr: [R] byte pointers) -> (q [R, 32] int8, scale [R], min [R]):
-    a weight is scale * q (+ min for q4_1)."""
+def _decode_int8(rows, b, FMT: tl.constexpr):
+    """Block b of each row (`rows`: byte pointers to row starts; rows and b broadcast to a shape S)
+    -> (q [S..., 32] int8, scale [S...], min [S...]): a weight is scale * q (+ min for q4_1)."""
     j = tl.arange(0, 32)
     if FMT == 8:                                            # q8_0: d, 32 x int8
-        base = rows_ptr + b * 34
-        q = tl.load(base[:, None] + 2 + j[None, :]).to(tl.int8, bitcast=True)
+        base = rows + b * 34
+        q = tl.load(tl.expand_dims(base, -1) + 2 + j).to(tl.int8, bitcast=True)
         return q, _f16_at(base), _f16_at(base) * 0.0
     elif FMT == 2:                                          # q4_0: d, 16 bytes of nibbles, q - 8
-        base = rows_ptr + b * 18
-        byte = tl.load(base[:, None] + 2 + (j % 16)[None, :])
-        q = ((byte >> ((j // 16) * 4)[None, :]) & 15).to(tl.int8) - 8
+        base = rows + b * 18
+        byte = tl.load(tl.expand_dims(base, -1) + 2 + j % 16)
+        q = ((byte >> ((j // 16) * 4)) & 15).to(tl.int8) - 8
         return q, _f16_at(base), _f16_at(base) * 0.0
     else:                                                   # q4_1: d, m, 16 bytes of nibbles
-        base = rows_ptr + b * 20
-        byte = tl.load(base[:, None] + 4 + (j % 16)[None, :])
-        q = ((byte >> ((j // 16) * 4)[None, :]) & 15).to(tl.int8)
+        base = rows + b * 20
+        byte = tl.load(tl.expand_dims(base, -1) + 4 + j % 16)
+        q = ((byte >> ((j // 16) * 4)) & 15).to(tl.int8)
         return q, _f16_at(base), _f16_at(base + 2)
 
 
 @triton.jit
-def _decode_f32(rows_ptr, b, FMT: tl.constexpr):
-    """Weights b*32 .. b*32+31 of each row, decoded to f32 [R, 32]."""
+def _decode_f32(rows, b, FMT: tl.constexpr):
+    """Weights b*32 .. b*32+31 of each row, decoded to f32 [S..., 32] (shapes as `_decode_int8`)."""
     j = tl.arange(0, 32)
     if FMT == 12:                                           # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
-        base = rows_ptr + (b // 8) * 144
+        base = rows + (b // 8) * 144
         sub = b % 8
-        if sub < 4:
-            sc = tl.load(base + 4 + sub) & 63
-            mn = tl.load(base + 8 + sub) & 63
-        else:
-            sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
-            mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
-        byte = tl.load(base[:, None] + 16 + (sub // 2) * 32 + j[None, :])
-        q = ((byte >> ((sub % 2) * 4)) & 15).to(tl.float32)
-        return _f16_at(base)[:, None] * sc.to(tl.float32)[:, None] * q - (_f16_at(base + 2) * mn.to(tl.float32))[:, None]
+        low_sc, low_mn = tl.load(base + 4 + sub) & 63, tl.load(base + 8 + sub) & 63
+        high_sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
+        high_mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
+        sc = tl.where(sub < 4, low_sc, high_sc).to(tl.float32)
+        mn = tl.where(sub < 4, low_mn, high_mn).to(tl.float32)
+        byte = tl.load(tl.expand_dims(base + 16 + (sub // 2) * 32, -1) + j)
+        q = ((byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15).to(tl.float32)
+        return tl.expand_dims(_f16_at(base) * sc, -1) * q - tl.expand_dims(_f16_at(base + 2) * mn, -1)
     elif FMT == 14:                                         # q6_K: 128 ql, 64 qh, 16 int8 scales, d
-        base = rows_ptr + (b // 8) * 210
+        base = rows + (b // 8) * 210
         sub = b % 8
         half, quarter = sub // 4, sub % 4
-        low = tl.load(base[:, None] + 64 * half + 32 * (quarter % 2) + j[None, :])
-        high = tl.load(base[:, None] + 128 + 32 * half + j[None, :])
-        q = ((low >> (4 * (quarter // 2))) & 15) | (((high >> (2 * quarter)) & 3) << 4)
-        scale = tl.load(base[:, None] + 192 + 8 * half + 2 * quarter + (j // 16)[None, :]).to(tl.int8, bitcast=True)
-        return _f16_at(base + 208)[:, None] * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
+        low = tl.load(tl.expand_dims(base + 64 * half + 32 * (quarter % 2), -1) + j)
+        high = tl.load(tl.expand_dims(base + 128 + 32 * half, -1) + j)
+        q = ((low >> tl.expand_dims(4 * (quarter // 2), -1)) & 15) | (((high >> tl.expand_dims(2 * quarter, -1)) & 3) << 4)
+        scale = tl.load(tl.expand_dims(base + 192 + 8 * half + 2 * quarter, -1) + j // 16).to(tl.int8, bitcast=True)
+        return tl.expand_dims(_f16_at(base + 208), -1) * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
     else:
-        q, d, m = _decode_int8(rows_ptr, b, FMT)
-        return d[:, None] * q.to(tl.float32) + m[:, None]
+        q, d, m = _decode_int8(rows, b, FMT)
+        return tl.expand_dims(d, -1) * q.to(tl.float32) + tl.expand_dims(m, -1)
 
 
 @triton.jit
@@ -133,6 +133,50 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
 
 
 @triton.jit
+def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, N, blocks, row_bytes,
+                  FMT: tl.constexpr, Q8: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """One activation row (program axis 1) times BN weight rows, NB blocks per step: decode reads
+    the weights once, in wide loads, and keeps many rows in flight (the bandwidth-bound case)."""
+    pn, m = tl.program_id(0), tl.program_id(1)
+    n = pn * BN + tl.arange(0, BN)
+    j = tl.arange(0, 32)
+    rows = tl.expand_dims(w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes, 1)        # [BN, 1]
+    acc = tl.zeros((BN, NB), tl.float32)
+    for b0 in tl.range(0, blocks, NB):
+        b = b0 + tl.arange(0, NB)
+        b_ok = b < blocks
+        b = tl.where(b_ok, b, 0)
+        if Q8:                                              # exact integer dots, one scale per block
+            q, d, mn = _decode_int8(rows, tl.expand_dims(b, 0), FMT)
+            xq = tl.load(xq_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + j).to(tl.float32)       # [NB, 32]
+            dots = tl.sum(q.to(tl.float32) * tl.expand_dims(xq, 0), 2)
+            xd = tl.load(xd_ptr + m * blocks + b)
+            part = dots * d * tl.expand_dims(xd, 0)
+            if FMT == 3:
+                part += mn * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
+        else:
+            w = _decode_f32(rows, tl.expand_dims(b, 0), FMT)                                          # [BN, NB, 32]
+            x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + j).to(tl.float32)
+            part = tl.sum(w * tl.expand_dims(x, 0), 2)
+        acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
+    tl.store(out_ptr + m * N + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, swk, BN: tl.constexpr, BK: tl.constexpr):
+    """One activation row times BN dense weight rows (any float type, read once, f32 math)."""
+    pn, m = tl.program_id(0), tl.program_id(1)
+    n = pn * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN, BK), tl.float32)
+    for k0 in tl.range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * swn + k[None, :] * swk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(out_ptr + m * N + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
 def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[batch, M, N] = a[batch, M, K] @ b[batch, N, K]^T over strided (possibly broadcast) views."""
@@ -165,14 +209,24 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool) -> torch.Tenso
         _quantize_q8_kernel[(M, blocks)](rows, xq, xd, xs, blocks)
     else:
         xq = xd = xs = rows
-    BM, BN = 16, 64
-    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks, w.data.shape[1],
-                                                                FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
+    if M <= GEMV_ROWS:
+        _qgemv_kernel[(triton.cdiv(N, 16), M)](rows, xq, xd, xs, w.data, out, N, blocks, w.data.shape[1], FMT=fmt, Q8=use_q8,
+                                               BN=16, NB=8)
+    else:
+        BM, BN = 16, 64
+        _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
+                                                                    w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
     return out.reshape(*x.shape[:-1], N)
 
 
 def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.Tensor:
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
+    if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
+        rows = a.reshape(-1, a.shape[-1]).contiguous()
+        N, K = bt.shape
+        out = torch.empty((rows.shape[0], N), dtype=a.dtype, device=a.device)
+        _gemv_kernel[(triton.cdiv(N, 8), rows.shape[0])](rows, bt, out, N, K, bt.stride(0), bt.stride(1), BN=8, BK=512)
+        return out.reshape(*a.shape[:-1], N)
     batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], bt.shape[-2]
     a3 = a.expand(*batch, M, K).reshape(-1, M, K) if batch else a.reshape(1, M, K)
@@ -270,7 +324,7 @@ def _kv_append_kernel(pages_ptr, new_ptr, slots_ptr, width, BLOCK: tl.constexpr)
     tl.store(pages_ptr + slot * width + i, value.to(pages_ptr.dtype.element_ty), mask=keep)
 
 
-@jet("kv_append", CUDA, [(F, F, INT)])
+@jet("kv_append", CUDA, [(F, F, INT)] + [(c, "f32", INT) for c in ("f16", "bf16")])
 @device_jet
 def kv_append(pages, new, slots):
     """Rows of `new` into their cache slots, in place; the cache itself is the result."""
