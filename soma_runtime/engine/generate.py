@@ -27,6 +27,8 @@ from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 BUCKET = 128
+GRAPH_ROWS = 32            # steps of up to this many rows replay as one device graph where the backend has them
+GRAPH_CONTEXT = 512        # ... with the context padded to a multiple of this (one graph per size)
 KV_TOKENS = 32768          # default pool size: room for many sequences (pages are mapped as they fill)
 
 
@@ -150,6 +152,8 @@ class Engine:
         self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
         module = load_backend(backend)
         self.fetch = getattr(module, "fetch", None)       # logits come back to the host for sampling
+        self.graphed = getattr(module, "graphed", None)   # decode steps captured and replayed as one launch
+        self.graphs: dict[tuple[int, int, int], object] = {}
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(self.n_ctx, kv_tokens or KV_TOKENS),
                            dtype=kv_dtype, zeros=getattr(module, "zeros", None))
         self.plans: dict[tuple[int, int], Plan] = {}
@@ -177,7 +181,9 @@ class Engine:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
         buckets = [-(-(seq.length + len(tokens)) // BUCKET) * BUCKET for seq, tokens, _ in batch]
-        ctx = np.zeros(sum(buckets), np.int64)                # padding points at scratch page 0
+        graph = self.graphed is not None and rows <= GRAPH_ROWS
+        context = -(-sum(buckets) // GRAPH_CONTEXT) * GRAPH_CONTEXT if graph else sum(buckets)
+        ctx = np.zeros(context, np.int64)                     # padding points at scratch page 0
         masks = {w: np.full((1, 1, rows, ctx.size), -np.inf, np.float32) for w in self.windows}
         positions, logit_rows, row, offset = [], [], 0, 0
         for (seq, tokens, want), bucket in zip(batch, buckets):
@@ -198,8 +204,14 @@ class Engine:
                   **{mask_name(w): mask for w, mask in masks.items()}}
         for i in range(self.cfg.num_layers):
             inputs[f"k_pages.{i}"], inputs[f"v_pages.{i}"] = self.pool.k[i], self.pool.v[i]
+        plan = self.plan(rows, len(logit_rows))
         with self.lock:
-            logits, *pages = self.plan(rows, len(logit_rows)).run(inputs)
+            if graph:
+                key = (rows, len(logit_rows), context)
+                if key not in self.graphs:
+                    self.graphs[key] = self.graphed(plan, inputs)
+                plan = self.graphs[key]
+            logits, *pages = plan.run(inputs)
             for i in range(self.cfg.num_layers):             # backends that update out of place return new pages
                 self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
         for seq, tokens, _ in batch:
