@@ -1,6 +1,7 @@
-"""CUDA jet for attention over the paged KV cache: one program per (query row, kv head) reads the
-row's context slots in tiles, its query heads of the group together (GQA), with an online softmax;
-masked-out keys (padding, other sequences of a batch) weigh nothing. Prefill and decode share it."""
+"""CUDA jet for attention over the paged KV cache: one program per (query row, kv head, context chunk)
+reads the chunk's slots in tiles, the query heads of the group together (GQA), with an online
+softmax; a second kernel merges the chunks (flash-decoding). Masked-out keys (padding, other
+sequences of a batch) weigh nothing. Prefill and decode share it."""
 from __future__ import annotations
 
 import math
@@ -18,10 +19,12 @@ INT = ("i32", "i64")
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, out_ptr, T, heads, kv_heads, dim, dv, scale, softcap,
-                            HAS_MASK: tl.constexpr, ROUND_Q: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr,
-                            BD: tl.constexpr, BV: tl.constexpr):
-    s, kvh = tl.program_id(0), tl.program_id(1)
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, part_ptr, top_ptr, total_ptr, T, chunk, splits, heads,
+                            kv_heads, dim, dv, scale, softcap, HAS_MASK: tl.constexpr, ROUND_Q: tl.constexpr,
+                            GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """Query row s, kv head kvh, context chunk c (flash-decoding: chunks in parallel, merged after):
+    the chunk's unnormalized output, running max and sum for each query head of the group."""
+    s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = heads // kv_heads
     g = tl.arange(0, GROUP)
     d = tl.arange(0, BD)
@@ -35,9 +38,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, out_ptr, T, 
     top = tl.full((GROUP,), -float("inf"), tl.float32)
     total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, BV), tl.float32)
-    for t0 in tl.range(0, T, BT):
+    end = tl.minimum(T, (c + 1) * chunk)
+    for t0 in tl.range(c * chunk, end, BT):
         t = t0 + tl.arange(0, BT)
-        t_ok = t < T
+        t_ok = t < end
         if HAS_MASK:
             bias = tl.load(mask_ptr + s * T + t, mask=t_ok, other=-float("inf"))
         else:
@@ -57,12 +61,30 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, out_ptr, T, 
         acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
         total = total * alpha + tl.sum(p, 1)
         top = new_top
-    result = acc / total[:, None]
-    tl.store(out_ptr + (s * heads + kvh * group + g)[:, None] * dv + e[None, :], result.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & (e[None, :] < dv))
+    h = s * heads + kvh * group + g
+    tl.store(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], acc, mask=g_ok[:, None] & (e[None, :] < dv))
+    tl.store(top_ptr + h * splits + c, top, mask=g_ok)
+    tl.store(total_ptr + h * splits + c, total, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, top_ptr, total_ptr, out_ptr, splits, dv, SPLITS: tl.constexpr, BV: tl.constexpr):
+    """One (row, head): the chunks' partial results, rescaled to their common max and normalized."""
+    h = tl.program_id(0)
+    c = tl.arange(0, SPLITS)
+    e = tl.arange(0, BV)
+    c_ok = c < splits
+    tops = tl.load(top_ptr + h * splits + c, mask=c_ok, other=-float("inf"))
+    best = tl.max(tops, 0)
+    weight = tl.where(tops == -float("inf"), 0.0, tl.exp(tops - tl.where(best == -float("inf"), 0.0, best)))
+    total = tl.sum(tl.load(total_ptr + h * splits + c, mask=c_ok, other=0.0) * weight, 0)
+    parts = tl.load(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], mask=c_ok[:, None] & (e[None, :] < dv), other=0.0)
+    result = tl.sum(parts * weight[:, None], 0) / total
+    tl.store(out_ptr + h * dv + e, result.to(out_ptr.dtype.element_ty), mask=e < dv)
 
 
 CACHE_MIXES = [("f32", c, c, INT, m) for c in ("f16", "bf16") for m in ("f32", "none")]   # f32 queries, half cache
+CHUNK = 256            # context positions per program; longer contexts spread over more programs
 
 
 @jet("paged_attention", CUDA, [(F, F, F, INT, F), (F, F, F, INT, "none")] + CACHE_MIXES)
@@ -73,11 +95,15 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, scale=None, softcap=0.
     q = q.contiguous()
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
+    splits = max(1, triton.cdiv(T, CHUNK))
+    part = torch.empty((S * H * splits, Dv), dtype=torch.float32, device=q.device)
+    top, total = (torch.empty(S * H * splits, dtype=torch.float32, device=q.device) for _ in range(2))
+    BV = max(16, triton.next_power_of_2(Dv))
+    _paged_attention_kernel[(S, KV, splits)](
+        q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), mask if mask is not None else q, part, top, total,
+        T, CHUNK, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
+        HAS_MASK=mask is not None, ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
+        GROUP=max(16, triton.next_power_of_2(H // KV)), BT=64, BD=max(16, triton.next_power_of_2(D)), BV=BV)
     out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
-    group = H // KV
-    _paged_attention_kernel[(S, KV)](
-        q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), mask if mask is not None else q, out, T, H, KV,
-        D, Dv, float(1 / math.sqrt(D) if scale is None else scale), float(softcap), HAS_MASK=mask is not None,
-        ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32, GROUP=max(16, triton.next_power_of_2(group)),
-        BT=64, BD=max(16, triton.next_power_of_2(D)), BV=max(16, triton.next_power_of_2(Dv)))
+    _merge_kernel[(S * H,)](part, top, total, out, splits, Dv, SPLITS=max(2, triton.next_power_of_2(splits)), BV=BV)
     return out

@@ -210,8 +210,9 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool) -> torch.Tenso
     else:
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
-        _qgemv_kernel[(triton.cdiv(N, 16), M)](rows, xq, xd, xs, w.data, out, N, blocks, w.data.shape[1], FMT=fmt, Q8=use_q8,
-                                               BN=16, NB=8)
+        BN = 16 if N >= 8192 else 4                         # narrow layers: more, smaller programs to fill the GPU
+        _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, out, N, blocks, w.data.shape[1], FMT=fmt, Q8=use_q8,
+                                               BN=BN, NB=8)
     else:
         BM, BN = 16, 64
         _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
@@ -225,7 +226,8 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.T
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N), dtype=a.dtype, device=a.device)
-        _gemv_kernel[(triton.cdiv(N, 8), rows.shape[0])](rows, bt, out, N, K, bt.stride(0), bt.stride(1), BN=8, BK=512)
+        BN = 8 if N >= 8192 else 4
+        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, out, N, K, bt.stride(0), bt.stride(1), BN=BN, BK=512)
         return out.reshape(*a.shape[:-1], N)
     batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], bt.shape[-2]
