@@ -42,13 +42,16 @@ def test_prefill_variants_agree(table, name, tol):
     assert np.abs(results["int8"] - results["blas"]).max() <= tol * scale
 
 
-def test_a_recorded_blas_choice_is_followed(table, monkeypatch):
+def test_a_recorded_blas_choice_is_followed_for_prefill_rows_only(table, monkeypatch):
+    """BLAS on dequantized tiles pays only for many rows: a batched decode step keeps the int8 dots."""
     w = quantize(np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32), "q8_0")
-    x = np.random.default_rng(3).standard_normal((12, 64)).astype(np.float32)
-    int8 = qmatmul.matmul_stored(x, w, quantize_activations=True)
+    rows = qmatmul.BLAS_MIN_ROWS
+    x = np.random.default_rng(3).standard_normal((rows, 64)).astype(np.float32)
     schedule.record({qmatmul.prefill_key(w): "blas"})
     calls = []
-    monkeypatch.setattr(qmatmul, "gemm_tiled", lambda *a: calls.append(a) or np.zeros((12, 32), np.float32))
+    monkeypatch.setattr(qmatmul, "gemm_tiled", lambda *a: calls.append(a) or np.zeros((rows, 32), np.float32))
     qmatmul.matmul_stored(x, w, quantize_activations=True)
     assert calls, "the recorded choice was not used"
-    assert int8.shape == (12, 32)
+    calls.clear()
+    assert qmatmul.matmul_stored(x[: rows - 1], w, quantize_activations=True).shape == (rows - 1, 32)
+    assert not calls, "a batched decode step went through BLAS"

@@ -29,11 +29,13 @@ def add_model_args(p, default_model=True):
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: min(4096, the model's))")
     p.add_argument("--sha256", default=None, help="verify the weights file against this sha256 before loading")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda", "reference"),
+                   help="where to compute (default: cuda when a GPU is present, else cpu)")
 
 
 def load_model(args):
     from soma_runtime.api import Runtime
-    return Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256)
+    return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256)
 
 
 def read_prompt(text: str) -> str:
@@ -122,7 +124,7 @@ def cmd_serve(args) -> int:
     from soma_runtime.server import serve
     budget = int(args.memory_budget * 2**30) if args.memory_budget else None
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
-          args.max_queue)
+          args.max_queue, args.backend)
     return 0
 
 
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uds", default=None, help="listen on this unix socket instead of TCP")
     srv.add_argument("--ctx", type=int, default=None, help="context length per sequence")
     srv.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    srv.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"), help="where to compute (default: auto)")
     srv.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together per model")
     srv.add_argument("--step-tokens", type=int, default=256, help="most rows (decode + prompt chunks) per batched step")
     srv.add_argument("--max-queue", type=int, default=256, help="queued requests per model before answering 503")

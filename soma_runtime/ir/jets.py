@@ -106,8 +106,9 @@ class JetRegistry:
 
 
 def backend_fallback(backend: str) -> str | None:
-    from soma_runtime.backends import load_backend
-    return getattr(load_backend(backend), "FALLBACK", None)
+    """Where a backend runs ops it has no jet for (a device backend: the host), if anywhere."""
+    from soma_runtime.backends import BACKENDS, load_backend
+    return getattr(load_backend(backend), "FALLBACK", None) if backend in BACKENDS else None
 
 
 def on_other_backend(kernel, backend: str):

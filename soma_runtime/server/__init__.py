@@ -16,7 +16,7 @@ def parse_model_arg(arg: str) -> tuple[str | None, str]:
 
 def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str | None = None,
           memory_budget: int | None = None, max_batch: int = 16, step_tokens: int = 256, n_ctx: int | None = None,
-          threads: int | None = None, max_queue: int = 256) -> None:
+          threads: int | None = None, max_queue: int = 256, backend: str = "auto") -> None:
     """Load the models, then serve in the foreground until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -24,7 +24,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     from soma_runtime.server.app import create_app
     from soma_runtime.server.registry import ModelRegistry
 
-    registry = ModelRegistry(Runtime(threads=threads), memory_budget, max_batch, step_tokens, n_ctx)
+    registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx)
     for arg in models or ["default"]:
         model_id, source = parse_model_arg(arg)
         registry.load(None if source == "default" else source, model_id)

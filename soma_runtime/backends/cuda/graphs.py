@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from soma_runtime.backends.cuda.device import place
+from soma_runtime.errors import GraphError
 
 
 class GraphedPlan:
@@ -27,7 +28,7 @@ class GraphedPlan:
             if value is target:
                 continue
             if isinstance(value, torch.Tensor):
-                raise ValueError(f"graph input {name!r} must be the tensor it was captured with")
+                raise GraphError(f"graph input {name!r} must be the tensor it was captured with")
             target.copy_(torch.from_numpy(value), non_blocking=True)
         self.graph.replay()
         return self.outputs
