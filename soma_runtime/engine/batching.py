@@ -2,7 +2,8 @@
 
 Requests join and leave the running batch between steps. Each step runs, as one forward, a decode
 row for every running stream plus chunks of the prompts being prefilled, up to `step_tokens` rows,
-so a long prompt never stalls the streams already running. A request is admitted when the KV pool
+so a long prompt never stalls the streams already running; prompts that start like one being
+prefilled in the same step wait a step and reuse its cached pages. A request is admitted when the KV pool
 can hold its whole prompt and `max_tokens`; a cancelled one (a client gone) frees its pages at the
 next step. Tokens go back through each job's callback, from the scheduler's thread.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
+from soma_runtime.engine.kv import prefix_hashes
 from soma_runtime.errors import RequestError
 
 log = logging.getLogger("soma_runtime.batching")
@@ -137,13 +139,17 @@ class Scheduler:
             self._admit()
         decode = [job for job in self.running if not job.stream.prefilling]
         budget = max(0, self.step_tokens - len(decode))
-        batch, jobs = [], []
+        batch, jobs, leading = [], [], set()
         for job in self.running:
             stream = job.stream
             if stream.prefilling:
                 if budget <= 0:
                     continue
                 if stream.pending is None:
+                    first = prefix_hashes(job.req.prompt_ids[:self.engine.pool.block + 1], self.engine.pool.block)[:1]
+                    if first and first[0] in leading and first[0] not in self.engine.pool.by_hash:
+                        continue            # a prompt in this step shares its start: wait one step, then reuse its pages
+                    leading.update(first)
                     stream.start()
                     self.stats.cached_tokens += stream.metrics.cached_tokens
                 tokens = stream.take(budget)

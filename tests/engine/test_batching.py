@@ -97,3 +97,18 @@ def test_sampled_requests_follow_their_seed(smol):
         assert run_all(scheduler, reqs)[0] == expected
     finally:
         scheduler.close()
+
+
+def test_a_burst_sharing_a_prompt_start_prefills_it_once(smol):
+    system = "You are a careful assistant. " * 12
+    ids = [smol.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": q}])
+           for q in ("Name a fruit.", "Name a planet.", "Name a river.", "Name a bird.")]
+    expected = [solo(smol, x, 6) for x in ids]
+    smol.engine.pool.clear_prefix_cache()
+    scheduler = Scheduler(smol.engine)
+    try:
+        assert run_all(scheduler, [smol.request(x, 6, temperature=0) for x in ids]) == expected
+        shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1])) if a != b) // 16 * 16
+        assert scheduler.stats.cached_tokens == 3 * shared > 0           # all but the first reuse its pages
+    finally:
+        scheduler.close()
