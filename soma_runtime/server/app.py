@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -46,7 +47,8 @@ class LoadRequest(BaseModel):
 class EmbeddingRequest(BaseModel):
     model: str
     input: str | list[str] = Field(min_length=1)
-    encoding_format: str = "float"
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
 
 
 class ClassificationRequest(BaseModel):
@@ -273,6 +275,12 @@ def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
         served, model = encoder(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
         vectors = await run_in_threadpool(locked, served, model.embed, texts)
+        if body.dimensions is not None:            # Matryoshka-style: the leading dims, renormalized if the model normalizes
+            if body.dimensions > vectors.shape[1]:
+                raise RequestError(f"dimensions must be at most {vectors.shape[1]} for {served.id}")
+            vectors = vectors[:, : body.dimensions]
+            if model.loaded.pooling.normalize:
+                vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         tokens = sum(len(model.tokenize(t)) for t in texts)
 
         def encode(v: np.ndarray):

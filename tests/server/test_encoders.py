@@ -31,6 +31,15 @@ def test_embeddings_over_a_unix_socket(uds_server):
     np.testing.assert_allclose(np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), np.float32), expected[0], atol=1e-6)
 
 
+def test_embedding_dimensions_truncate_and_renormalize(uds_server):
+    full = np.array(uds_server.post("/v1/embeddings", {"model": "mini", "input": TEXTS[1]})[1]["data"][0]["embedding"])
+    status, body = uds_server.post("/v1/embeddings", {"model": "mini", "input": TEXTS[1], "dimensions": 64})
+    short = np.array(body["data"][0]["embedding"])
+    assert status == 200 and short.shape == (64,)
+    np.testing.assert_allclose(short, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)
+    assert uds_server.post("/v1/embeddings", {"model": "mini", "input": "x", "dimensions": 1000})[0] == 400
+
+
 def test_encoder_errors(uds_server):
     assert uds_server.post("/v1/chat/completions", {"model": "mini", "messages": [{"role": "user", "content": "hi"}]})[0] == 400
     status, error = uds_server.post("/v1/classifications", {"model": "mini", "input": "text", "labels": ["a", "b"]})
