@@ -164,8 +164,8 @@ class Runtime:
             backend = "cuda" if gpu_available() else "cpu"
         elif backend not in BACKENDS:
             raise RequestError(f"unknown backend {backend!r}; known: auto, {', '.join(BACKENDS)}")
-        elif backend == "cuda" and not detect_all()["cuda"].get("available"):
-            raise RequestError(f"the cuda backend is not available here: {detect_all()['cuda'].get('error')}")
+        elif backend == "cuda" and not (cuda := detect_all()["cuda"]).get("available"):
+            raise RequestError(f"the cuda backend is not available here: {cuda.get('error')}")
         self.backend = backend
         self.models: dict[str, Model] = {}
         self._ids = itertools.count()

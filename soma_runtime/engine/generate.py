@@ -185,10 +185,12 @@ class Engine:
         context = -(-sum(buckets) // GRAPH_CONTEXT) * GRAPH_CONTEXT if graph else sum(buckets)
         ctx = np.zeros(context, np.int64)                     # padding points at scratch page 0
         masks = {w: np.full((1, 1, rows, ctx.size), -np.inf, np.float32) for w in self.windows}
-        positions, logit_rows, row, offset = [], [], 0, 0
+        positions, new_slots, logit_rows, row, offset = [], [], [], 0, 0
         for (seq, tokens, want), bucket in zip(batch, buckets):
             start, stop = seq.length, seq.length + len(tokens)
-            ctx[offset: offset + stop] = self.pool.slots(seq, 0, stop)
+            slots = self.pool.slots(seq, 0, stop)             # the context read, ending in the slots written
+            ctx[offset: offset + stop] = slots
+            new_slots.append(slots[start:])
             query, key = np.arange(start, stop)[:, None], np.arange(stop)[None, :]
             for w, mask in masks.items():
                 visible = (key <= query) & ((query - key < w) if w else True)
@@ -198,8 +200,7 @@ class Engine:
             row, offset = row + len(tokens), offset + bucket
         positions = np.concatenate(positions).astype(np.int64)
         inputs = {"ids": np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64), "positions": positions,
-                  "slots": np.concatenate([self.pool.slots(seq, seq.length, seq.length + len(tokens))
-                                           for seq, tokens, _ in batch]),
+                  "slots": np.concatenate(new_slots),
                   "ctx_slots": ctx, "logit_rows": np.asarray(logit_rows, np.int64),
                   **{mask_name(w): mask for w, mask in masks.items()}}
         for i in range(self.cfg.num_layers):
