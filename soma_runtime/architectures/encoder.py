@@ -1,16 +1,20 @@
 """Transformer encoder templates: EncoderConfig + weights -> one Graph.
 
 BERT family (bert, roberta, xlm-roberta): embed (token + position + token type, layernorm) ->
-N x (attention, add & layernorm, gelu mlp, add & layernorm), post-norm. ModernBERT: embed
+N x (attention, add & layernorm, gelu mlp, add & layernorm), post-norm. DeBERTa-v2/v3: the same
+layers, with disentangled attention: each score also gets content-to-position and
+position-to-content terms read from a table of (log-bucketed) relative distances. ModernBERT: embed
 (token, layernorm) -> N x (layernorm, attention with rope, global or local, add; layernorm,
 GeGLU mlp, add) -> final layernorm, pre-norm and bias-free. Outputs hidden states [B, S, D], or a
 task head's logits: sequence classification (BERT: pooler dense + tanh on [CLS]; RoBERTa: dense
-+ tanh; ModernBERT: cls or mean pooling, dense + gelu + layernorm) or token classification.
++ tanh; DeBERTa: dense + gelu; ModernBERT: cls or mean pooling, dense + gelu + layernorm) or token classification.
 Graph inputs: `ids`, `positions`, `types` [B, S], additive key masks [B, 1, 1, S] (`mask`) and,
-for local attention, [B, 1, S, S] (`mask_local`), and `token_mask` [B, S, 1] for mean pooling.
+for local attention, [B, 1, S, S] (`mask_local`), `token_mask` [B, S, 1] for mean pooling, and for
+DeBERTa the relative-distance columns [B, H, S, S] (`rel_c2p`, `rel_p2c`; EncoderConfig.relative_columns).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -34,12 +38,12 @@ FAMILIES = {f.model_type: f for f in [
     EncoderFamily("roberta", position_offset="padding", head="dense"),
     EncoderFamily("xlm-roberta", position_offset="padding", head="dense"),
     EncoderFamily("modernbert", head="modernbert"),
+    EncoderFamily("deberta-v2"),
 ]}
-NOT_YET = ("deberta-v2",)                   # encoder families the registry names but no template has yet
 
 
 def is_encoder(model_type: str | None) -> bool:
-    return model_type in FAMILIES or model_type in NOT_YET
+    return model_type in FAMILIES
 
 
 @dataclass
@@ -63,6 +67,14 @@ class EncoderConfig:
     local_rope_theta: float = 0.0
     layer_windows: tuple[int, ...] = ()      # per layer: 0 = global attention, w = |i - j| <= w
     classifier_pooling: str = "cls"
+    # DeBERTa-v2: disentangled attention over relative distances
+    pos_att: tuple[str, ...] = ()            # "c2p" (content to position), "p2c" (position to content)
+    att_span: int = 0                        # distances index rows [0, 2 * span) of the relative table
+    position_buckets: int = 0                # > 0: distances past half of this share log-spaced buckets
+    max_relative_positions: int = 0
+    share_att_key: bool = False              # the relative table goes through the q/k projections
+    position_biased_input: bool = True       # an absolute position table is added to the embeddings
+    pooler_act: str = "tanh"
 
     @property
     def modern(self) -> bool:
@@ -83,6 +95,25 @@ class EncoderConfig:
         if self.position_offset == "padding":
             return np.where(mask > 0, np.cumsum(mask, axis=1) + self.pad_token_id, self.pad_token_id).astype(np.int64)
         return index.astype(np.int64)
+
+    def relative_columns(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """DeBERTa's [S, S] columns into the relative scores: content-to-position for (query i, key j)
+        and position-to-content for (key j, query i), as the HF model computes them."""
+        index = np.arange(length)
+        distance = index[:, None] - index[None, :]
+        if self.position_buckets > 0 and self.max_relative_positions > 0:
+            distance = log_buckets(distance, self.position_buckets, self.max_relative_positions)
+        span = self.att_span
+        return np.clip(distance + span, 0, 2 * span - 1), np.clip(-distance + span, 0, 2 * span - 1)
+
+
+def log_buckets(distance: np.ndarray, buckets: int, max_position: int) -> np.ndarray:
+    """DeBERTa's make_log_bucket_position, in f32 like the reference (its ceil decides the bucket)."""
+    mid = buckets // 2
+    magnitude = np.where((distance < mid) & (distance > -mid), mid - 1, np.abs(distance))
+    ratio = np.log(magnitude.astype(np.float32) / np.float32(mid)) / np.log(np.float32((max_position - 1) / mid))
+    log_position = np.ceil(ratio * np.float32(mid - 1)) + mid
+    return np.where(magnitude <= mid, distance, log_position * np.sign(distance)).astype(np.int64)
 
 
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -107,13 +138,42 @@ def modernbert_config(hf: dict) -> EncoderConfig:
         classifier_pooling=hf.get("classifier_pooling", "cls"))
 
 
+def deberta_config(hf: dict) -> EncoderConfig:
+    if hf.get("conv_kernel_size", 0) > 0:
+        raise UnsupportedModelError("deberta-v2: the convolution layer (conv_kernel_size > 0, deberta-v2-xlarge) "
+                                    "is not supported")
+    if hf.get("embedding_size", hf["hidden_size"]) != hf["hidden_size"]:
+        raise UnsupportedModelError("deberta-v2: an embedding_size other than hidden_size is not supported")
+    pos_att = hf.get("pos_att_type") or []
+    if isinstance(pos_att, str):
+        pos_att = [x.strip() for x in pos_att.lower().split("|")]
+    for name, act in (("hidden_act", hf.get("hidden_act", "gelu")), ("pooler_hidden_act", hf.get("pooler_hidden_act", "gelu"))):
+        if act not in GELU:
+            raise UnsupportedModelError(f"deberta-v2: {name} {act!r} is not supported (gelu variants only)")
+    max_position = hf.get("max_position_embeddings", 512)
+    relative = hf.get("relative_attention", False)
+    max_relative = hf.get("max_relative_positions", -1)
+    max_relative = max_relative if max_relative >= 1 else max_position
+    buckets = hf.get("position_buckets", -1)
+    return EncoderConfig(
+        model_type="deberta-v2", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
+        max_position=max_position, type_vocab_size=hf.get("type_vocab_size", 0), layer_norm_eps=hf.get("layer_norm_eps", 1e-7),
+        gelu=GELU[hf.get("hidden_act", "gelu")], pad_token_id=hf.get("pad_token_id", 0) or 0,
+        labels={int(k): v for k, v in (hf.get("id2label") or {}).items()},
+        pos_att=tuple(x for x in ("c2p", "p2c") if x in pos_att) if relative else (),
+        att_span=(buckets if buckets > 0 else max_relative) if relative else 0,
+        position_buckets=buckets if relative else 0, max_relative_positions=max_relative if relative else 0,
+        share_att_key=hf.get("share_att_key", False), position_biased_input=hf.get("position_biased_input", True),
+        pooler_act="gelu" if GELU[hf.get("pooler_hidden_act", "gelu")] == "none" else "gelu_tanh")
+
+
 def encoder_config_from_hf(hf: dict) -> EncoderConfig:
     model_type = hf.get("model_type")
-    if model_type in NOT_YET:
-        raise UnsupportedModelError(f"encoder model_type {model_type!r} is not supported yet; supported encoders: "
-                                    f"{', '.join(sorted(FAMILIES))}")
     if model_type == "modernbert":
         return modernbert_config(hf)
+    if model_type == "deberta-v2":
+        return deberta_config(hf)
     family = FAMILIES[model_type]
     act = hf.get("hidden_act", "gelu")
     if act not in GELU:
@@ -159,9 +219,17 @@ HF_NAMES = [
     (r"final_norm\.(weight|bias)", r"output_norm.\1"),
     (r"head\.dense\.(weight|bias)", r"pooler.\1"),
     (r"head\.norm\.(weight|bias)", r"head_norm.\1"),
+    # DeBERTa-v2
+    (r"encoder\.layer\.(\d+)\.attention\.self\.query_proj\.(weight|bias)", r"blk.\1.attn_q.\2"),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.key_proj\.(weight|bias)", r"blk.\1.attn_k.\2"),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.value_proj\.(weight|bias)", r"blk.\1.attn_v.\2"),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.pos_key_proj\.(weight|bias)", r"blk.\1.attn_pos_k.\2"),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.pos_query_proj\.(weight|bias)", r"blk.\1.attn_pos_q.\2"),
+    (r"encoder\.rel_embeddings\.weight", "rel_embd.weight"),
+    (r"encoder\.LayerNorm\.(weight|bias)", r"rel_norm.\1"),
 ]
 PATTERNS = [(re.compile(p + "$"), repl) for p, repl in HF_NAMES]
-PREFIXES = ("bert.", "roberta.", "xlm_roberta.", "model.")
+PREFIXES = ("bert.", "roberta.", "xlm_roberta.", "deberta.", "model.")
 
 
 def canonical_encoder_weights(tensors: dict) -> dict:
@@ -181,8 +249,10 @@ def canonical_encoder_weights(tensors: dict) -> dict:
 def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
     D, F = cfg.hidden_size, cfg.intermediate_size
     want = {"tok_embd.weight": (cfg.vocab_size, D), "embd_norm.weight": (D,)}
-    if not cfg.modern:
+    if not cfg.modern and cfg.position_biased_input:
         want["pos_embd.weight"] = (cfg.max_position, D)
+    if cfg.pos_att:
+        want["rel_embd.weight"] = (2 * cfg.att_span, D)
     for i in range(cfg.num_layers):
         if cfg.modern:
             want.update({f"blk.{i}.attn_qkv.weight": (3 * D, D), f"blk.{i}.attn_output.weight": (D, D),
@@ -224,14 +294,18 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None)
 
     if cfg.modern:
         return modernbert_body(g, cfg, weights, head, ids, positions, mask, const, linear, norm)
-    x = g.add(g.embedding(const("tok_embd.weight"), ids), g.embedding(const("pos_embd.weight"), positions))
+    x = g.embedding(const("tok_embd.weight"), ids)
+    if cfg.position_biased_input:
+        x = g.add(x, g.embedding(const("pos_embd.weight"), positions))
     if "type_embd.weight" in weights:
         x = g.add(x, g.embedding(const("type_embd.weight"), types))
     x = norm(x, "embd_norm")
+    relative = RelativeScores(g, cfg, weights, linear, norm) if cfg.pos_att else None
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
-        attn = g.reshape(g.transpose(g.sdpa(q, k, v, mask), dim0=1, dim1=2), shape=("B", "S", D))
+        bias, scale = (mask, None) if relative is None else relative(p, q, k, mask)
+        attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale), dim0=1, dim1=2), shape=("B", "S", D))
         x = norm(g.add(x, linear(attn, f"{p}.attn_output")), f"{p}.attn_norm")
         h = g.gelu(linear(x, f"{p}.ffn_up"), approximate=cfg.gelu)
         x = norm(g.add(x, linear(h, f"{p}.ffn_down")), f"{p}.ffn_norm")
@@ -240,7 +314,45 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None)
     if head == "token":
         return g.output(linear(x, "classifier"))
     first = g.reshape(g.slice(x, axis=1, start=0, stop=1), shape=("B", D))      # the [CLS] / <s> token
-    return g.output(linear(g.tanh(linear(first, "pooler")), "classifier"))
+    pooled = linear(first, "pooler")
+    pooled = g.tanh(pooled) if cfg.pooler_act == "tanh" else g.gelu(pooled, approximate="tanh" if cfg.pooler_act == "gelu_tanh" else "none")
+    return g.output(linear(pooled, "classifier"))
+
+
+class RelativeScores:
+    """DeBERTa's disentangled attention terms, folded into the additive mask of each layer's sdpa.
+
+    The relative table (layer-normed) goes through each layer's position projections, a constant the
+    plan folds; the per-(query, key) columns come in as inputs. Content and both relative terms
+    share one scale, 1 / sqrt(head_dim * (1 + number of relative terms))."""
+
+    def __init__(self, g, cfg: EncoderConfig, weights: Weights, linear, norm):
+        self.g, self.cfg, self.linear = g, cfg, linear
+        table = g.const("rel_embd.weight", np.asarray(weights["rel_embd.weight"], np.float32))
+        self.table = norm(table, "rel_norm") if "rel_norm.weight" in weights else table
+        shape = ("B", cfg.num_heads, "S", "S")
+        self.columns = {term: g.input(f"rel_{term}", shape, "i64") for term in cfg.pos_att}
+        self.scale = 1 / math.sqrt(cfg.head_dim * (1 + len(cfg.pos_att)))
+        self.scale_const = g.const("rel_scale", np.full(1, self.scale, np.float32))
+
+    def heads(self, name: str):
+        """[2 span, D] table through a projection -> [1, H, 2 span, head_dim]."""
+        g, cfg = self.g, self.cfg
+        rows = g.reshape(self.linear(self.table, name), shape=(1, 2 * cfg.att_span, cfg.num_heads, cfg.head_dim))
+        return g.transpose(rows, dim0=1, dim1=2)
+
+    def __call__(self, p: str, q, k, mask):
+        g, shared = self.g, self.cfg.share_att_key
+        bias = mask
+        if "c2p" in self.columns:                 # query content against key's relative position
+            keys = self.heads(f"{p}.attn_k" if shared else f"{p}.attn_pos_k")
+            c2p = g.gather(g.matmul(q, keys, transpose_b=True), self.columns["c2p"], axis=-1)
+            bias = g.add(bias, g.mul(c2p, self.scale_const))
+        if "p2c" in self.columns:                 # key content against query's relative position
+            queries = self.heads(f"{p}.attn_q" if shared else f"{p}.attn_pos_q")
+            p2c = g.gather(g.matmul(k, queries, transpose_b=True), self.columns["p2c"], axis=-1)
+            bias = g.add(bias, g.mul(g.transpose(p2c, dim0=2, dim1=3), self.scale_const))
+        return bias, self.scale
 
 
 def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, positions, mask, const, linear, norm) -> Graph:

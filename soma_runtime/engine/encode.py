@@ -120,6 +120,11 @@ class Encoder:
             inputs["mask_local"] = np.where(visible, np.float32(0), np.float32(-np.inf))
         if "token_mask" in plan.graph.inputs:
             inputs["token_mask"] = mask[..., None]
+        if self.cfg.pos_att:                          # DeBERTa: the same columns for every row and head
+            shape = (len(encodings), self.cfg.num_heads, length, length)
+            for term, columns in zip(("c2p", "p2c"), self.cfg.relative_columns(length)):
+                if f"rel_{term}" in plan.graph.inputs:
+                    inputs[f"rel_{term}"] = np.broadcast_to(columns, shape)
         (out,) = plan.run(inputs)
         return out, mask
 

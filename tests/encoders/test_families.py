@@ -98,8 +98,8 @@ def test_unsupported_encoder_and_mismatched_weights_are_clear_errors(tmp_path):
     from soma_runtime.errors import ModelLoadError, UnsupportedModelError
     build("bert", None, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2"}))
-    with pytest.raises(UnsupportedModelError, match="deberta-v2.*not supported yet"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2", "conv_kernel_size": 3}))
+    with pytest.raises(UnsupportedModelError, match="deberta-v2.*convolution.*not supported"):
         Runtime().load(str(tmp_path), progress=False)
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     with pytest.raises(ModelLoadError, match="ffn_up.weight.*shape"):

@@ -1,4 +1,4 @@
-"""Tiny random-weight HF encoders (BERT, RoBERTa, XLM-RoBERTa) with a WordPiece tokenizer, saved
+"""Tiny random-weight HF encoders (BERT, RoBERTa, XLM-RoBERTa, DeBERTa-v2, ModernBERT) with a WordPiece tokenizer, saved
 the way transformers saves them, one directory per (family, head)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ FAMILIES = {
     "roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
     "xlm-roberta": {"specials": ["<s>", "<pad>", "</s>", "<unk>"], "pad": 1, "cls": 0, "sep": 2, "type_vocab_size": 1},
     "modernbert": {"specials": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "pad": 0, "cls": 2, "sep": 3},
+    "deberta-v2": {"specials": ["[PAD]", "[CLS]", "[SEP]", "[UNK]"], "pad": 0, "cls": 1, "sep": 2, "type_vocab_size": 0},
 }
 LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
 
@@ -36,7 +37,8 @@ def build(family: str, head: str | None, directory, pooling: str = "cls") -> tor
     import transformers
     spec = FAMILIES[family]
     tok = tokenizer(family)
-    names = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "modernbert": "ModernBert"}[family]
+    names = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "modernbert": "ModernBert",
+             "deberta-v2": "DebertaV2"}[family]
     shape = {"vocab_size": tok.get_vocab_size(), "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
              "pad_token_id": spec["pad"], "id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
     if family == "modernbert":              # 4 layers: global, local, local, global; a window shorter than the texts
@@ -44,6 +46,11 @@ def build(family: str, head: str | None, directory, pooling: str = "cls") -> tor
                                                global_attn_every_n_layers=3, classifier_pooling=pooling,
                                                cls_token_id=spec["cls"], sep_token_id=spec["sep"], bos_token_id=spec["cls"],
                                                eos_token_id=spec["sep"], attn_implementation="eager")
+    elif family == "deberta-v2":            # v3's layout; 8 buckets put the texts' longer distances in log buckets
+        config = transformers.DebertaV2Config(**shape, num_hidden_layers=2, max_position_embeddings=40, type_vocab_size=0,
+                                              relative_attention=True, position_buckets=8, max_relative_positions=40,
+                                              pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                              position_biased_input=False, hidden_act="gelu", pooler_hidden_act="gelu")
     else:
         config = getattr(transformers, f"{names}Config")(**shape, num_hidden_layers=2, max_position_embeddings=40,
                                                          type_vocab_size=spec["type_vocab_size"], hidden_act="gelu")
