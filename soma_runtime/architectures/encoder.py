@@ -22,7 +22,8 @@ import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
 from soma_runtime.architectures.decoder import Weights
-from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+from soma_runtime.dtypes import dtype, dtype_of
+from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.ir.graph import Graph, GraphBuilder
 
 
@@ -246,6 +247,18 @@ def canonical_encoder_weights(tensors: dict) -> dict:
     return out
 
 
+def matmul_weights_in(weights: Weights, precision: str) -> Weights:
+    """The weights with every 2-D projection (not the embedding tables) stored as `precision`:
+    "f32" keeps them as loaded; "bf16" halves them and lets the matmuls run on bf16 inputs."""
+    if precision == "f32":
+        return weights
+    if precision != "bf16":
+        raise RequestError(f"an encoder's activations are f32 or bf16, got {precision!r}")
+    bf16 = dtype("bf16").numpy
+    return Weights({name: np.asarray(t).astype(bf16) if np.ndim(t) == 2 and "embd" not in name else t
+                    for name, t in weights.tensors.items()}, weights.source)
+
+
 def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
     D, F = cfg.hidden_size, cfg.intermediate_size
     want = {"tok_embd.weight": (cfg.vocab_size, D), "embd_norm.weight": (D,)}
@@ -282,8 +295,9 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None)
         return g.const(name, np.asarray(t, dtype=np.float32) if t.ndim == 1 else t)
 
     def linear(x, name):
-        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True)
-        return g.add(y, const(f"{name}.bias")) if f"{name}.bias" in weights else y
+        w = weights[f"{name}.weight"]            # bf16 weights take bf16 activations, as transformers runs them
+        bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
+        return g.matmul(x, const(f"{name}.weight"), bias, transpose_b=True, activations="bf16" if dtype_of(w) == "bf16" else "f32")
 
     def norm(x, name):
         bias = const(f"{name}.bias") if f"{name}.bias" in weights else None

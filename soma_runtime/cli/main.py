@@ -31,11 +31,15 @@ def add_model_args(p, default_model=True):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda", "reference"),
                    help="where to compute (default: cuda when a GPU is present, else cpu)")
+    p.add_argument("--activations", default=None, choices=("f32", "bf16", "q8"),
+                   help="precision of matmul inputs (default: q8 for GGUF as llama.cpp, f32 for HF decoders, "
+                        "bf16 for encoders on CPUs with AMX)")
 
 
 def load_model(args):
     from soma_runtime.api import Runtime
-    return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256)
+    return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
+                                                                                 activations=args.activations)
 
 
 def read_prompt(text: str) -> str:

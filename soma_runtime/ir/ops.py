@@ -345,10 +345,11 @@ def softmax(A, x, mask, axis, causal, window):
 # --- linear algebra and attention -----------------------------------------------------------
 
 def matmul_rule(metas, attrs):
-    a, b = metas
+    a, b = metas[:2]
+    bias = metas[2] if len(metas) > 2 else None
     dt = float_dtype(a, "activation")
     check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
-    check(attrs["activations"] in ("f32", "q8"), f"activations must be f32 or q8, got {attrs['activations']!r}")
+    check(attrs["activations"] in ("f32", "bf16", "q8"), f"activations must be f32, bf16 or q8, got {attrs['activations']!r}")
     if dtype(b.dtype).quantized:
         check(attrs["transpose_b"] and b.ndim == 2, f"a {b.dtype} weight must be 2-D [N, K] with transpose_b")
     else:
@@ -356,18 +357,23 @@ def matmul_rule(metas, attrs):
     n, k = (b.shape[-2], b.shape[-1]) if attrs["transpose_b"] else (b.shape[-1], b.shape[-2])
     check(same_dim(a.shape[-1], k) is not False, f"inner dims differ: {a.shape[-1]} vs {k}")
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if bias is not None:
+        float_dtype(bias, "bias")
+        check(bias.ndim == 1 and same_dim(bias.shape[0], n) is not False, f"bias must be [{n}], got {list(bias.shape)}")
     return [TensorMeta(batch + (a.shape[-2], n), dt)]
 
 
-@op("matmul", ["a", "b"], matmul_rule, attrs={"transpose_b": False, "activations": "f32"},
-    struct={"transpose_b": (False, True)}, tol=4.0, ranks=(2, 2))
-def matmul(A, a, b, transpose_b, activations):
-    """`activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
-    block-quantized weights, as llama.cpp does: a precision hint, the formula is the same product."""
+@op("matmul", ["a", "b", "bias?"], matmul_rule, attrs={"transpose_b": False, "activations": "f32"},
+    struct={"transpose_b": (False, True)}, tol=4.0, ranks=(2, 2, 1))
+def matmul(A, a, b, bias, transpose_b, activations):
+    """a @ b (+ bias, a linear layer's). `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+    block-quantized weights, as llama.cpp does; "bf16" lets it round them to bf16 for a bf16 weight
+    (matrix units): precision hints, the formula is the same product."""
     b = dequant_if_needed(A, b)
     if not transpose_b:
         b = A.read("transpose", b, axis1=-1, axis2=-2)
-    return matmul_nk(A, a, b)
+    y = matmul_nk(A, a, b)
+    return y if bias is None else A.add(y, bias)
 
 
 def sdpa_rule(metas, attrs):

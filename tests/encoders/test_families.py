@@ -1,5 +1,6 @@
 """Tiny random encoders of every registered family against HF transformers in the same run:
-hidden states and classification logits within 1e-4, over a padded batch of unequal lengths."""
+hidden states and classification logits within 1e-4, over a padded batch of unequal lengths (f32
+activations: the exact path; bf16 is checked on real weights in test_minilm)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def close(got, want):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hidden_states_match_transformers(family, tmp_path):
     reference = build(family, None, tmp_path)
-    ours = Runtime().load(str(tmp_path), progress=False)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
     encodings, ids, mask = padded(ours, TEXTS)
     hidden, _ = ours.encoder.run(encodings)
     with torch.no_grad():
@@ -46,7 +47,7 @@ def test_hidden_states_match_transformers(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sequence_classification_logits_match_transformers(family, tmp_path):
     reference = build(family, "sequence", tmp_path)
-    ours = Runtime().load(str(tmp_path), progress=False)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
     _, ids, mask = padded(ours, TEXTS)
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits
@@ -58,7 +59,7 @@ def test_sequence_classification_logits_match_transformers(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_token_classification_logits_match_transformers(family, tmp_path):
     reference = build(family, "token", tmp_path)
-    ours = Runtime().load(str(tmp_path), progress=False)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
     _, ids, mask = padded(ours, TEXTS[:1])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits[0]
@@ -70,7 +71,7 @@ def test_token_classification_logits_match_transformers(family, tmp_path):
 
 def test_zero_shot_scores_each_label_by_its_entailment_logit(tmp_path):
     reference = build("bert", "sequence", tmp_path)
-    ours = Runtime().load(str(tmp_path), progress=False)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
     labels = ["sports", "cooking", "travel"]
     scores = dict(ours.classify("the quick brown fox", labels))
     hypotheses = [f"This example is {x}." for x in labels]
@@ -85,7 +86,7 @@ def test_zero_shot_scores_each_label_by_its_entailment_logit(tmp_path):
 
 def test_modernbert_mean_pooling_head_matches_transformers(tmp_path):
     reference = build("modernbert", "sequence", tmp_path, pooling="mean")
-    ours = Runtime().load(str(tmp_path), progress=False)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
     _, ids, mask = padded(ours, TEXTS)
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits
@@ -100,7 +101,7 @@ def test_unsupported_encoder_and_mismatched_weights_are_clear_errors(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2", "conv_kernel_size": 3}))
     with pytest.raises(UnsupportedModelError, match="deberta-v2.*convolution.*not supported"):
-        Runtime().load(str(tmp_path), progress=False)
+        Runtime().load(str(tmp_path), progress=False, activations="f32")
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     with pytest.raises(ModelLoadError, match="ffn_up.weight.*shape"):
-        Runtime().load(str(tmp_path), progress=False)
+        Runtime().load(str(tmp_path), progress=False, activations="f32")

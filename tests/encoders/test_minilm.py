@@ -54,15 +54,21 @@ def ours(model_dir):
     return Runtime().load(model_dir, progress=False)
 
 
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def each_precision(request, model_dir):
+    """The model with exact f32 matmuls, and with bf16 ones (on AMX where the CPU has it)."""
+    return Runtime().load(model_dir, progress=False, activations=request.param)
+
+
 def test_the_set_spans_the_lengths_and_languages(ours):
     lengths = [len(e.ids) for e in ours.tokenizer.hf.encode_batch(SENTENCES)]
     assert len(SENTENCES) == 50 and min(lengths) <= 3 and max(lengths) >= 300
 
 
 @pytest.mark.parametrize("batch_size", [1, 32])
-def test_embeddings_match_sentence_transformers(ours, reference, batch_size):
+def test_embeddings_match_sentence_transformers(each_precision, reference, batch_size):
     want = reference.encode(SENTENCES, batch_size=batch_size, convert_to_numpy=True)
-    got = ours.embed(SENTENCES, batch_size=batch_size)
+    got = each_precision.embed(SENTENCES, batch_size=batch_size)
     assert got.shape == want.shape == (50, 384)
     cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
     assert cosine.min() >= 0.9999, f"sentence {cosine.argmin()}: cosine {cosine.min():.6f}"

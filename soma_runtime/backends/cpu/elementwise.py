@@ -175,8 +175,9 @@ def affine(y, weight, bias, shape):
 OPTIONAL2 = [(F, a, b) for a in (F, "none") for b in (F, "none")]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
 def _layernorm_rows(x, weight, bias, eps, out):
+    """Serial, as _gelu_erf; each row's sums reassociate into SIMD lanes (the same order whatever the batch)."""
     n = x.shape[1]
     for r in range(x.shape[0]):
         mean = np.float32(0)

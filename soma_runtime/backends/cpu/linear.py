@@ -1,12 +1,13 @@
-"""CPU jets for matmul (BLAS for f32; stored-format weights through qmatmul), rope, embedding and
-the paged KV cache."""
+"""CPU jets for matmul (BLAS for f32; stored-format weights through qmatmul; bf16 weights under
+bf16 or q8 activations on AMX), rope, embedding and the paged KV cache."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, dense, f32, float_kernel, out_f32
-from soma_runtime.backends.cpu.qmatmul import matmul_stored
+from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -37,12 +38,26 @@ def _few_rows_matmul(a, w, out):
             out[r, n] = s
 
 
-@jet("matmul", CPU, [(F, F)] + [("f32", q) for q in QUANTIZED])
-def matmul(a, b, out=None, transpose_b=False, activations="f32"):
+@jet("matmul", CPU, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
+def matmul(a, b, bias=None, out=None, transpose_b=False, activations="f32"):
+    # bf16 weights on the matrix units: every row count under bf16 activations (a row's numbers must
+    # not depend on its batch); under q8 (GGUF), only past the rows where decode's GEMV wins
+    if activations != "f32" and transpose_b and amx.takes(a, b, 0 if activations == "bf16" else GEMV_MAX_ROWS):
+        return amx.linear(a, b, bias, out)
+    if bias is None:
+        return product(a, b, out, transpose_b, activations)
+    result = product(a, b, out, transpose_b, activations)
+    if all_f32(result) and result.flags.writeable:
+        result += f32(bias)                   # in place: the product is this op's own buffer
+        return result
+    return deliver(f32(result) + f32(bias), dtype_of(a), out)
+
+
+def product(a, b, out, transpose_b, activations):
     like = dtype_of(a)
     stored = isinstance(b, QTensor) or (b.ndim == 2 and transpose_b and dtype_of(b) in HALF and like == "f32")
     if stored:
-        return deliver(matmul_stored(f32(a), b, quantize_activations=activations == "q8"), like, out)
+        return deliver(matmul_stored(f32(a), b, activations=activations), like, out)
     b = f32(b)
     if transpose_b and b.ndim == 2 and all_f32(a, b) and a.size // a.shape[-1] <= SMALL_ROWS:
         result = out_f32(out, (*a.shape[:-1], b.shape[0]))

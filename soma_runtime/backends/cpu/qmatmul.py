@@ -1,8 +1,8 @@
 """Matmul with a stored-format weight (GGUF blocks, f16, bf16) read in place, never expanded whole.
 
-With `quantize_activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's
-scheme: q8 activations and integer block dots (qdot.py); for many rows the autotune table may pick
-the q8-rounded activations through the BLAS path below instead. Otherwise weight rows decode to f32:
+With q8 `activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's scheme:
+q8 activations and integer block dots (qdot.py); for many rows the autotune table may pick the
+q8-rounded activations through the BLAS path below instead. Otherwise weight rows decode to f32:
 
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
@@ -78,13 +78,14 @@ def weight_bytes(w) -> tuple[np.ndarray, int]:
     return w.view(np.uint8).reshape(w.shape[0], -1), dtype(name).ggml_id
 
 
-def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, quantize_activations: bool = False) -> np.ndarray:
-    """x[..., K] (f32) times the transpose of a stored-format weight [N, K] -> [..., N] f32."""
+def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, activations: str = "f32") -> np.ndarray:
+    """x[..., K] (f32) times the transpose of a stored-format weight [N, K] -> [..., N] f32, the
+    activations rounded as `activations` (f32, bf16, q8) allows."""
     data, fmt = weight_bytes(w)
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
-    if quantize_activations and fmt in qdot.FORMATS:
+    if activations == "q8" and fmt in qdot.FORMATS:
         if rows.shape[0] < BLAS_MIN_ROWS or schedule.choice(prefill_key(w)) != "blas":
             return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
         rows = qdot.q8_rounded(rows)          # the tuned choice here: llama.cpp's rounding at BLAS speed

@@ -95,14 +95,15 @@ def flat_grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
 
+def binary(a, b, op: int):
+    a, b = (t.contiguous() for t in torch.broadcast_tensors(a, b))
+    out = torch.empty_like(a)
+    _binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, BLOCK=BLOCK)
+    return out
+
+
 def binary_jet(op: int):
-    @device_jet
-    def run(a, b):
-        a, b = (t.contiguous() for t in torch.broadcast_tensors(a, b))
-        out = torch.empty_like(a)
-        _binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, BLOCK=BLOCK)
-        return out
-    return run
+    return device_jet(lambda a, b: binary(a, b, op))
 
 
 for _name, _op in BINARY.items():

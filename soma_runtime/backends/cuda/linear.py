@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.device import DeviceQTensor, device_jet
+from soma_runtime.backends.cuda.elementwise import BINARY, binary
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
@@ -241,9 +242,14 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.T
     return out.reshape(*batch, M, N)
 
 
-@jet("matmul", CUDA, [(F, F)] + [("f32", q) for q in QUANTIZED])
+@jet("matmul", CUDA, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
 @device_jet
-def matmul(a, b, transpose_b=False, activations="f32"):
+def matmul(a, b, bias=None, transpose_b=False, activations="f32"):
+    y = product(a, b, transpose_b, activations)
+    return y if bias is None else binary(y, bias, BINARY["add"])
+
+
+def product(a, b, transpose_b, activations):
     if isinstance(b, DeviceQTensor):
         return quantized_matmul(a, b, activations == "q8")
     if a.ndim > 1 and b.ndim > 1:

@@ -1,0 +1,332 @@
+"""bf16 matmul on the CPU's matrix units (Intel AMX), from numba through inline assembly.
+
+A weight [N, K] of bf16 bits is read in place as AMX's A operand: 16 weight rows by 32 values
+per tile. The activations, rounded to bf16 once per call, are packed as the B operand (pairs of
+K interleaved per activation row, 16 rows per tile). Each program owns 32 weight rows: two weight
+tiles times two activation tiles into four f32 accumulator tiles, over all of K, for every block
+of 32 activation rows; the accumulators, [weight rows, activation rows], are written transposed. f32 accumulation, bf16 inputs: the precision of torch's and llama.cpp's bf16 matmuls.
+
+Linux hands out the tile registers on request (arch_prctl); `available()` asks once. Where the
+CPU, the kernel or numba's target (NUMBA_CPU_NAME) rules AMX out, callers keep their f32 paths.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+
+import llvmlite.binding
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+TILE = 16                     # rows per tile; a row is 64 bytes: 32 bf16 or 16 f32
+BLOCK = 2 * TILE              # rows of weights and of activations per program step (2 x 2 tiles)
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@functools.cache
+def available() -> bool:
+    """AMX-BF16 present, numba compiling for this host, and the kernel granting the tile state."""
+    if numba.config.CPU_NAME:
+        return False
+    features = llvmlite.binding.get_host_cpu_features()
+    if not (features.get("amx-tile") and features.get("amx-bf16")):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    llvmlite.binding.initialize_native_asmparser()      # numba's LLVM assembles inline asm only with it
+    return True
+
+
+# --- tile instructions as numba intrinsics (tile numbers are compile-time constants) -------------
+
+def _asm(builder, template: str, constraints: str = "", args=()):
+    builder.asm(ir.FunctionType(ir.VoidType(), [a.type for a in args]), template, constraints, list(args), side_effect=True)
+
+
+def _address(context, builder, array_type, array, offset):
+    """Byte address of element `offset` of a C-ordered array."""
+    data = builder.ptrtoint(context.make_array(array_type)(context, builder, array).data, ir.IntType(64))
+    size = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+    return builder.add(data, builder.mul(offset, ir.Constant(ir.IntType(64), size)))
+
+
+def _literals(*ts) -> bool:
+    return all(isinstance(t, types.IntegerLiteral) for t in ts)
+
+
+@intrinsic
+def _configure(typingctx, config):
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        _asm(builder, "ldtilecfg ($0)", "r", [data])
+        return context.get_dummy_value()
+    return types.void(config), codegen
+
+
+@intrinsic
+def _release(typingctx):
+    def codegen(context, builder, signature, args):
+        _asm(builder, "tilerelease")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _zero(typingctx, tile):
+    if not _literals(tile):
+        return None
+    template = f"tilezero %tmm{tile.literal_value}"
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, template)
+        return context.get_dummy_value()
+    return types.void(tile), codegen
+
+
+def _memory_op(template: str):
+    """A tile load or store at element `offset` of an array, rows `stride` bytes apart."""
+    @intrinsic
+    def op(typingctx, tile, array, offset, stride):
+        if not _literals(tile):
+            return None
+        text = template.format(tile=tile.literal_value)
+
+        def codegen(context, builder, signature, args):
+            address = _address(context, builder, signature.args[1], args[1], args[2])
+            _asm(builder, text, "r,r", [address, args[3]])
+            return context.get_dummy_value()
+        return types.void(tile, array, types.int64, types.int64), codegen
+    return op
+
+
+_load = _memory_op("tileloadd ($0,$1,1), %tmm{tile}")
+_store = _memory_op("tilestored %tmm{tile}, ($0,$1,1)")
+
+
+@intrinsic
+def _dot(typingctx, acc, a, b):
+    """acc (f32 tile) += a (16 rows x 32 bf16) . b (16 pairs x 16 columns x 2 bf16)."""
+    if not _literals(acc, a, b):
+        return None
+    template = f"tdpbf16ps %tmm{b.literal_value}, %tmm{a.literal_value}, %tmm{acc.literal_value}"
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, template)
+        return context.get_dummy_value()
+    return types.void(acc, a, b), codegen
+
+
+def _config() -> np.ndarray:
+    """ldtilecfg's 64 bytes: palette 1, eight tiles of 16 rows by 64 bytes."""
+    config = np.zeros(64, np.uint8)
+    config[0] = 1
+    config[16:32].view(np.uint16)[:] = 64
+    config[48:56] = TILE
+    return config
+
+
+CONFIG = _config()
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _bf16(bits):
+    """f32 bits -> bf16 bits, rounded to nearest even."""
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(cache=True)
+def _pack_rows(x, packed, block):
+    """Activation rows 16 block .. 16 block + 15 of x [M, K] (f32 bits, uint32) -> packed[block]:
+    [K / 32, 16 pairs, 16 rows] words of two bf16 (the even k in the low half); rows past M are zero."""
+    for r in range(TILE):
+        m = block * TILE + r
+        for kb in range(packed.shape[1]):
+            for pair in range(TILE):
+                word = np.uint32(0)
+                if m < x.shape[0]:
+                    i = kb * 32 + 2 * pair
+                    word = (_bf16(x[m, i + 1]) << np.uint32(16)) | _bf16(x[m, i])
+                packed[block, kb, pair, r] = word
+
+
+@njit(parallel=True, cache=True)
+def _linear(x, w, bias, packed, out, config):
+    """out [M, N] = x [M, K] (f32 bits) . w [N, K] (bf16 bits).T (+ bias [N], when it has N values).
+    The activations are packed first (rows past M zero); N is a multiple of 32. Accumulator tiles
+    come out [weight rows, activation rows] and are written transposed, bias added."""
+    for block in prange(packed.shape[0]):
+        _pack_rows(x, packed, block)
+    n, k = w.shape
+    rows = out.shape[0]
+    m_blocks, k_blocks = packed.shape[0] // 2, k // 32
+    tile_words = TILE * TILE                     # one packed tile: 16 pairs x 16 rows
+    for nb in prange(n // BLOCK):
+        _configure(config)                       # tile configuration is per thread
+        acc = np.empty((4, TILE, TILE), np.float32)
+        add = np.zeros(BLOCK, np.float32)
+        if bias.size:
+            add[:] = bias[nb * BLOCK: (nb + 1) * BLOCK]
+        n0 = nb * BLOCK
+        for mb in range(m_blocks):
+            _zero(0)
+            _zero(1)
+            _zero(2)
+            _zero(3)
+            b0 = 2 * mb * k_blocks * tile_words
+            b1 = b0 + k_blocks * tile_words
+            for kb in range(k_blocks):
+                _load(4, w, n0 * k + kb * 32, k * 2)
+                _load(5, w, (n0 + TILE) * k + kb * 32, k * 2)
+                _load(6, packed, b0 + kb * tile_words, 64)
+                _load(7, packed, b1 + kb * tile_words, 64)
+                _dot(0, 4, 6)
+                _dot(1, 4, 7)
+                _dot(2, 5, 6)
+                _dot(3, 5, 7)
+            _store(0, acc, 0, 64)
+            _store(1, acc, tile_words, 64)
+            _store(2, acc, 2 * tile_words, 64)
+            _store(3, acc, 3 * tile_words, 64)
+            m0 = mb * BLOCK
+            for t in range(4):                   # tile t: weight rows n0 + 16 (t // 2), activation rows m0 + 16 (t % 2)
+                for j in range(TILE):
+                    m = m0 + (t % 2) * TILE + j
+                    if m < rows:
+                        for i in range(TILE):
+                            c = (t // 2) * TILE + i
+                            out[m, n0 + c] = acc[t, i, j] + add[c]
+        _release()
+
+
+@njit(parallel=True, cache=True)
+def _pack_weight(w, packed):
+    """w [N, K] bf16 bits -> packed [N / 16, K / 32, 16 pairs, 16 columns] words of two bf16 (the
+    even k in the low half): AMX's B operand, one 1 KiB tile per (16 columns, 32 k)."""
+    for nb in prange(packed.shape[0]):
+        for kb in range(packed.shape[1]):
+            for pair in range(TILE):
+                for c in range(TILE):
+                    row = w[nb * TILE + c]
+                    i = kb * 32 + 2 * pair
+                    packed[nb, kb, pair, c] = (np.uint32(row[i + 1]) << np.uint32(16)) | np.uint32(row[i])
+
+
+@njit(parallel=True, cache=True)
+def _linear_packed(x, packed, bias_rows, xb, out, config, threads):
+    """out [M, N] = x [M, K] (f32 bits) . w.T (+ bias), w packed by _pack_weight. The activations,
+    rounded to bf16 into xb [M_pad, K] (rows past M zero), are the A operand as they lie; each
+    accumulator tile is 16 activation rows by 16 outputs, stored straight into `out` (a scratch
+    tile for the last, partial rows). bias_rows [16, N] repeats the bias (or is zero) and seeds the
+    accumulators."""
+    rows, k = x.shape
+    for m in prange(xb.shape[0]):
+        for i in range(k):
+            xb[m, i] = _bf16(x[m, i]) if m < rows else 0
+    n = out.shape[1]
+    m_blocks, n_blocks, k_blocks = xb.shape[0] // BLOCK, n // BLOCK, k // 32
+    tasks = m_blocks * n_blocks
+    size = max(1, tasks // (4 * threads))
+    for chunk in prange(-(-tasks // size)):       # tile state is set up once per chunk, not per task
+        _configure(config)
+        for task in range(chunk * size, min(tasks, (chunk + 1) * size)):
+            _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out)
+        _release()
+
+
+@njit(inline="always")
+def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out):
+    """One 32 x 32 block of out (m-major task order: a thread's activation rows stay in cache)."""
+    tile_words = TILE * TILE
+    mb, nb = task // n_blocks, task % n_blocks
+    m0, n0 = mb * BLOCK, nb * BLOCK
+    _load(0, bias_rows, n0, n * 4)
+    _load(1, bias_rows, n0 + TILE, n * 4)
+    _load(2, bias_rows, n0, n * 4)
+    _load(3, bias_rows, n0 + TILE, n * 4)
+    w0 = 2 * nb * k_blocks * tile_words
+    w1 = w0 + k_blocks * tile_words
+    for kb in range(k_blocks):
+        _load(4, xb, m0 * k + kb * 32, k * 2)
+        _load(5, xb, (m0 + TILE) * k + kb * 32, k * 2)
+        _load(6, packed, w0 + kb * tile_words, 64)
+        _load(7, packed, w1 + kb * tile_words, 64)
+        _dot(0, 4, 6)
+        _dot(1, 4, 7)
+        _dot(2, 5, 6)
+        _dot(3, 5, 7)
+    if m0 + BLOCK <= rows:
+        _store(0, out, m0 * n + n0, n * 4)
+        _store(1, out, m0 * n + n0 + TILE, n * 4)
+        _store(2, out, (m0 + TILE) * n + n0, n * 4)
+        _store(3, out, (m0 + TILE) * n + n0 + TILE, n * 4)
+    else:
+        acc = np.empty((BLOCK, BLOCK), np.float32)
+        _store(0, acc, 0, BLOCK * 4)
+        _store(1, acc, TILE, BLOCK * 4)
+        _store(2, acc, TILE * BLOCK, BLOCK * 4)
+        _store(3, acc, TILE * BLOCK + TILE, BLOCK * 4)
+        for r in range(rows - m0):
+            out[m0 + r, n0: n0 + BLOCK] = acc[r]
+
+
+NO_BIAS = np.zeros(0, np.float32)
+PACK_BUDGET = 512 << 20          # bytes of repacked weights kept; past it, weights are read in place
+_packed: dict[int, tuple] = {}   # id(weight) -> (weak reference, packed copy)
+
+
+def repacked(w: np.ndarray) -> np.ndarray | None:
+    """The B-operand layout of bf16 weight w, made once and kept while w lives (None past the budget)."""
+    entry = _packed.get(id(w))
+    if entry is not None and entry[0]() is w:
+        return entry[1]
+    if sum(p.nbytes for _, p in _packed.values()) + w.nbytes > PACK_BUDGET:
+        return None
+    n, k = w.shape
+    packed = np.empty((n // TILE, k // 32, TILE, TILE), np.uint32)
+    _pack_weight(w.view(np.uint16), packed)
+    key = id(w)
+    _packed[key] = (weakref.ref(w, lambda _: _packed.pop(key, None)), packed)
+    return packed
+
+
+def takes(x, w, min_rows: int) -> bool:
+    """Whether x [..., K] f32 times the transpose of w runs here: w a bf16 [N, K] array of a shape
+    the kernel takes, more than `min_rows` activation rows, and AMX available."""
+    return (type(w) is np.ndarray and w.ndim == 2 and w.dtype.name == "bfloat16" and x.dtype == np.float32
+            and x.size > min_rows * w.shape[1] and fits(*w.shape) and available())
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    """x [..., K] f32 @ w [N, K] (bf16).T + bias -> [..., N] f32, into `out` when it is a C-ordered
+    f32 buffer. Weights within the repacking budget take the direct-store kernel."""
+    n, k = w.shape
+    rows = np.ascontiguousarray(x.reshape(-1, k)).view(np.uint32)
+    shape = (*x.shape[:-1], n)
+    result = out if out is not None and out.dtype == np.float32 and out.shape == shape and out.flags.c_contiguous \
+        else np.empty(shape, np.float32)
+    m_pad = -(-rows.shape[0] // BLOCK) * BLOCK
+    packed = repacked(w)
+    if packed is not None:
+        bias_rows = np.zeros((TILE, n), np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32), (TILE, n)).copy()
+        _linear_packed(rows, packed, bias_rows, np.empty((m_pad, k), np.uint16), result.reshape(-1, n), CONFIG,
+                       numba.get_num_threads())
+    else:
+        add = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        _linear(rows, w.view(np.uint16), add, np.empty((m_pad // TILE, k // 32, TILE, TILE), np.uint32),
+                result.reshape(-1, n), CONFIG)
+    return result
+
+
+def fits(n: int, k: int) -> bool:
+    """Weight shapes the kernel takes: whole 32-row blocks, K in whole tile rows."""
+    return n % BLOCK == 0 and k % 32 == 0
