@@ -51,3 +51,19 @@ def test_amx_leaves_f32_activations_and_other_dtypes_alone():
     assert not amx.takes(x, w.astype(np.float16), 8)
     assert not amx.takes(x, w.astype(np.float32), 8)
     assert not amx.takes(x[:, :4], w, 8) and amx.takes(x[:, :4], w, 0) == amx.available()
+
+
+@pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX-BF16 (or numba targets another CPU)")
+@pytest.mark.parametrize("heads,kv_heads,rows,keys,dim", [(4, 4, 7, 7, 32), (4, 2, 20, 37, 64), (2, 1, 33, 33, 32)])
+def test_amx_attention_equals_bf16_rounded_attention(heads, kv_heads, rows, keys, dim):
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, heads, rows, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((2, kv_heads, keys, dim)).astype(np.float32) for _ in range(2))
+    mask = np.where(rng.random((2, 1, 1, keys)) < 0.2, -np.inf, 0).astype(np.float32)
+    mask[..., 0] = 0                                         # every row sees a key
+    got = run_op("sdpa", q, k, v, mask, precision="bf16")
+    tq, tk, tv = (torch.from_numpy(t).bfloat16().float() for t in (q, k, v))
+    tk, tv = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (tk, tv))
+    probs = torch.softmax(tq @ tk.transpose(-1, -2) / dim ** 0.5 + torch.from_numpy(mask), -1)
+    want = (probs.bfloat16().float() @ tv).numpy()
+    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max())

@@ -280,9 +280,10 @@ def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
                                  f"the config needs {list(shape)}")
 
 
-def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None) -> Graph:
+def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None, precision: str = "f32") -> Graph:
     """Hidden states [B, S, D] (head None), or the logits of a "sequence" [B, labels] or "token"
-    [B, S, labels] head."""
+    [B, S, labels] head. `precision` "bf16" lets attention's products take bf16 inputs (the
+    projections follow their weights' dtype: see matmul_weights_in)."""
     g = GraphBuilder()
     H, hd, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     ids = g.input("ids", ("B", "S"), "i64")
@@ -307,7 +308,7 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None)
         return g.transpose(g.reshape(x, shape=("B", "S", H, hd)), dim0=1, dim1=2)
 
     if cfg.modern:
-        return modernbert_body(g, cfg, weights, head, ids, positions, mask, const, linear, norm)
+        return modernbert_body(g, cfg, weights, head, ids, positions, mask, const, linear, norm, precision)
     x = g.embedding(const("tok_embd.weight"), ids)
     if cfg.position_biased_input:
         x = g.add(x, g.embedding(const("pos_embd.weight"), positions))
@@ -319,7 +320,8 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None)
         p = f"blk.{i}"
         q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
         bias, scale = (mask, None) if relative is None else relative(p, q, k, mask)
-        attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale), dim0=1, dim1=2), shape=("B", "S", D))
+        attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2),
+                         shape=("B", "S", D))
         x = norm(g.add(x, linear(attn, f"{p}.attn_output")), f"{p}.attn_norm")
         h = g.gelu(linear(x, f"{p}.ffn_up"), approximate=cfg.gelu)
         x = norm(g.add(x, linear(h, f"{p}.ffn_down")), f"{p}.ffn_norm")
@@ -369,7 +371,8 @@ class RelativeScores:
         return bias, self.scale
 
 
-def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, positions, mask, const, linear, norm) -> Graph:
+def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, positions, mask, const, linear, norm,
+                    precision: str) -> Graph:
     H, hd, D, F = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     local = g.input("mask_local", ("B", 1, "S", "S"), "f32") if any(cfg.layer_windows) else None
     freqs = {w: g.const(f"inv_freq_{'local' if w else 'global'}",
@@ -382,7 +385,8 @@ def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, position
         q, k, v = g.split(g.reshape(linear(h, f"{p}.attn_qkv"), shape=("B", "S", 3 * H, hd)), sizes=(H, H, H), axis=2)
         q, k = (g.rope(t, positions, freqs[window], style="neox") for t in (q, k))
         q, k, v = (g.transpose(t, dim0=1, dim1=2) for t in (q, k, v))
-        attn = g.reshape(g.transpose(g.sdpa(q, k, v, local if window else mask), dim0=1, dim1=2), shape=("B", "S", D))
+        attn = g.reshape(g.transpose(g.sdpa(q, k, v, local if window else mask, precision=precision), dim0=1, dim1=2),
+                         shape=("B", "S", D))
         x = g.add(x, linear(attn, f"{p}.attn_output"))
         up, gate = g.split(linear(norm(x, f"{p}.ffn_norm"), f"{p}.ffn_up"), sizes=(F, F), axis=-1)
         x = g.add(x, linear(g.geglu(up, gate, approximate=cfg.gelu), f"{p}.ffn_down"))

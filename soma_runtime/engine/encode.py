@@ -67,7 +67,7 @@ class Encoder:
         key = (head, batch, length)
         if key not in self.plans:
             if head not in self.graphs:
-                self.graphs[head] = build_encoder(self.cfg, self.weights, head)
+                self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
             self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
         return self.plans[key]
 

@@ -383,6 +383,7 @@ def sdpa_rule(metas, attrs):
     same_dtype(k, v)
     float_dtype(k, "k/v")
     check(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, "sdpa takes q, k, v as [B, H, S, D]")
+    check(attrs["precision"] in ("f32", "bf16"), f"precision must be f32 or bf16, got {attrs['precision']!r}")
     if isinstance(q.shape[1], int) and isinstance(k.shape[1], int):
         check(q.shape[1] % k.shape[1] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
     check(same_dim(q.shape[3], k.shape[3]) is not False, "q and k head dims differ")
@@ -395,11 +396,13 @@ def sdpa_rule(metas, attrs):
 
 
 @op("sdpa", ["q", "k", "v", "mask?"], sdpa_rule,
-    attrs={"causal": False, "scale": None, "softcap": 0.0, "window": 0},
+    attrs={"causal": False, "scale": None, "softcap": 0.0, "window": 0, "precision": "f32"},
     struct={"causal": (False, True), "softcap": (0.0, 30.0), "window": (0, 4)}, tol=4.0, ranks=(4, 4, 4, 4))
-def sdpa(A, q, k, v, mask, causal, scale, softcap, window):
+def sdpa(A, q, k, v, mask, causal, scale, softcap, window, precision):
     """Scaled dot-product attention. With k/v in a narrower float dtype than q (an f16 KV cache),
-    q and the probabilities are rounded to that dtype before their products, as llama.cpp does."""
+    q and the probabilities are rounded to that dtype before their products, as llama.cpp does.
+    `precision="bf16"` lets a kernel round the products' inputs to bf16 (f32 accumulation and
+    softmax): a hint, like matmul's activations."""
     B, Hq, Sq, D = q.shape
     q_dtype = q.dtype
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -541,7 +544,7 @@ def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, scale, softcap):
 
     keys, values = kv_read(A, k_pages, ctx_slots), kv_read(A, v_pages, ctx_slots)
     out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), k_pages.dtype),
-               heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0)
+               heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0, "f32")
     return A.read("transpose", A.read("reshape", out, shape=(H, S, v_pages.shape[3])), axis1=0, axis2=1)
 
 

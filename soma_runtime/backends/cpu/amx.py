@@ -22,6 +22,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from soma_runtime.backends.cpu.simd import exp_f32
+
 TILE = 16                     # rows per tile; a row is 64 bytes: 32 bf16 or 16 f32
 BLOCK = 2 * TILE              # rows of weights and of activations per program step (2 x 2 tiles)
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
@@ -325,6 +327,99 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarra
         _linear(rows, w.view(np.uint16), add, np.empty((m_pad // TILE, k // 32, TILE, TILE), np.uint32),
                 result.reshape(-1, n), CONFIG)
     return result
+
+
+@njit(inline="always")
+def _pairs(t, row0, rows, col0, width, out, block):
+    """out[block] = B-operand tile of t rows row0.. (the pair axis) by columns col0..col0+15:
+    word [pair, c] holds t[row0 + 2 pair, col0 + c] (low) and t[row0 + 2 pair + 1, col0 + c] (high),
+    bf16-rounded; rows past `rows` and columns past `width` are zero."""
+    for pair in range(TILE):
+        for c in range(TILE):
+            word = np.uint32(0)
+            if col0 + c < width:
+                for half in range(2):
+                    r = row0 + 2 * pair + half
+                    if r < rows:
+                        word |= _bf16(np.float32(t[r, col0 + c]).view(np.uint32)) << np.uint32(16 * half)
+            out[block, pair, c] = word
+
+
+@njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
+def _attention(q, k, v, bias, scale, out, config):
+    """out[b, h] = softmax(q[b, h] . k[b, h // g].T * scale + bias[b, h]) . v[b, h // g] for every
+    (batch, head) in parallel, both products on the tiles: q, k, v and the probabilities rounded to
+    bf16, scores, softmax and sums in f32. Head dims are multiples of 32; any strides."""
+    batch, heads, rows, dim = q.shape
+    kv_heads, keys, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    q_pad, k_pad = -(-rows // TILE) * TILE, -(-keys // 32) * 32
+    for task in prange(batch * heads):
+        b, h = task // heads, task % heads
+        kh = h // group
+        _configure(config)
+        qb = np.zeros((q_pad, dim), np.uint16)            # A operand: query rows
+        for i in range(rows):
+            for d in range(dim):
+                qb[i, d] = _bf16(np.float32(q[b, h, i, d]).view(np.uint32))
+        kt = k[b, kh].T                                    # [D, Sk]: pairs run along the head dim
+        kp = np.empty((k_pad // TILE * (dim // 32), TILE, TILE), np.uint32)
+        for kb in range(k_pad // TILE):
+            for db in range(dim // 32):
+                _pairs(kt, db * 32, dim, kb * TILE, keys, kp, kb * (dim // 32) + db)
+        vp = np.empty((dv // TILE * (k_pad // 32), TILE, TILE), np.uint32)
+        for db in range(dv // TILE):                      # pairs run along the keys
+            for kb in range(k_pad // 32):
+                _pairs(v[b, kh], kb * 32, keys, db * TILE, dv, vp, db * (k_pad // 32) + kb)
+        scores = np.empty((TILE, k_pad), np.float32)
+        probs = np.zeros((TILE, k_pad), np.uint16)
+        acc = np.empty((TILE, TILE), np.float32)
+        for qb0 in range(0, q_pad, TILE):
+            for kb in range(k_pad // TILE):
+                _zero(0)
+                for db in range(dim // 32):
+                    _load(4, qb, qb0 * dim + db * 32, dim * 2)
+                    _load(6, kp, (kb * (dim // 32) + db) * TILE * TILE, 64)
+                    _dot(0, 4, 6)
+                _store(0, scores, kb * TILE, k_pad * 4)
+            for i in range(min(TILE, rows - qb0)):
+                best = -np.inf
+                for j in range(keys):
+                    scores[i, j] = scores[i, j] * scale + bias[b, h, qb0 + i, j]
+                    best = max(best, scores[i, j])
+                total = np.float32(0)
+                for j in range(keys):
+                    scores[i, j] = exp_f32(scores[i, j] - best)
+                    total += scores[i, j]
+                inv = np.float32(1) / total
+                for j in range(keys):
+                    probs[i, j] = _bf16(np.float32(scores[i, j] * inv).view(np.uint32))
+            for db in range(dv // TILE):
+                _zero(0)
+                for kb in range(k_pad // 32):
+                    _load(4, probs, kb * 32, k_pad * 2)
+                    _load(6, vp, (db * (k_pad // 32) + kb) * TILE * TILE, 64)
+                    _dot(0, 4, 6)
+                _store(0, acc, 0, TILE * 4)
+                for i in range(min(TILE, rows - qb0)):
+                    out[b, h, qb0 + i, db * TILE: (db + 1) * TILE] = acc[i]
+        _release()
+
+
+def attention(q, k, v, bias, scale: float, out) -> np.ndarray:
+    """sdpa on the tiles (see _attention): f32 q/k/v [B, H, S, D], additive bias broadcast to
+    [B, H, Sq, Sk]; into `out` when it is a C-ordered f32 buffer of the result's shape."""
+    shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    result = out if out is not None and out.dtype == np.float32 and out.shape == shape and out.flags.c_contiguous \
+        else np.empty(shape, np.float32)
+    _attention(q, k, v, np.broadcast_to(bias, (*shape[:3], k.shape[2])), np.float32(scale), result, CONFIG)
+    return result
+
+
+def takes_attention(q, k, v) -> bool:
+    """f32 q, k, v with head dims in whole tiles (32 for q . k, 16 for p . v), AMX available."""
+    return (all(isinstance(t, np.ndarray) and t.dtype == np.float32 for t in (q, k, v))
+            and q.shape[-1] % 32 == 0 and v.shape[-1] % TILE == 0 and available())
 
 
 def fits(n: int, k: int) -> bool:

@@ -1,4 +1,5 @@
-"""CPU jets for attention: sdpa through batched BLAS matmuls, and paged attention over the KV cache.
+"""CPU jets for attention: sdpa through batched BLAS matmuls (on AMX tiles under the bf16
+precision hint), and paged attention over the KV cache.
 
 Paged attention reads keys and values where they sit in the cache pages: one numba pass per
 (query row, kv head) that never copies the context and skips masked-out keys. It is as fast as
@@ -12,7 +13,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, deliver, f32, out_f32
+from soma_runtime.backends.cpu import amx
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, f32, out_f32
 from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
 from soma_runtime.backends.cpu.simd import narrow, widen
 from soma_runtime.dtypes import dtype_of
@@ -22,11 +24,16 @@ CACHE_MIXES = [("f32", c, c, m) for c in HALF for m in ("f32", "none")]
 
 
 @jet("sdpa", CPU, [(F, F, F, F), (F, F, F, "none")] + CACHE_MIXES)
-def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=0):
+def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=0, precision="f32"):
     like = dtype_of(q)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    if precision == "bf16" and not softcap and (mask is None or all_f32(mask)) and amx.takes_attention(q, k, v):
+        bias = np.zeros((1, 1, 1, 1), np.float32) if mask is None else mask
+        if causal or window:
+            bias = bias + attention_bias(Sq, Sk, causal, window)
+        return amx.attention(q, k, v, bias, scale, out)
     if k.dtype != q.dtype:                        # the cache's precision (see the op)
         q = q.astype(k.dtype)
     # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul

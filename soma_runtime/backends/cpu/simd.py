@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llvmlite.binding
+import numpy as np
 import numba
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -268,6 +269,31 @@ def widen_bits(typingctx, x, bf16):
             return builder.bitcast(builder.shl(builder.zext(args[0], I32), i32(16)), F32)
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
     return types.float32(types.uint16, bf16), codegen
+
+
+@intrinsic
+def power_of_two(typingctx, n):
+    """2 ** n as f32 for an integral f32 n in [-126, 127], built from its exponent bits."""
+    def codegen(context, builder, signature, args):
+        exponent = builder.add(builder.fptosi(args[0], I32), i32(127))
+        return builder.bitcast(builder.shl(exponent, i32(23)), F32)
+    return types.float32(types.float32), codegen
+
+
+@njit(inline="always", fastmath={"contract", "nsz"}, error_model="numpy")
+def exp_f32(x):
+    """e ** x in f32 within 2 ulp (Cephes' expf): plain arithmetic, so loops over it vectorize where
+    a call to libm's expf would not. Below -87.3 (e.g. -inf, a masked score) it is exactly 0."""
+    clamped = min(max(x, np.float32(-87.3)), np.float32(88.7))
+    n = np.floor(clamped * np.float32(1.44269504) + np.float32(0.5))
+    r = clamped - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    e = (p * r * r + r + np.float32(1)) * power_of_two(n)
+    return e if x >= np.float32(-87.3) else np.float32(0)
 
 
 @intrinsic
