@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llvmlite.binding
-import numpy as np
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
