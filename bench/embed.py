@@ -1,10 +1,11 @@
 """Embedding speed on CPU: ours vs sentence-transformers (torch), all-MiniLM-L6-v2, same machine, same run.
 
 Sentences per second at batch 1 and batch 32 over a fixed set of 256 sentences (5 to 40 words),
-best of 3 passes after a warm-up, 2 threads each, each engine in its own process. Ours runs as
+best of 3 passes after a warm-up, 2 threads each, each engine in its own process; the engines
+alternate over --rounds rounds and each reports its median. Ours runs as
 loaded by default (bf16 matmuls on AMX CPUs) and with exact f32 activations; sentence-transformers
 in its default f32 and cast to bf16 (torch's oneDNN, AMX too). Ratios are against the f32 default.
-Run: python bench/embed.py [--threads 2]; JSON goes to bench/out/embed.json.
+Run: python bench/embed.py [--threads 2] [--rounds 3]; JSON goes to bench/out/embed.json.
 """
 from __future__ import annotations
 
@@ -66,21 +67,36 @@ WORKERS = {"ours": worker_ours, "ours f32": lambda threads: worker_ours(threads,
            "sentence-transformers": worker_st, "sentence-transformers bf16": lambda threads: worker_st(threads, True)}
 
 
+def run_worker(name: str, threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    r = subprocess.run([sys.executable, __file__, "--worker", name, "--threads", str(threads)],
+                       capture_output=True, text=True, env=env, timeout=1800, check=False)
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """Per batch size, the median over rounds (the machine's speed drifts between minutes)."""
+    if any("error" in r for r in rounds):
+        return next(r for r in rounds if "error" in r)
+    return {**rounds[0], **{f"batch_{b}": float(np.median([r[f"batch_{b}"] for r in rounds])) for b in BATCHES},
+            "rounds": rounds}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="engines alternate this many times; medians are reported")
     ap.add_argument("--worker", choices=list(WORKERS))
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args.threads)))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads)}
-    results = {}
-    for name in WORKERS:
-        r = subprocess.run([sys.executable, __file__, "--worker", name, "--threads", str(args.threads)],
-                           capture_output=True, text=True, env=env, timeout=1800, check=False)
-        results[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
-    print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}")
+    rounds = {name: [] for name in WORKERS}
+    for _ in range(args.rounds):
+        for name in WORKERS:
+            rounds[name].append(run_worker(name, args.threads))
+    results = {name: median_round(r) for name, r in rounds.items()}
+    print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}, median of {args.rounds} alternating rounds")
     print(f"{'engine':28s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
     peer = results["sentence-transformers"]
     for name, r in results.items():
@@ -91,7 +107,7 @@ def main():
         label = f"{name} ({r['activations']})" if "activations" in r else name
         print(f"{label:28s} " + " ".join(f"{r[f'batch_{b}']:16.1f}" for b in BATCHES) + f"   {ratios}")
     OUT.mkdir(exist_ok=True)
-    (OUT / "embed.json").write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    (OUT / "embed.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=2))
     print(f"wrote {OUT / 'embed.json'}")
 
 

@@ -67,3 +67,13 @@ def test_amx_attention_equals_bf16_rounded_attention(heads, kv_heads, rows, keys
     probs = torch.softmax(tq @ tk.transpose(-1, -2) / dim ** 0.5 + torch.from_numpy(mask), -1)
     want = (probs.bfloat16().float() @ tv).numpy()
     assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX-BF16 (or numba targets another CPU)")
+@pytest.mark.parametrize("epilogue,approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
+@pytest.mark.parametrize("rows", [40, 64])                  # a partial last block, and whole blocks
+def test_amx_matmul_applies_its_epilogue(epilogue, approximate, rows):
+    x, w, bias = inputs(rows, 64, 96, seed=3)
+    got = run_op("matmul", x, w, bias, transpose_b=True, activations="bf16", epilogue=epilogue)
+    want = torch.nn.functional.gelu(torch.from_numpy(bf16_product(x, w, bias)), approximate=approximate).numpy()
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())

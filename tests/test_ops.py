@@ -106,6 +106,9 @@ case("matmul", mk((2, 1, 4, 8), (3, 8, 6)), torch.matmul, id="batch-broadcast")
 case("matmul", mk((1, 16), (7, 16)), lambda a, b: a @ b.T, id="gemv", transpose_b=True)
 case("matmul", non_contiguous(mk((3, 8), (8, 5))), torch.matmul, id="non-contiguous")
 case("matmul", mk((2, 3, 33), (5, 33), (5,)), F.linear, id="bias", transpose_b=True)
+for approx, epilogue in (("none", "gelu"), ("tanh", "gelu_tanh")):
+    case("matmul", mk((2, 3, 33), (5, 33), (5,)), lambda a, b, c, x=approx: F.gelu(F.linear(a, b, c), approximate=x),
+         id=epilogue, transpose_b=True, epilogue=epilogue)
 
 
 def sdpa_ref(causal=False, scale=None, softcap=0.0, window=0):

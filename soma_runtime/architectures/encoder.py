@@ -295,10 +295,11 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
         t = weights[name]
         return g.const(name, np.asarray(t, dtype=np.float32) if t.ndim == 1 else t)
 
-    def linear(x, name):
+    def linear(x, name, epilogue="none"):
         w = weights[f"{name}.weight"]            # bf16 weights take bf16 activations, as transformers runs them
         bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
-        return g.matmul(x, const(f"{name}.weight"), bias, transpose_b=True, activations="bf16" if dtype_of(w) == "bf16" else "f32")
+        return g.matmul(x, const(f"{name}.weight"), bias, transpose_b=True, epilogue=epilogue,
+                        activations="bf16" if dtype_of(w) == "bf16" else "f32")
 
     def norm(x, name):
         bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
@@ -323,7 +324,7 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
         attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2),
                          shape=("B", "S", D))
         x = norm(g.add(x, linear(attn, f"{p}.attn_output")), f"{p}.attn_norm")
-        h = g.gelu(linear(x, f"{p}.ffn_up"), approximate=cfg.gelu)
+        h = linear(x, f"{p}.ffn_up", epilogue="gelu_tanh" if cfg.gelu == "tanh" else "gelu")
         x = norm(g.add(x, linear(h, f"{p}.ffn_down")), f"{p}.ffn_norm")
     if head is None:
         return g.output(x)

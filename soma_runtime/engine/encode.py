@@ -1,7 +1,8 @@
 """Batched encoder inference: tokenize, sort by length, pad per batch, run, pool, restore order.
 
 Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
-bucket of 8, so plans are reused); the key mask keeps padding out of attention and pooling.
+bucket of at most 1/16 of it, so plans are reused; the most recent ones are kept); the key mask
+keeps padding out of attention and pooling.
 Pooling follows sentence-transformers' Pooling config (mean, cls, max, last token), then an
 optional L2 normalization (its Normalize module).
 """
@@ -19,7 +20,14 @@ from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("soma_runtime.encode")
-BUCKET = 8
+PLANS_KEPT = 16
+
+
+def padded_length(tokens: int) -> int:
+    """`tokens` rounded up to a multiple of 4, or of 1/16 of the next power of two past 64: at most
+    ~6% padding, and a few dozen distinct plan shapes over all lengths."""
+    bucket = max(4, (1 << max(tokens - 1, 1).bit_length()) // 16)
+    return -(-tokens // bucket) * bucket
 
 
 @dataclass
@@ -65,10 +73,14 @@ class Encoder:
 
     def plan(self, head: str | None, batch: int, length: int) -> Plan:
         key = (head, batch, length)
-        if key not in self.plans:
+        if key in self.plans:
+            self.plans[key] = self.plans.pop(key)          # most recently used last
+        else:
             if head not in self.graphs:
                 self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
             self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
+            if len(self.plans) > PLANS_KEPT:             # each holds an arena sized for its batch
+                del self.plans[next(iter(self.plans))]
         return self.plans[key]
 
     def tokenize(self, texts, pairs=None, truncate: bool = True) -> list:
@@ -103,7 +115,7 @@ class Encoder:
     def run(self, encodings: list, head: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One padded batch through the graph: (output, mask [B, S])."""
         lengths = [len(e.ids) for e in encodings]
-        length = -(-max(lengths) // BUCKET) * BUCKET
+        length = min(padded_length(max(lengths)), max(max(lengths), self.max_tokens))   # never past the positions
         ids = np.full((len(encodings), length), self.cfg.pad_token_id, np.int64)
         types = np.zeros_like(ids)
         mask = np.zeros(ids.shape, np.float32)

@@ -350,6 +350,7 @@ def matmul_rule(metas, attrs):
     dt = float_dtype(a, "activation")
     check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
     check(attrs["activations"] in ("f32", "bf16", "q8"), f"activations must be f32, bf16 or q8, got {attrs['activations']!r}")
+    check(attrs["epilogue"] in EPILOGUES, f"epilogue must be one of {', '.join(EPILOGUES)}, got {attrs['epilogue']!r}")
     if dtype(b.dtype).quantized:
         check(attrs["transpose_b"] and b.ndim == 2, f"a {b.dtype} weight must be 2-D [N, K] with transpose_b")
     else:
@@ -363,17 +364,22 @@ def matmul_rule(metas, attrs):
     return [TensorMeta(batch + (a.shape[-2], n), dt)]
 
 
-@op("matmul", ["a", "b", "bias?"], matmul_rule, attrs={"transpose_b": False, "activations": "f32"},
-    struct={"transpose_b": (False, True)}, tol=4.0, ranks=(2, 2, 1))
-def matmul(A, a, b, bias, transpose_b, activations):
-    """a @ b (+ bias, a linear layer's). `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+EPILOGUES = ("none", "gelu", "gelu_tanh")      # elementwise functions a matmul may apply to its result
+
+
+@op("matmul", ["a", "b", "bias?"], matmul_rule, attrs={"transpose_b": False, "activations": "f32", "epilogue": "none"},
+    struct={"transpose_b": (False, True), "epilogue": EPILOGUES}, tol=4.0, ranks=(2, 2, 1))
+def matmul(A, a, b, bias, transpose_b, activations, epilogue):
+    """epilogue(a @ b (+ bias, a linear layer's)): the epilogue lets a kernel apply the activation
+    while the product is still in its registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
     block-quantized weights, as llama.cpp does; "bf16" lets it round them to bf16 for a bf16 weight
     (matrix units): precision hints, the formula is the same product."""
     b = dequant_if_needed(A, b)
     if not transpose_b:
         b = A.read("transpose", b, axis1=-1, axis2=-2)
     y = matmul_nk(A, a, b)
-    return y if bias is None else A.add(y, bias)
+    y = y if bias is None else A.add(y, bias)
+    return y if epilogue == "none" else gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
 
 
 def sdpa_rule(metas, attrs):

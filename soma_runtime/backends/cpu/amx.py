@@ -22,9 +22,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from soma_runtime.backends.cpu.elementwise import gelu_erf, gelu_in_place, gelu_tanh
 from soma_runtime.backends.cpu.simd import exp_f32
 
 TILE = 16                     # rows per tile; a row is 64 bytes: 32 bf16 or 16 f32
+EPILOGUES = ("none", "gelu", "gelu_tanh")      # matmul's epilogue attribute, by code
 BLOCK = 2 * TILE              # rows of weights and of activations per program step (2 x 2 tiles)
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
 
@@ -161,8 +163,18 @@ def _pack_rows(x, packed, block):
                 packed[block, kb, pair, r] = word
 
 
-@njit(parallel=True, cache=True)
-def _linear(x, w, bias, packed, out, config):
+@njit(inline="always")
+def _activate(v, epilogue):
+    """A matmul epilogue (EPILOGUES[epilogue]) on one f32 result."""
+    if epilogue == 1:
+        return gelu_erf(v)
+    if epilogue == 2:
+        return gelu_tanh(v)
+    return v
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _linear(x, w, bias, packed, out, config, epilogue):
     """out [M, N] = x [M, K] (f32 bits) . w [N, K] (bf16 bits).T (+ bias [N], when it has N values).
     The activations are packed first (rows past M zero); N is a multiple of 32. Accumulator tiles
     come out [weight rows, activation rows] and are written transposed, bias added."""
@@ -206,7 +218,7 @@ def _linear(x, w, bias, packed, out, config):
                     if m < rows:
                         for i in range(TILE):
                             c = (t // 2) * TILE + i
-                            out[m, n0 + c] = acc[t, i, j] + add[c]
+                            out[m, n0 + c] = _activate(acc[t, i, j] + add[c], epilogue)
         _release()
 
 
@@ -223,13 +235,12 @@ def _pack_weight(w, packed):
                     packed[nb, kb, pair, c] = (np.uint32(row[i + 1]) << np.uint32(16)) | np.uint32(row[i])
 
 
-@njit(parallel=True, cache=True)
-def _linear_packed(x, packed, bias_rows, xb, out, config, threads):
+@njit(parallel=True, cache=True, error_model="numpy")
+def _linear_packed(x, packed, bias, xb, out, config, threads, epilogue):
     """out [M, N] = x [M, K] (f32 bits) . w.T (+ bias), w packed by _pack_weight. The activations,
     rounded to bf16 into xb [M_pad, K] (rows past M zero), are the A operand as they lie; each
     accumulator tile is 16 activation rows by 16 outputs, stored straight into `out` (a scratch
-    tile for the last, partial rows). bias_rows [16, N] repeats the bias (or is zero) and seeds the
-    accumulators."""
+    tile for the last, partial rows). The bias [N] (zeros for none) seeds the accumulators."""
     rows, k = x.shape
     for m in prange(xb.shape[0]):
         for i in range(k):
@@ -241,20 +252,20 @@ def _linear_packed(x, packed, bias_rows, xb, out, config, threads):
     for chunk in prange(-(-tasks // size)):       # tile state is set up once per chunk, not per task
         _configure(config)
         for task in range(chunk * size, min(tasks, (chunk + 1) * size)):
-            _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out)
+            _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias, xb, out, epilogue)
         _release()
 
 
 @njit(inline="always")
-def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out):
+def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias, xb, out, epilogue):
     """One 32 x 32 block of out (m-major task order: a thread's activation rows stay in cache)."""
     tile_words = TILE * TILE
     mb, nb = task // n_blocks, task % n_blocks
     m0, n0 = mb * BLOCK, nb * BLOCK
-    _load(0, bias_rows, n0, n * 4)
-    _load(1, bias_rows, n0 + TILE, n * 4)
-    _load(2, bias_rows, n0, n * 4)
-    _load(3, bias_rows, n0 + TILE, n * 4)
+    _load(0, bias, n0, 0)                        # row stride 0: every row of the tile is the bias
+    _load(1, bias, n0 + TILE, 0)
+    _load(2, bias, n0, 0)
+    _load(3, bias, n0 + TILE, 0)
     w0 = 2 * nb * k_blocks * tile_words
     w1 = w0 + k_blocks * tile_words
     for kb in range(k_blocks):
@@ -266,7 +277,7 @@ def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out)
         _dot(1, 4, 7)
         _dot(2, 5, 6)
         _dot(3, 5, 7)
-    if m0 + BLOCK <= rows:
+    if m0 + BLOCK <= rows and epilogue == 0:
         _store(0, out, m0 * n + n0, n * 4)
         _store(1, out, m0 * n + n0 + TILE, n * 4)
         _store(2, out, (m0 + TILE) * n + n0, n * 4)
@@ -277,7 +288,9 @@ def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias_rows, xb, out)
         _store(1, acc, TILE, BLOCK * 4)
         _store(2, acc, TILE * BLOCK, BLOCK * 4)
         _store(3, acc, TILE * BLOCK + TILE, BLOCK * 4)
-        for r in range(rows - m0):
+        if epilogue:
+            gelu_in_place(acc.reshape(-1), epilogue == 2)
+        for r in range(min(BLOCK, rows - m0)):
             out[m0 + r, n0: n0 + BLOCK] = acc[r]
 
 
@@ -308,9 +321,10 @@ def takes(x, w, min_rows: int) -> bool:
             and x.size > min_rows * w.shape[1] and fits(*w.shape) and available())
 
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
-    """x [..., K] f32 @ w [N, K] (bf16).T + bias -> [..., N] f32, into `out` when it is a C-ordered
-    f32 buffer. Weights within the repacking budget take the direct-store kernel."""
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None, epilogue: int = 0) -> np.ndarray:
+    """epilogue(x [..., K] f32 @ w [N, K] (bf16).T + bias) -> [..., N] f32, into `out` when it is a
+    C-ordered f32 buffer; `epilogue` indexes EPILOGUES. Weights within the repacking budget take the
+    direct-store kernel."""
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k)).view(np.uint32)
     shape = (*x.shape[:-1], n)
@@ -319,13 +333,13 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarra
     m_pad = -(-rows.shape[0] // BLOCK) * BLOCK
     packed = repacked(w)
     if packed is not None:
-        bias_rows = np.zeros((TILE, n), np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32), (TILE, n)).copy()
-        _linear_packed(rows, packed, bias_rows, np.empty((m_pad, k), np.uint16), result.reshape(-1, n), CONFIG,
-                       numba.get_num_threads())
+        seed = np.zeros(n, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        _linear_packed(rows, packed, seed, np.empty((m_pad, k), np.uint16), result.reshape(-1, n), CONFIG,
+                       numba.get_num_threads(), epilogue)
     else:
         add = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         _linear(rows, w.view(np.uint16), add, np.empty((m_pad // TILE, k // 32, TILE, TILE), np.uint32),
-                result.reshape(-1, n), CONFIG)
+                result.reshape(-1, n), CONFIG, epilogue)
     return result
 
 

@@ -80,16 +80,38 @@ Q0, Q1, Q2, Q3, Q4 = (np.float32(c) for c in (
 # serial on purpose: these run between BLAS calls, and a parallel region's spinning workers would
 # take the cores from BLAS's threads (measured: 2x slower encoder matmuls). error_model="numpy":
 # IEEE division (no zero check), which lets LLVM vectorize the loop
+@njit(inline="always", error_model="numpy")
+def gelu_erf(v):
+    z = min(max(v * np.float32(1 / math.sqrt(2)), np.float32(-4)), np.float32(4))
+    z2 = z * z
+    p = ((((((P0 * z2 + P1) * z2 + P2) * z2 + P3) * z2 + P4) * z2 + P5) * z2 + P6) * z
+    q = (((Q0 * z2 + Q1) * z2 + Q2) * z2 + Q3) * z2 + Q4
+    return np.float32(0.5) * v * (np.float32(1) + p / q)
+
+
+@njit(inline="always", error_model="numpy")
+def gelu_tanh(v):
+    inner = np.float32(math.sqrt(2 / math.pi)) * (v + np.float32(0.044715) * v * v * v)
+    return np.float32(0.5) * v * (np.float32(1) + np.tanh(inner))
+
+
+@njit(cache=True, error_model="numpy")
+def gelu_in_place(values, tanh):
+    """gelu over one flat array, in place: with a single array the loop vectorizes (a kernel given
+    the same array as input and output fails LLVM's overlap check and runs scalar, 5x slower)."""
+    if tanh:
+        for i in range(values.size):
+            values[i] = gelu_tanh(values[i])
+    else:
+        for i in range(values.size):
+            values[i] = gelu_erf(values[i])
+
+
 @njit(cache=True, error_model="numpy")
 def _gelu_erf(x, out):
     flat, dst = x.reshape(-1), out.reshape(-1)
     for i in range(flat.size):
-        v = flat[i]
-        z = min(max(v * np.float32(1 / math.sqrt(2)), np.float32(-4)), np.float32(4))
-        z2 = z * z
-        p = ((((((P0 * z2 + P1) * z2 + P2) * z2 + P3) * z2 + P4) * z2 + P5) * z2 + P6) * z
-        q = (((Q0 * z2 + Q1) * z2 + Q2) * z2 + Q3) * z2 + Q4
-        dst[i] = np.float32(0.5) * v * (np.float32(1) + p / q)
+        dst[i] = gelu_erf(flat[i])
 
 
 @jet("gelu", CPU, [(F,)])

@@ -7,6 +7,7 @@ from numba import njit, prange
 
 from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, dense, f32, float_kernel, out_f32
+from soma_runtime.backends.cpu.elementwise import gelu_in_place
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
@@ -39,18 +40,21 @@ def _few_rows_matmul(a, w, out):
 
 
 @jet("matmul", CPU, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
-def matmul(a, b, bias=None, out=None, transpose_b=False, activations="f32"):
+def matmul(a, b, bias=None, out=None, transpose_b=False, activations="f32", epilogue="none"):
     # bf16 weights on the matrix units: every row count under bf16 activations (a row's numbers must
     # not depend on its batch); under q8 (GGUF), only past the rows where decode's GEMV wins
     if activations != "f32" and transpose_b and amx.takes(a, b, 0 if activations == "bf16" else GEMV_MAX_ROWS):
-        return amx.linear(a, b, bias, out)
-    if bias is None:
-        return product(a, b, out, transpose_b, activations)
+        return amx.linear(a, b, bias, out, amx.EPILOGUES.index(epilogue))
     result = product(a, b, out, transpose_b, activations)
-    if all_f32(result) and result.flags.writeable:
-        result += f32(bias)                   # in place: the product is this op's own buffer
+    if bias is None and epilogue == "none":
         return result
-    return deliver(f32(result) + f32(bias), dtype_of(a), out)
+    if not (all_f32(result) and result.flags.writeable and result.flags.c_contiguous):
+        result = np.array(f32(result), order="C")
+    if bias is not None:
+        result += f32(bias)                   # in place: the product is this op's own buffer
+    if epilogue != "none":
+        gelu_in_place(result.reshape(-1), epilogue == "gelu_tanh")
+    return deliver(result, dtype_of(a), out)
 
 
 def product(a, b, out, transpose_b, activations):

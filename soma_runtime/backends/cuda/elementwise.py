@@ -110,15 +110,16 @@ for _name, _op in BINARY.items():
     jet(_name, CUDA, [(F, F)])(binary_jet(_op))
 
 
+def unary(x, kind: int, negative_slope=0.01, approximate="none"):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    code = 6 if kind == UNARY["gelu"] and approximate == "tanh" else kind
+    _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, slope=float(negative_slope), BLOCK=BLOCK)
+    return out
+
+
 def unary_jet(kind: int):
-    @device_jet
-    def run(x, negative_slope=0.01, approximate="none"):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        code = 6 if kind == UNARY["gelu"] and approximate == "tanh" else kind
-        _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, slope=float(negative_slope), BLOCK=BLOCK)
-        return out
-    return run
+    return device_jet(lambda x, negative_slope=0.01, approximate="none": unary(x, kind, negative_slope, approximate))
 
 
 for _name, _kind in UNARY.items():

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.device import DeviceQTensor, device_jet
-from soma_runtime.backends.cuda.elementwise import BINARY, binary
+from soma_runtime.backends.cuda.elementwise import BINARY, UNARY, binary, unary
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
@@ -244,9 +244,10 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.T
 
 @jet("matmul", CUDA, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
 @device_jet
-def matmul(a, b, bias=None, transpose_b=False, activations="f32"):
+def matmul(a, b, bias=None, transpose_b=False, activations="f32", epilogue="none"):
     y = product(a, b, transpose_b, activations)
-    return y if bias is None else binary(y, bias, BINARY["add"])
+    y = y if bias is None else binary(y, bias, BINARY["add"])
+    return y if epilogue == "none" else unary(y, UNARY["gelu"], approximate="tanh" if epilogue == "gelu_tanh" else "none")
 
 
 def product(a, b, transpose_b, activations):
