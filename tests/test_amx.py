@@ -77,3 +77,19 @@ def test_amx_matmul_applies_its_epilogue(epilogue, approximate, rows):
     got = run_op("matmul", x, w, bias, transpose_b=True, activations="bf16", epilogue=epilogue)
     want = torch.nn.functional.gelu(torch.from_numpy(bf16_product(x, w, bias)), approximate=approximate).numpy()
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX-BF16 (or numba targets another CPU)")
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
+def test_amx_prefill_of_quantized_weights_equals_bf16_product(name):
+    """The autotune's "amx" prefill variant: weight tiles decoded to bf16, activations rounded to bf16."""
+    from soma_runtime.backends.cpu import qmatmul
+    from soma_runtime.dtypes import dequantize, quantize
+    rng = np.random.default_rng(4)
+    w = quantize(rng.standard_normal((96, 128)).astype(np.float32), name)
+    x = rng.standard_normal((70, 128)).astype(np.float32)
+    assert "amx" in qmatmul.variant_names(w)
+    got = amx.quantized_matmul(x, w.data, w.dtype.ggml_id, 96)
+    dense = dequantize(w).astype(np.float32)
+    want = (torch.from_numpy(x).bfloat16().float() @ torch.from_numpy(dense).bfloat16().float().T).numpy()
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())

@@ -26,7 +26,8 @@ def test_tune_records_the_fastest_variant_per_shape(table):
     key = qmatmul.prefill_key(w)
     assert list(measured) == [key]
     times = measured[key]["seconds"]
-    assert set(times) == {"int8", "blas"} and measured[key]["choice"] == min(times, key=times.get)
+    assert set(times) == set(qmatmul.variant_names(w)) >= {"int8", "blas"}
+    assert measured[key]["choice"] == min(times, key=times.get)
     assert schedule.choice(key) == measured[key]["choice"]
     on_disk = json.loads(table.read_text())
     assert on_disk[schedule.machine_key()][key] == measured[key]["choice"]

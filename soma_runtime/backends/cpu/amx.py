@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import weakref
 
 import llvmlite.binding
@@ -24,6 +25,7 @@ from numba.extending import intrinsic
 
 from soma_runtime.backends.cpu.elementwise import gelu_erf, gelu_in_place, gelu_tanh
 from soma_runtime.backends.cpu.simd import exp_f32
+from soma_runtime.quant.formats import F16_TABLE, dequant_row
 
 TILE = 16                     # rows per tile; a row is 64 bytes: 32 bf16 or 16 f32
 EPILOGUES = ("none", "gelu", "gelu_tanh")      # matmul's epilogue attribute, by code
@@ -33,8 +35,9 @@ ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 @functools.cache
 def available() -> bool:
-    """AMX-BF16 present, numba compiling for this host, and the kernel granting the tile state."""
-    if numba.config.CPU_NAME:
+    """AMX-BF16 present, numba compiling for this host, the kernel granting the tile state, and not
+    turned off (SOMA_AMX=0)."""
+    if numba.config.CPU_NAME or os.environ.get("SOMA_AMX") == "0":
         return False
     features = llvmlite.binding.get_host_cpu_features()
     if not (features.get("amx-tile") and features.get("amx-bf16")):
@@ -45,11 +48,12 @@ def available() -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    llvmlite.binding.initialize_native_asmparser()      # numba's LLVM assembles inline asm only with it
     return True
 
 
 # --- tile instructions as numba intrinsics (tile numbers are compile-time constants) -------------
+
+llvmlite.binding.initialize_native_asmparser()         # numba's LLVM assembles inline asm only with it
 
 def _asm(builder, template: str, constraints: str = "", args=()):
     builder.asm(ir.FunctionType(ir.VoidType(), [a.type for a in args]), template, constraints, list(args), side_effect=True)
@@ -173,13 +177,17 @@ def _activate(v, epilogue):
     return v
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _linear(x, w, bias, packed, out, config, epilogue):
-    """out [M, N] = x [M, K] (f32 bits) . w [N, K] (bf16 bits).T (+ bias [N], when it has N values).
-    The activations are packed first (rows past M zero); N is a multiple of 32. Accumulator tiles
-    come out [weight rows, activation rows] and are written transposed, bias added."""
+@njit(parallel=True, cache=True)
+def _pack_activations(x, packed):
     for block in prange(packed.shape[0]):
         _pack_rows(x, packed, block)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _gemm_rows(w, packed, bias, out, col0, config, epilogue):
+    """out[:, col0 + j] = epilogue(x . w[j] + bias[col0 + j]) for the weight rows w [n, K] (bf16 bits,
+    read in place: n a multiple of 32), x packed by _pack_rows. Accumulator tiles come out [weight
+    rows, activation rows] and are written transposed."""
     n, k = w.shape
     rows = out.shape[0]
     m_blocks, k_blocks = packed.shape[0] // 2, k // 32
@@ -188,9 +196,9 @@ def _linear(x, w, bias, packed, out, config, epilogue):
         _configure(config)                       # tile configuration is per thread
         acc = np.empty((4, TILE, TILE), np.float32)
         add = np.zeros(BLOCK, np.float32)
-        if bias.size:
-            add[:] = bias[nb * BLOCK: (nb + 1) * BLOCK]
         n0 = nb * BLOCK
+        if bias.size:
+            add[:] = bias[col0 + n0: col0 + n0 + BLOCK]
         for mb in range(m_blocks):
             _zero(0)
             _zero(1)
@@ -218,7 +226,7 @@ def _linear(x, w, bias, packed, out, config, epilogue):
                     if m < rows:
                         for i in range(TILE):
                             c = (t // 2) * TILE + i
-                            out[m, n0 + c] = _activate(acc[t, i, j] + add[c], epilogue)
+                            out[m, col0 + n0 + c] = _activate(acc[t, i, j] + add[c], epilogue)
         _release()
 
 
@@ -235,38 +243,43 @@ def _pack_weight(w, packed):
                     packed[nb, kb, pair, c] = (np.uint32(row[i + 1]) << np.uint32(16)) | np.uint32(row[i])
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _linear_packed(x, packed, bias, xb, out, config, threads, epilogue):
-    """out [M, N] = x [M, K] (f32 bits) . w.T (+ bias), w packed by _pack_weight. The activations,
-    rounded to bf16 into xb [M_pad, K] (rows past M zero), are the A operand as they lie; each
-    accumulator tile is 16 activation rows by 16 outputs, stored straight into `out` (a scratch
-    tile for the last, partial rows). The bias [N] (zeros for none) seeds the accumulators."""
+@njit(parallel=True, cache=True)
+def _to_bf16_rows(x, xb):
+    """x [M, K] f32 bits -> xb [M_pad, K] bf16 bits, rows past M zero: the A operand as it lies."""
     rows, k = x.shape
     for m in prange(xb.shape[0]):
         for i in range(k):
             xb[m, i] = _bf16(x[m, i]) if m < rows else 0
-    n = out.shape[1]
-    m_blocks, n_blocks, k_blocks = xb.shape[0] // BLOCK, n // BLOCK, k // 32
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _gemm_packed(xb, rows, packed, bias, out, col0, config, threads, epilogue):
+    """out[:rows, col0 + j] = epilogue(xb . w.T + bias[col0 + j]) for the weight rows in `packed`
+    (by _pack_weight or _pack_quantized). Each accumulator tile is 16 activation rows by 16 outputs,
+    stored straight into `out` (through a scratch tile for an epilogue or the last, partial rows).
+    The bias (zeros for none) seeds the accumulators."""
+    m_blocks, n_blocks, k_blocks = xb.shape[0] // BLOCK, packed.shape[0] // 2, packed.shape[1]
     tasks = m_blocks * n_blocks
     size = max(1, tasks // (4 * threads))
     for chunk in prange(-(-tasks // size)):       # tile state is set up once per chunk, not per task
         _configure(config)
         for task in range(chunk * size, min(tasks, (chunk + 1) * size)):
-            _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias, xb, out, epilogue)
+            _tile_task(task, n_blocks, k_blocks, rows, col0, packed, bias, xb, out, epilogue)
         _release()
 
 
 @njit(inline="always")
-def _tile_task(task, n_blocks, k_blocks, rows, n, k, packed, bias, xb, out, epilogue):
+def _tile_task(task, n_blocks, k_blocks, rows, col0, packed, bias, xb, out, epilogue):
     """One 32 x 32 block of out (m-major task order: a thread's activation rows stay in cache)."""
     tile_words = TILE * TILE
+    n, k = out.shape[1], xb.shape[1]
     mb, nb = task // n_blocks, task % n_blocks
-    m0, n0 = mb * BLOCK, nb * BLOCK
+    m0, n0 = mb * BLOCK, col0 + nb * BLOCK
     _load(0, bias, n0, 0)                        # row stride 0: every row of the tile is the bias
     _load(1, bias, n0 + TILE, 0)
     _load(2, bias, n0, 0)
     _load(3, bias, n0 + TILE, 0)
-    w0 = 2 * nb * k_blocks * tile_words
+    w0 = 2 * nb * k_blocks * tile_words           # this task's weight rows in `packed`
     w1 = w0 + k_blocks * tile_words
     for kb in range(k_blocks):
         _load(4, xb, m0 * k + kb * 32, k * 2)
@@ -314,6 +327,39 @@ def repacked(w: np.ndarray) -> np.ndarray | None:
     return packed
 
 
+@njit(parallel=True, cache=True)
+def _decode_bf16(data, fmt, lut, row0, tile):
+    """Weight rows row0 .. row0 + len(tile) of a block format (rows of bytes, GGML type `fmt`)
+    decoded and rounded to bf16 bits, row-major: the A operand as it lies."""
+    for r in prange(tile.shape[0]):
+        row = np.empty(tile.shape[1], np.float32)
+        dequant_row(fmt, data[row0 + r], row, lut)
+        bits = row.view(np.uint32)
+        for i in range(row.size):
+            tile[r, i] = _bf16(bits[i])
+
+
+TILE_BYTES = 1 << 20              # bf16 bytes of decoded weight rows per prefill tile (stays in L2)
+
+
+def quantized_matmul(x: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarray:
+    """x [M, K] f32 times the transpose of a block-quantized weight ([N, row bytes] of GGML type
+    `fmt`) -> [M, N]: tiles of weight rows decoded to bf16, each multiplied by all activation rows
+    (rounded to bf16 and packed once). For prefill: each weight row is decoded once per call."""
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = rows.shape
+    packed_x = np.empty((-(-m // BLOCK) * 2, k // 32, TILE, TILE), np.uint32)
+    _pack_activations(rows.view(np.uint32), packed_x)
+    out = np.empty((m, n), np.float32)
+    step = max(BLOCK, TILE_BYTES // (2 * k) // BLOCK * BLOCK)
+    tile = np.empty((step, k), np.uint16)
+    for row0 in range(0, n, step):
+        part = tile[: min(step, n - row0)]
+        _decode_bf16(data, fmt, F16_TABLE, row0, part)
+        _gemm_rows(part, packed_x, NO_BIAS, out, row0, CONFIG, 0)
+    return out
+
+
 def takes(x, w, min_rows: int) -> bool:
     """Whether x [..., K] f32 times the transpose of w runs here: w a bf16 [N, K] array of a shape
     the kernel takes, more than `min_rows` activation rows, and AMX available."""
@@ -334,12 +380,14 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarra
     packed = repacked(w)
     if packed is not None:
         seed = np.zeros(n, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        _linear_packed(rows, packed, seed, np.empty((m_pad, k), np.uint16), result.reshape(-1, n), CONFIG,
-                       numba.get_num_threads(), epilogue)
+        xb = np.empty((m_pad, k), np.uint16)
+        _to_bf16_rows(rows, xb)
+        _gemm_packed(xb, rows.shape[0], packed, seed, result.reshape(-1, n), 0, CONFIG, numba.get_num_threads(), epilogue)
     else:
         add = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        _linear(rows, w.view(np.uint16), add, np.empty((m_pad // TILE, k // 32, TILE, TILE), np.uint32),
-                result.reshape(-1, n), CONFIG, epilogue)
+        packed_x = np.empty((m_pad // TILE, k // 32, TILE, TILE), np.uint32)
+        _pack_activations(rows, packed_x)
+        _gemm_rows(w.view(np.uint16), packed_x, add, result.reshape(-1, n), 0, CONFIG, epilogue)
     return result
 
 

@@ -2,7 +2,8 @@
 
 With q8 `activations`, the 32-block formats (q4_0, q4_1, q5_0, q5_1, q8_0) use llama.cpp's scheme:
 q8 activations and integer block dots (qdot.py); for many rows the autotune table may pick the
-q8-rounded activations through the BLAS path below instead. Otherwise weight rows decode to f32:
+q8-rounded activations through the BLAS path below instead, or (where the CPU has AMX, any block
+format) weight tiles decoded to bf16 on the matrix units. Otherwise weight rows decode to f32:
 
 GEMV (decode, few rows): one numba pass, parallel over output rows; each weight row is decoded
 into a small f32 buffer and dotted with every activation row. GEMM (prefill, many rows): a tile
@@ -15,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime import schedule
-from soma_runtime.backends.cpu import qdot, simd
+from soma_runtime.backends.cpu import amx, qdot, simd
 from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import BF16, F16, F16_TABLE, dequant_row, dequant_rows_serial
@@ -85,8 +86,11 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, activations: 
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
+    tuned = schedule.choice(prefill_key(w)) if activations == "q8" and rows.shape[0] >= BLAS_MIN_ROWS else None
+    if tuned == "amx" and amx.available():      # bf16 tiles on the matrix units (amx.py)
+        return deliver(amx.quantized_matmul(rows, data, fmt, n).reshape(*x.shape[:-1], n), "f32", out)
     if activations == "q8" and fmt in qdot.FORMATS:
-        if rows.shape[0] < BLAS_MIN_ROWS or schedule.choice(prefill_key(w)) != "blas":
+        if tuned != "blas":
             return deliver(qdot.matmul_q8(rows, data, fmt).reshape(*x.shape[:-1], n), "f32", out)
         rows = qdot.q8_rounded(rows)          # the tuned choice here: llama.cpp's rounding at BLAS speed
     half = None if isinstance(w, QTensor) else {F16: "f16", BF16: "bf16"}.get(fmt)
@@ -117,16 +121,30 @@ def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarr
     return result_t.T
 
 
+def variant_names(w) -> tuple[str, ...]:
+    """The prefill kernels a stored-format weight can run on this machine (see prefill_variants)."""
+    if not isinstance(w, QTensor) or len(w.shape) != 2:
+        return ()
+    names = ("int8", "blas") if w.dtype.ggml_id in qdot.FORMATS else ("blas",)
+    return names + (("amx",) if amx.fits(*w.shape) and amx.available() else ())
+
+
 def prefill_key(w) -> str | None:
-    """The autotune key of a many-row q8-activation matmul with this weight (None: nothing to choose)."""
-    if not isinstance(w, QTensor) or w.dtype.ggml_id not in qdot.FORMATS or len(w.shape) != 2:
+    """The autotune key of a many-row q8-activation matmul with this weight (None: nothing to
+    choose). It names the variants, so a machine that gains one tunes again."""
+    names = variant_names(w)
+    if len(names) < 2:
         return None
-    return f"matmul_q8/{w.dtype.name}/{w.shape[0]}x{w.shape[1]}/prefill"
+    return f"matmul_q8/{w.dtype.name}/{w.shape[0]}x{w.shape[1]}/prefill/{','.join(names)}"
 
 
 def prefill_variants(w: QTensor, rows: int) -> dict:
     """The kernels a prefill matmul with `w` can run, as calls on random activations: integer block
-    dots, or q8-rounded activations times dequantized tiles through BLAS."""
+    dots (32-block formats), dequantized tiles through BLAS (the activations q8-rounded for those
+    formats), or bf16 tiles on the matrix units (where the CPU has them)."""
     x = np.random.default_rng(0).standard_normal((rows, w.shape[1])).astype(np.float32)
-    return {"int8": lambda: qdot.matmul_q8(x, w.data, w.dtype.ggml_id),
-            "blas": lambda: gemm_tiled(qdot.q8_rounded(x), w.data, w.dtype.ggml_id, w.shape[0])}
+    fmt, n = w.dtype.ggml_id, w.shape[0]
+    calls = {"int8": lambda: qdot.matmul_q8(x, w.data, fmt),
+             "blas": lambda: gemm_tiled(qdot.q8_rounded(x) if fmt in qdot.FORMATS else x, w.data, fmt, n),
+             "amx": lambda: amx.quantized_matmul(x, w.data, fmt, n)}
+    return {name: calls[name] for name in variant_names(w)}
