@@ -39,7 +39,7 @@ def add_model_args(p, default_model=True):
 def load_model(args):
     from soma_runtime.api import Runtime
     return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
-                                                                                 activations=args.activations)
+                                                                                 activations=getattr(args, "activations", None))
 
 
 def read_prompt(text: str) -> str:
