@@ -38,4 +38,4 @@ def test_autotune_times_the_default_models_shapes_and_caches_the_choices(tmp_pat
     assert lines[-1].startswith("4 shapes tuned for ") and lines[-1].endswith("/1t; table: " + str(tmp_path / "autotune.json"))
     table = json.loads((tmp_path / "autotune.json").read_text())
     (choices,) = table.values()
-    assert len(choices) == 4 and set(choices.values()) <= {"int8", "blas"}
+    assert len(choices) == 4 and set(choices.values()) <= {"int8", "blas", "amx"}

@@ -168,6 +168,22 @@ def _pack_rows(x, packed, block):
 
 
 @njit(inline="always")
+def _dot_blocks(a, a0, k, b, b0, b1, k_blocks):
+    """Accumulator tiles 0-3 (2 x 2) += 32 rows of `a` (bf16 bits [.., K] row-major, from element
+    a0: A tiles 4, 5) times two columns of packed tiles (from words b0 and b1: B tiles 6, 7)."""
+    tile_words = TILE * TILE
+    for kb in range(k_blocks):
+        _load(4, a, a0 + kb * 32, k * 2)
+        _load(5, a, a0 + TILE * k + kb * 32, k * 2)
+        _load(6, b, b0 + kb * tile_words, 64)
+        _load(7, b, b1 + kb * tile_words, 64)
+        _dot(0, 4, 6)
+        _dot(1, 4, 7)
+        _dot(2, 5, 6)
+        _dot(3, 5, 7)
+
+
+@njit(inline="always")
 def _activate(v, epilogue):
     """A matmul epilogue (EPILOGUES[epilogue]) on one f32 result."""
     if epilogue == 1:
@@ -205,16 +221,7 @@ def _gemm_rows(w, packed, bias, out, col0, config, epilogue):
             _zero(2)
             _zero(3)
             b0 = 2 * mb * k_blocks * tile_words
-            b1 = b0 + k_blocks * tile_words
-            for kb in range(k_blocks):
-                _load(4, w, n0 * k + kb * 32, k * 2)
-                _load(5, w, (n0 + TILE) * k + kb * 32, k * 2)
-                _load(6, packed, b0 + kb * tile_words, 64)
-                _load(7, packed, b1 + kb * tile_words, 64)
-                _dot(0, 4, 6)
-                _dot(1, 4, 7)
-                _dot(2, 5, 6)
-                _dot(3, 5, 7)
+            _dot_blocks(w, n0 * k, k, packed, b0, b0 + k_blocks * tile_words, k_blocks)
             _store(0, acc, 0, 64)
             _store(1, acc, tile_words, 64)
             _store(2, acc, 2 * tile_words, 64)
@@ -280,16 +287,7 @@ def _tile_task(task, n_blocks, k_blocks, rows, col0, packed, bias, xb, out, epil
     _load(2, bias, n0, 0)
     _load(3, bias, n0 + TILE, 0)
     w0 = 2 * nb * k_blocks * tile_words           # this task's weight rows in `packed`
-    w1 = w0 + k_blocks * tile_words
-    for kb in range(k_blocks):
-        _load(4, xb, m0 * k + kb * 32, k * 2)
-        _load(5, xb, (m0 + TILE) * k + kb * 32, k * 2)
-        _load(6, packed, w0 + kb * tile_words, 64)
-        _load(7, packed, w1 + kb * tile_words, 64)
-        _dot(0, 4, 6)
-        _dot(1, 4, 7)
-        _dot(2, 5, 6)
-        _dot(3, 5, 7)
+    _dot_blocks(xb, m0 * k, k, packed, w0, w0 + k_blocks * tile_words, k_blocks)
     if m0 + BLOCK <= rows and epilogue == 0:
         _store(0, out, m0 * n + n0, n * 4)
         _store(1, out, m0 * n + n0 + TILE, n * 4)
