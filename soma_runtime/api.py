@@ -146,10 +146,11 @@ class EncoderModel:
 
     def info(self) -> dict:
         cfg = self.loaded.config
-        weights = self.encoder.weights.tensors.values()
+        held = self.encoder.weights.tensors.values()          # as run: bf16 copies, stacked projections
         return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
-                "task": "encode", "activations": self.encoder.precision, "parameters": sum(int(np.prod(w.shape)) for w in weights),
-                "weight_bytes": sum(int(w.nbytes) for w in weights), "layers": cfg.num_layers,
+                "task": "encode", "activations": self.encoder.precision,
+                "parameters": sum(int(np.prod(w.shape)) for w in self.loaded.weights.tensors.values()),
+                "weight_bytes": sum(int(w.nbytes) for w in held), "layers": cfg.num_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "max_tokens": self.encoder.max_tokens,
                 "pooling": self.loaded.pooling.mode, "normalize": self.loaded.pooling.normalize,
                 "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "backend": self.encoder.backend}

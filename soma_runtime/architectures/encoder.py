@@ -259,6 +259,23 @@ def matmul_weights_in(weights: Weights, precision: str) -> Weights:
                     for name, t in weights.tensors.items()}, weights.source)
 
 
+def fused_qkv(weights: Weights, cfg: EncoderConfig) -> Weights:
+    """The weights with each layer's q, k and v projections stacked into one attn_qkv (as ModernBERT
+    stores them): one matmul instead of three, where a call's fixed cost dominates. The separate
+    ones stay only where DeBERTa's relative terms project through them."""
+    if cfg.modern:
+        return weights
+    tensors = dict(weights.tensors)
+    for i in range(cfg.num_layers):
+        for part in ("weight", "bias"):
+            names = [f"blk.{i}.attn_{n}.{part}" for n in "qkv"]
+            if all(n in tensors for n in names):
+                tensors[f"blk.{i}.attn_qkv.{part}"] = np.concatenate([np.asarray(tensors[n]) for n in names])
+                for name in names if not cfg.pos_att else ():
+                    del tensors[name]
+    return Weights(tensors, weights.source)
+
+
 def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
     D, F = cfg.hidden_size, cfg.intermediate_size
     want = {"tok_embd.weight": (cfg.vocab_size, D), "embd_norm.weight": (D,)}
@@ -319,7 +336,11 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
     relative = RelativeScores(g, cfg, weights, linear, norm) if cfg.pos_att else None
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
-        q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
+        if f"{p}.attn_qkv.weight" in weights:
+            qkv = g.reshape(linear(x, f"{p}.attn_qkv"), shape=("B", "S", 3 * H, hd))
+            q, k, v = (g.transpose(t, dim0=1, dim1=2) for t in g.split(qkv, sizes=(H, H, H), axis=2))
+        else:
+            q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
         bias, scale = (mask, None) if relative is None else relative(p, q, k, mask)
         attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2),
                          shape=("B", "S", D))

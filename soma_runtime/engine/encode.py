@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.architectures.decoder import Weights
-from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
+from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, fused_qkv, matmul_weights_in
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class Encoder:
         """`precision` "bf16" stores the projections in bf16 and rounds their inputs to it (f32
         accumulation): the matrix units' format, within 1e-4 cosine of f32 embeddings."""
         self.cfg, self.tokenizer, self.pooling, self.backend, self.precision = cfg, tokenizer, pooling, backend, precision
-        self.weights = matmul_weights_in(weights, precision)
+        self.weights = fused_qkv(matmul_weights_in(weights, precision), cfg)
         self.max_tokens = min(max_tokens or cfg.max_tokens, cfg.max_tokens)
         self.graphs: dict = {}
         self.plans: dict[tuple, Plan] = {}
