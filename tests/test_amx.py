@@ -72,7 +72,10 @@ def test_amx_attention_equals_bf16_rounded_attention(heads, kv_heads, rows, keys
 @pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX-BF16 (or numba targets another CPU)")
 @pytest.mark.parametrize("epilogue,approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
 @pytest.mark.parametrize("rows", [40, 64])                  # a partial last block, and whole blocks
-def test_amx_matmul_applies_its_epilogue(epilogue, approximate, rows):
+@pytest.mark.parametrize("repack", [True, False])           # repacked weights, or read in place past the budget
+def test_amx_matmul_applies_its_epilogue(epilogue, approximate, rows, repack, monkeypatch):
+    if not repack:
+        monkeypatch.setattr(amx, "PACK_BUDGET", 0)
     x, w, bias = inputs(rows, 64, 96, seed=3)
     got = run_op("matmul", x, w, bias, transpose_b=True, activations="bf16", epilogue=epilogue)
     want = torch.nn.functional.gelu(torch.from_numpy(bf16_product(x, w, bias)), approximate=approximate).numpy()

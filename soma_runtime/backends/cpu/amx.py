@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from soma_runtime.backends.cpu.elementwise import gelu_erf, gelu_in_place, gelu_tanh
+from soma_runtime.backends.cpu.elementwise import gelu_in_place
 from soma_runtime.backends.cpu.simd import exp_f32
 from soma_runtime.quant.formats import F16_TABLE, dequant_row
 
@@ -183,16 +183,6 @@ def _dot_blocks(a, a0, k, b, b0, b1, k_blocks):
         _dot(3, 5, 7)
 
 
-@njit(inline="always")
-def _activate(v, epilogue):
-    """A matmul epilogue (EPILOGUES[epilogue]) on one f32 result."""
-    if epilogue == 1:
-        return gelu_erf(v)
-    if epilogue == 2:
-        return gelu_tanh(v)
-    return v
-
-
 @njit(parallel=True, cache=True)
 def _pack_activations(x, packed):
     for block in prange(packed.shape[0]):
@@ -228,12 +218,16 @@ def _gemm_rows(w, packed, bias, out, col0, config, epilogue):
             _store(3, acc, 3 * tile_words, 64)
             m0 = mb * BLOCK
             for t in range(4):                   # tile t: weight rows n0 + 16 (t // 2), activation rows m0 + 16 (t % 2)
+                for i in range(TILE):
+                    acc[t, i] += add[(t // 2) * TILE + i]
+            if epilogue:
+                gelu_in_place(acc.reshape(-1), epilogue == 2)
+            for t in range(4):
                 for j in range(TILE):
                     m = m0 + (t % 2) * TILE + j
                     if m < rows:
                         for i in range(TILE):
-                            c = (t // 2) * TILE + i
-                            out[m, col0 + n0 + c] = _activate(acc[t, i, j] + add[c], epilogue)
+                            out[m, col0 + n0 + (t // 2) * TILE + i] = acc[t, i, j]
         _release()
 
 
