@@ -111,6 +111,19 @@ for approx, epilogue in (("none", "gelu"), ("tanh", "gelu_tanh")):
          id=epilogue, transpose_b=True, epilogue=epilogue)
 
 
+def with_residual(make, residual_shape):
+    """A matmul's inputs with a residual stream added (no bias)."""
+    return lambda dt: make(dt)[:2] + [None] + mk(residual_shape, seed=3)(dt)
+
+
+case("matmul", with_residual(mk((1, 64), (7, 64)), (1, 7)), lambda a, b, _, r: a @ b.T + r, id="gemv-residual", transpose_b=True)
+case("matmul", with_residual(mk((2, 3, 33), (5, 33)), (2, 3, 5)), lambda a, b, _, r: a @ b.T + r, id="residual",
+     transpose_b=True)
+case("matmul", lambda dt: mk((2, 3, 33), (5, 33), (5,), (2, 3, 5))(dt),
+     lambda a, b, c, r: F.gelu(F.linear(a, b, c), approximate="tanh") + r, id="bias-gelu-residual", transpose_b=True,
+     epilogue="gelu_tanh")
+
+
 def sdpa_ref(causal=False, scale=None, softcap=0.0, window=0):
     def ref(q, k, v, mask=None):
         group = q.shape[1] // k.shape[1]
@@ -202,11 +215,30 @@ def paged_attention_ref(scale=None, softcap=0.0):
     return ref
 
 
+def segmented_attention_inputs(dt):
+    """Two decode rows of a batch, each seeing only its own sequence's segment of a 300-slot context
+    (as the engine lays a batch out): most context tiles are hidden from each row entirely."""
+    q, k_pages, v_pages = mk((2, 4, 16), (20, 16, 2, 16), (20, 16, 2, 16))(dt)
+    slots = np.random.default_rng(1).permutation(np.arange(1, 320))[:300]
+    mask = np.full((1, 1, 2, 300), -np.inf, NP[dt])
+    mask[0, 0, 0, :100] = 0
+    mask[0, 0, 1, 128:290] = 0
+    spans = np.array([[10, 128], [128, 300]], np.int64)      # row 0's span also hides 10 of its visible keys
+    return [q, k_pages, v_pages, slots.astype(np.int64), mask, spans]
+
+
+def spanned_attention_ref(q, k_pages, v_pages, slots, mask, spans):
+    column = torch.arange(mask.shape[-1])[None, :]
+    inside = (spans[:, :1] <= column) & (column < spans[:, 1:])
+    return paged_attention_ref()(q, k_pages, v_pages, slots, mask.masked_fill(~inside, -torch.inf))
+
+
 CONTEXT = [9, 10, 11, 12, 0, 1, 2, 3, 14, 4, 5]
 case("paged_attention", paged_attention_inputs(1, 4, 2, 8, CONTEXT), paged_attention_ref(), id="decode-gqa")
 case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_attention_ref(0.2, 1.5),
      id="rows-scale-softcap", scale=0.2, softcap=1.5)
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
+case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
@@ -244,6 +276,8 @@ for align in (False, True):
 
 
 def to_torch(x):
+    if x is None:
+        return None
     return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32) if x.dtype.kind == "f" else x))
 
 

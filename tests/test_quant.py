@@ -87,6 +87,19 @@ def test_quantized_matmul_matches_dequantize_then_matmul(name, rows, backend):
     assert np.max(np.abs(got - want.numpy())) <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("backend", COMPUTE)
+@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q6_K"])
+def test_quantized_matmul_adds_the_residual(name, rows, backend):
+    """The residual stream joins inside the kernels (decode) or after them (prefill): the same sum."""
+    w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
+    x, residual = (np.random.default_rng(rows + i).standard_normal(shape).astype(np.float32)
+                   for i, shape in enumerate([(rows, 512), (rows, 40)]))
+    want = torch.from_numpy(x).double() @ torch.from_numpy(w.dequantize()).double().T + torch.from_numpy(residual).double()
+    got = run_op("matmul", x, w, None, residual, backend=backend, transpose_b=True)
+    assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
 @pytest.mark.parametrize("rows", [1, 17])
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])

@@ -2,8 +2,9 @@
 
 embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm -> head.
 Graph inputs: token `ids`, their `positions`, the cache `slots` they are written to, the
-`ctx_slots` attention reads, additive attention masks [1, 1, S, T] (one per window size), the
-`logit_rows` whose logits are wanted, and per layer the K/V pages. Outputs: logits [R, vocab], then
+`ctx_slots` attention reads, additive attention masks [1, 1, S, T] (one per window size), each row's
+`spans` of the context (its sequence's segment), the `logit_rows` whose logits are wanted, and per
+layer the K/V pages. Outputs: logits [R, vocab], then
 every layer's updated K and V pages. Rows are independent except through the masks, so one graph
 serves a prompt, a decode step, or a continuous batch of many sequences' rows.
 """
@@ -121,14 +122,22 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
     slots = g.input("slots", ("S",), "i64")
     ctx = g.input("ctx_slots", ("T",), "i64")
     masks = {w: g.input(mask_name(w), (1, 1, "S", "T"), "f32") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
+    spans = g.input("spans", ("S", 2), "i64")
     logit_rows = g.input("logit_rows", ("R",), "i64")
 
     def const(name, f32=False):
         return g.const(name, as_f32(weights[name]) if f32 else weights[name])
 
-    def linear(x, name):
-        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations=activations)
-        return g.add(y, const(f"{name}.bias", f32=True)) if f"{name}.bias" in weights else y
+    def linear(x, name, residual=None):
+        bias = const(f"{name}.bias", f32=True) if f"{name}.bias" in weights else None
+        return g.matmul(x, const(f"{name}.weight"), bias, residual, transpose_b=True, activations=activations)
+
+    def joined(x, y, name, post_norm):
+        """The residual stream x joined by a block's output projection `name` of y: added inside the
+        matmul, or after the block's own norm (sandwich norms)."""
+        if not cfg.sandwich_norms:
+            return linear(y, name, residual=x)
+        return g.add(x, norm(linear(y, name), post_norm))
 
     def norm(x, name):
         return g.rmsnorm(x, const(f"{name}.weight", f32=True), eps=cfg.rms_norm_eps)
@@ -159,23 +168,16 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         k_pages = g.kv_append(k_pages, k, slots)
         v_pages = g.kv_append(v_pages, v, slots)
         pages_out += [k_pages, v_pages]
-        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], scale=cfg.attn_scale,
+        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, scale=cfg.attn_scale,
                                  softcap=cfg.attn_softcap)
-        attn = g.reshape(attn, shape=("S", H * hd))
-        attn = linear(attn, f"{p}.attn_output")
-        if cfg.sandwich_norms:
-            attn = norm(attn, f"{p}.post_attention_norm")
-        x = g.add(x, attn)
+        x = joined(x, g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", f"{p}.post_attention_norm")
         h = norm(x, f"{p}.ffn_norm")
         if f"{p}.ffn_gate.weight" in weights:
             gate, up = linear(h, f"{p}.ffn_gate"), linear(h, f"{p}.ffn_up")
         else:                                         # phi3: gate and up fused in one matrix
             gate, up = g.split(linear(h, f"{p}.ffn_up"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
         act = g.swiglu(gate, up) if cfg.activation == "silu" else g.geglu(gate, up, approximate="tanh")
-        mlp = linear(act, f"{p}.ffn_down")
-        if cfg.sandwich_norms:
-            mlp = norm(mlp, f"{p}.post_ffw_norm")
-        x = g.add(x, mlp)
+        x = joined(x, act, f"{p}.ffn_down", f"{p}.post_ffw_norm")
     x = g.embedding(x, logit_rows)                    # the rows that sample a token: the head reads only those
     x = norm(x, "output_norm")
     head = "token_embd.weight" if cfg.tie_embeddings or "output.weight" not in weights else "output.weight"

@@ -185,6 +185,7 @@ class Engine:
         context = -(-sum(buckets) // GRAPH_CONTEXT) * GRAPH_CONTEXT if graph else sum(buckets)
         ctx = np.zeros(context, np.int64)                     # padding points at scratch page 0
         masks = {w: np.full((1, 1, rows, ctx.size), -np.inf, np.float32) for w in self.windows}
+        spans = np.zeros((rows, 2), np.int64)               # each row reads only its own sequence's segment
         positions, new_slots, logit_rows, row, offset = [], [], [], 0, 0
         for (seq, tokens, want), bucket in zip(batch, buckets):
             start, stop = seq.length, seq.length + len(tokens)
@@ -195,13 +196,14 @@ class Engine:
             for w, mask in masks.items():
                 visible = (key <= query) & ((query - key < w) if w else True)
                 mask[0, 0, row: row + len(tokens), offset: offset + stop][visible] = 0
+            spans[row: row + len(tokens)] = offset, offset + stop
             positions.append(np.arange(start, stop))
             logit_rows.extend(range(row + len(tokens) - want, row + len(tokens)))
             row, offset = row + len(tokens), offset + bucket
         positions = np.concatenate(positions).astype(np.int64)
         inputs = {"ids": np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64), "positions": positions,
                   "slots": np.concatenate(new_slots),
-                  "ctx_slots": ctx, "logit_rows": np.asarray(logit_rows, np.int64),
+                  "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
                   **{mask_name(w): mask for w, mask in masks.items()}}
         for i in range(self.cfg.num_layers):
             inputs[f"k_pages.{i}"], inputs[f"v_pages.{i}"] = self.pool.k[i], self.pool.v[i]

@@ -347,6 +347,7 @@ def softmax(A, x, mask, axis, causal, window):
 def matmul_rule(metas, attrs):
     a, b = metas[:2]
     bias = metas[2] if len(metas) > 2 else None
+    residual = metas[3] if len(metas) > 3 else None
     dt = float_dtype(a, "activation")
     check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
     check(attrs["activations"] in ("f32", "bf16", "q8"), f"activations must be f32, bf16 or q8, got {attrs['activations']!r}")
@@ -361,17 +362,23 @@ def matmul_rule(metas, attrs):
     if bias is not None:
         float_dtype(bias, "bias")
         check(bias.ndim == 1 and same_dim(bias.shape[0], n) is not False, f"bias must be [{n}], got {list(bias.shape)}")
-    return [TensorMeta(batch + (a.shape[-2], n), dt)]
+    out = batch + (a.shape[-2], n)
+    if residual is not None:
+        float_dtype(residual, "residual")
+        check(residual.ndim == len(out) and all(same_dim(r, o) is not False for r, o in zip(residual.shape, out)),
+              f"residual must be {list(out)}, got {list(residual.shape)}")
+    return [TensorMeta(out, dt)]
 
 
 EPILOGUES = ("none", "gelu", "gelu_tanh")      # elementwise functions a matmul may apply to its result
 
 
-@op("matmul", ["a", "b", "bias?"], matmul_rule, attrs={"transpose_b": False, "activations": "f32", "epilogue": "none"},
-    struct={"transpose_b": (False, True), "epilogue": EPILOGUES}, tol=4.0, ranks=(2, 2, 1))
-def matmul(A, a, b, bias, transpose_b, activations, epilogue):
-    """epilogue(a @ b (+ bias, a linear layer's)): the epilogue lets a kernel apply the activation
-    while the product is still in its registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+@op("matmul", ["a", "b", "bias?", "residual?"], matmul_rule,
+    attrs={"transpose_b": False, "activations": "f32", "epilogue": "none"},
+    struct={"transpose_b": (False, True), "epilogue": EPILOGUES}, tol=4.0, ranks=(2, 2, 1, 2))
+def matmul(A, a, b, bias, residual, transpose_b, activations, epilogue):
+    """epilogue(a @ b (+ bias, a linear layer's)) (+ residual, the stream a block's output joins):
+    a kernel applies them while the product is still in its registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
     block-quantized weights, as llama.cpp does; "bf16" lets it round them to bf16 for a bf16 weight
     (matrix units): precision hints, the formula is the same product."""
     b = dequant_if_needed(A, b)
@@ -379,7 +386,8 @@ def matmul(A, a, b, bias, transpose_b, activations, epilogue):
         b = A.read("transpose", b, axis1=-1, axis2=-2)
     y = matmul_nk(A, a, b)
     y = y if bias is None else A.add(y, bias)
-    return y if epilogue == "none" else gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
+    y = y if epilogue == "none" else gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
+    return y if residual is None else A.add(y, residual)
 
 
 def sdpa_rule(metas, attrs):
@@ -522,6 +530,7 @@ def kv_read(A, pages, slots):
 def paged_attention_rule(metas, attrs):
     q, k_pages, v_pages, ctx = metas[:4]
     mask = metas[4] if len(metas) > 4 else None
+    spans = metas[5] if len(metas) > 5 else None
     float_dtype(q)
     check(q.ndim == 3, "paged_attention takes q as [S, H, D]")
     check(k_pages.ndim == 4 and v_pages.ndim == 4, "paged_attention takes pages as [P, block, H, D]")
@@ -534,16 +543,24 @@ def paged_attention_rule(metas, attrs):
     if mask is not None:
         float_dtype(mask, "mask")
         broadcast_shapes((1, q.shape[1], q.shape[0], ctx.shape[0]), mask.shape)
+    if spans is not None:
+        check(spans.dtype in ("i32", "i64"), "spans must be integer")
+        check(spans.ndim == 2 and same_dim(spans.shape[0], q.shape[0]) is not False and same_dim(spans.shape[1], 2) is not False,
+              f"spans must be [{q.shape[0]}, 2], got {list(spans.shape)}")
     return [TensorMeta((q.shape[0], q.shape[1], v_pages.shape[3]), q.dtype)]
 
 
-@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?"], paged_attention_rule,
-    attrs={"scale": None, "softcap": 0.0}, struct={"softcap": (0.0, 30.0)}, tol=4.0, ranks=(3, 4, 4, 1, 4))
-def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, scale, softcap):
+@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?", "spans?"], paged_attention_rule,
+    attrs={"scale": None, "softcap": 0.0}, struct={"softcap": (0.0, 30.0)}, tol=4.0, ranks=(3, 4, 4, 1, 4, 2))
+def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap):
     """New queries [S, H, D] attend over the cached keys/values at ctx_slots: kv_read, then sdpa on
-    [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. One kernel per layer on CPU."""
+    [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. With spans [S, 2], row s sees
+    only context positions spans[s, 0] <= t < spans[s, 1] (a batch's rows, each its own sequence's
+    segment), so a kernel reads nothing else. One kernel per layer on CPU."""
     S, H, D = q.shape
     T, KV, Dv = ctx_slots.shape[0], k_pages.shape[2], v_pages.shape[3]
+    if spans is not None:
+        mask = span_mask(A, mask, spans, S, T)
 
     def heads_first(x, shape, dtype):        # [len, heads, dim] -> [1, heads, len, dim], shape known
         return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
@@ -552,6 +569,16 @@ def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, scale, softcap):
     out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), k_pages.dtype),
                heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0, "f32")
     return A.read("transpose", A.read("reshape", out, shape=(H, S, v_pages.shape[3])), axis1=0, axis2=1)
+
+
+def span_mask(A, mask, spans, S, T):
+    """The additive mask with everything outside each row's span hidden: [1, 1, S, T]."""
+    column = A.read("iota", n=T, axis=1, ndim=2)
+    lo = A.read("slice", spans, axis=1, start=0, stop=1)
+    hi = A.read("slice", spans, axis=1, start=1, stop=2)
+    inside = A.mul(A.cmp("le", lo, column), A.cmp("lt", column, hi))
+    hidden = A.read("reshape", A.cmp("select", inside, A.lit(0.0), A.lit(-math.inf)), shape=(1, 1, S, T))
+    return hidden if mask is None else A.add(mask, hidden)
 
 
 # --- layout ----------------------------------------------------------------------------------

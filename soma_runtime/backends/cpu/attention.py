@@ -119,15 +119,21 @@ def visible_spans(mask: np.ndarray) -> np.ndarray:
     return np.where(visible.any(axis=1)[:, None], np.stack([first, last], axis=1), 0).astype(np.int64)
 
 
+def span_mask(spans: np.ndarray, T: int) -> np.ndarray:
+    """[1, 1, S, T]: 0 inside each row's span, -inf outside."""
+    column = np.arange(T)[None, :]
+    return np.where((spans[:, :1] <= column) & (column < spans[:, 1:]), 0, -np.inf).astype(np.float32)[None, None]
+
+
 def flat_cache(pages: np.ndarray) -> np.ndarray:
     """Pages [P, block, H, D] as [slots, H, D]; f16 as its bits (numba has no float16)."""
     flat = pages.reshape(-1, *pages.shape[2:])
     return flat.view(np.uint16) if flat.dtype == np.float16 else flat
 
 
-@jet("paged_attention", CPU, [(F, F, F, INT, F), (F, F, F, INT, "none")]
-     + [("f32", c, c, INT, m) for c in HALF for m in ("f32", "none")])
-def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, softcap=0.0):
+@jet("paged_attention", CPU, [(F, F, F, INT, m, sp) for m in (F, "none") for sp in (INT, "none")]
+     + [("f32", c, c, INT, m, sp) for c in HALF for m in ("f32", "none") for sp in (INT, "none")])
+def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, out=None, scale=None, softcap=0.0):
     like = dtype_of(q)
     S, H, D = q.shape
     T = ctx_slots.shape[0]
@@ -136,6 +142,8 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, 
         mask = np.zeros((1, 1, S, T), np.float32)
     fits = k_pages.dtype in (np.float32, np.float16) and mask.shape == (1, 1, S, T)
     if not fits:
+        if spans is not None:
+            mask = mask + span_mask(spans, T)
         keys, values = (np.take(p.reshape(-1, *p.shape[2:]), ctx_slots, axis=0).transpose(1, 0, 2)[None]
                         for p in (k_pages, v_pages))
         result = sdpa(q.transpose(1, 0, 2)[None], keys, values, mask, scale=scale, softcap=softcap)
@@ -143,6 +151,10 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, out=None, scale=None, 
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
     rows_mask = np.ascontiguousarray(f32(mask)[0, 0])
-    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible_spans(rows_mask),
+    visible = visible_spans(rows_mask)
+    if spans is not None:                          # within both: the span and the mask's visible range
+        visible = np.stack([np.maximum(visible[:, 0], spans[:, 0]), np.minimum(visible[:, 1], spans[:, 1])], axis=1)
+        visible[:, 1] = np.maximum(visible[:, 0], visible[:, 1])
+    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible,
                      scale, np.float32(softcap), precision, result)
     return result if result is out else deliver(result, like, out)

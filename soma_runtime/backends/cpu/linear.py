@@ -39,22 +39,32 @@ def _few_rows_matmul(a, w, out):
             out[r, n] = s
 
 
-@jet("matmul", CPU, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
-def matmul(a, b, bias=None, out=None, transpose_b=False, activations="f32", epilogue="none"):
+@jet("matmul", CPU, [(F, F, b, r) for b in ("none", F) for r in ("none", F)]
+     + [("f32", q, b, r) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32")])
+def matmul(a, b, bias=None, residual=None, out=None, transpose_b=False, activations="f32", epilogue="none"):
     # bf16 weights on the matrix units: every row count under bf16 activations (a row's numbers must
     # not depend on its batch); under q8 (GGUF), only past the rows where decode's GEMV wins
     if activations != "f32" and transpose_b and amx.takes(a, b, 0 if activations == "bf16" else GEMV_MAX_ROWS):
-        return amx.linear(a, b, bias, out, amx.EPILOGUES.index(epilogue))
-    result = product(a, b, out, transpose_b, activations)
-    if bias is None and epilogue == "none":
+        result = amx.linear(a, b, bias, out, amx.EPILOGUES.index(epilogue))      # an f32 buffer of its own
+        if residual is not None:
+            result += f32(residual)
         return result
-    if not (all_f32(result) and result.flags.writeable and result.flags.c_contiguous):
-        result = np.array(f32(result), order="C")
+    result = product(a, b, out, transpose_b, activations)
+    if bias is None and epilogue == "none" and residual is None:
+        return result
+    result = own_f32(result)
     if bias is not None:
         result += f32(bias)                   # in place: the product is this op's own buffer
     if epilogue != "none":
         gelu_in_place(result.reshape(-1), epilogue == "gelu_tanh")
+    if residual is not None:
+        result += f32(residual)
     return deliver(result, dtype_of(a), out)
+
+
+def own_f32(result: np.ndarray) -> np.ndarray:
+    """The product as a writable contiguous f32 buffer (itself when it already is one)."""
+    return result if all_f32(result) and result.flags.writeable and result.flags.c_contiguous else np.array(f32(result), order="C")
 
 
 def product(a, b, out, transpose_b, activations):

@@ -1,7 +1,8 @@
-"""CUDA jet for attention over the paged KV cache: one program per (query row, kv head, context chunk)
-reads the chunk's slots in tiles, the query heads of the group together (GQA), with an online
-softmax; a second kernel merges the chunks (flash-decoding). Masked-out keys (padding, other
-sequences of a batch) weigh nothing. Prefill and decode share it."""
+"""CUDA jet for attention over the paged KV cache: one program per (query row, kv head, share of the
+row's context) reads its slots in tiles, the query heads of the group together (GQA), with an online
+softmax; a second kernel merges the shares (flash-decoding), unless each row has one. With `spans`,
+a row reads only its own span of the context: a batch's rows each read their own sequence, never the
+others' segments or the padding. Masked-out keys weigh nothing. Prefill and decode share it."""
 from __future__ import annotations
 
 import math
@@ -19,17 +20,31 @@ INT = ("i32", "i64")
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, part_ptr, top_ptr, total_ptr, T, chunk, splits, heads,
-                            kv_heads, dim, dv, scale, softcap, HAS_MASK: tl.constexpr, ROUND_Q: tl.constexpr,
-                            GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    """Query row s, kv head kvh, context chunk c (flash-decoding: chunks in parallel, merged after):
-    the chunk's unnormalized output, running max and sum for each query head of the group."""
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, part_ptr, top_ptr, total_ptr, out_ptr, T,
+                            splits, heads, kv_heads, dim, dv, scale, softcap, HAS_MASK: tl.constexpr,
+                            HAS_SPANS: tl.constexpr, ROUND_Q: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                            BV: tl.constexpr):
+    """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel, merged
+    after): the share's unnormalized output, running max and sum for each query head of the group;
+    with one share per row, the normalized output itself."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = heads // kv_heads
     g = tl.arange(0, GROUP)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
     g_ok = g < group
+    h = s * heads + kvh * group + g
+    lo, hi = 0, T
+    if HAS_SPANS:
+        lo, hi = tl.maximum(tl.load(spans_ptr + 2 * s).to(tl.int32), 0), tl.minimum(tl.load(spans_ptr + 2 * s + 1).to(tl.int32), T)
+    share = tl.cdiv(tl.cdiv(hi - lo, splits), BT) * BT
+    begin = lo + c * share
+    end = tl.minimum(hi, begin + share)
+    if begin >= end:                              # past the row's span: an empty share
+        if splits > 1:
+            tl.store(top_ptr + h * splits + c, tl.full((GROUP,), -float("inf"), tl.float32), mask=g_ok)
+            tl.store(total_ptr + h * splits + c, tl.zeros((GROUP,), tl.float32), mask=g_ok)
+        return
     q = tl.load(q_ptr + (s * heads + kvh * group + g)[:, None] * dim + d[None, :], mask=g_ok[:, None] & (d[None, :] < dim),
                 other=0.0)
     if ROUND_Q:                                   # an f16 cache under f32 queries: q at the cache's precision
@@ -38,8 +53,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, part_ptr, to
     top = tl.full((GROUP,), -float("inf"), tl.float32)
     total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, BV), tl.float32)
-    end = tl.minimum(T, (c + 1) * chunk)
-    for t0 in tl.range(c * chunk, end, BT):
+    for t0 in tl.range(begin, end, BT):
         t = t0 + tl.arange(0, BT)
         t_ok = t < end
         if HAS_MASK:
@@ -61,10 +75,13 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, part_ptr, to
         acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
         total = total * alpha + tl.sum(p, 1)
         top = new_top
-    h = s * heads + kvh * group + g
-    tl.store(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], acc, mask=g_ok[:, None] & (e[None, :] < dv))
-    tl.store(top_ptr + h * splits + c, top, mask=g_ok)
-    tl.store(total_ptr + h * splits + c, total, mask=g_ok)
+    if splits == 1:
+        tl.store(out_ptr + h[:, None] * dv + e[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & (e[None, :] < dv))
+    else:
+        tl.store(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], acc, mask=g_ok[:, None] & (e[None, :] < dv))
+        tl.store(top_ptr + h * splits + c, top, mask=g_ok)
+        tl.store(total_ptr + h * splits + c, total, mask=g_ok)
 
 
 @triton.jit
@@ -78,32 +95,36 @@ def _merge_kernel(part_ptr, top_ptr, total_ptr, out_ptr, splits, dv, SPLITS: tl.
     best = tl.max(tops, 0)
     weight = tl.where(tops == -float("inf"), 0.0, tl.exp(tops - tl.where(best == -float("inf"), 0.0, best)))
     total = tl.sum(tl.load(total_ptr + h * splits + c, mask=c_ok, other=0.0) * weight, 0)
-    parts = tl.load(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], mask=c_ok[:, None] & (e[None, :] < dv), other=0.0)
+    read = c_ok & (tops != -float("inf"))                  # a skipped chunk wrote no partial output
+    parts = tl.load(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], mask=read[:, None] & (e[None, :] < dv), other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / total
     tl.store(out_ptr + h * dv + e, result.to(out_ptr.dtype.element_ty), mask=e < dv)
 
 
-CACHE_MIXES = [("f32", c, c, INT, m) for c in ("f16", "bf16") for m in ("f32", "none")]   # f32 queries, half cache
-CHUNK = 256            # context positions per program; longer contexts spread over more programs
+CACHE_MIXES = [("f32", c, c, INT, m, sp) for c in ("f16", "bf16") for m in ("f32", "none") for sp in (INT, "none")]
+BT = 64                # context positions per tile
+PROGRAMS = 512         # enough programs to fill an H200: fewer rows and heads split each row's span more
 
 
-@jet("paged_attention", CUDA, [(F, F, F, INT, F), (F, F, F, INT, "none")] + CACHE_MIXES)
+@jet("paged_attention", CUDA, [(F, F, F, INT, m, sp) for m in (F, "none") for sp in (INT, "none")] + CACHE_MIXES)
 @device_jet
-def paged_attention(q, k_pages, v_pages, ctx_slots, mask, scale=None, softcap=0.0):
+def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale=None, softcap=0.0):
     S, H, D = q.shape
     KV, Dv, T = k_pages.shape[2], v_pages.shape[3], ctx_slots.shape[0]
     q = q.contiguous()
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
-    splits = max(1, triton.cdiv(T, CHUNK))
+    splits = max(1, min(triton.cdiv(PROGRAMS, S * KV), triton.cdiv(T, BT)))
     part = torch.empty((S * H * splits, Dv), dtype=torch.float32, device=q.device)
     top, total = (torch.empty(S * H * splits, dtype=torch.float32, device=q.device) for _ in range(2))
+    out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
     BV = max(16, triton.next_power_of_2(Dv))
     _paged_attention_kernel[(S, KV, splits)](
-        q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), mask if mask is not None else q, part, top, total,
-        T, CHUNK, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
-        HAS_MASK=mask is not None, ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
-        GROUP=max(16, triton.next_power_of_2(H // KV)), BT=64, BD=max(16, triton.next_power_of_2(D)), BV=BV)
-    out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
-    _merge_kernel[(S * H,)](part, top, total, out, splits, Dv, SPLITS=max(2, triton.next_power_of_2(splits)), BV=BV)
+        q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
+        q if spans is None else spans.contiguous(), part, top, total, out, T, splits, H, KV, D, Dv,
+        float(1 / math.sqrt(D) if scale is None else scale), float(softcap), HAS_MASK=mask is not None,
+        HAS_SPANS=spans is not None, ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
+        GROUP=max(16, triton.next_power_of_2(H // KV)), BT=BT, BD=max(16, triton.next_power_of_2(D)), BV=BV)
+    if splits > 1:
+        _merge_kernel[(S * H,)](part, top, total, out, splits, Dv, SPLITS=max(2, triton.next_power_of_2(splits)), BV=BV)
     return out

@@ -13,6 +13,10 @@ class GraphedPlan:
     def __init__(self, plan, inputs: dict):
         self.plan = plan
         self.static = {name: value if isinstance(value, torch.Tensor) else place(value).clone() for name, value in inputs.items()}
+        # host inputs pass through pinned buffers: their copies to the device are then truly asynchronous
+        self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        for name, t in self.static.items() if not isinstance(inputs[name], torch.Tensor)}
+        self.copied = torch.cuda.Event()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                       # compile every kernel before capture
@@ -23,13 +27,17 @@ class GraphedPlan:
             self.outputs = plan.run(self.static)
 
     def run(self, inputs: dict) -> list:
+        self.copied.synchronize()                           # the last step's copies have left the buffers
         for name, value in inputs.items():
             target = self.static[name]
             if value is target:
                 continue
             if isinstance(value, torch.Tensor):
                 raise GraphError(f"graph input {name!r} must be the tensor it was captured with")
-            target.copy_(torch.from_numpy(value), non_blocking=True)
+            stage = self.staging[name]
+            stage.numpy()[...] = value
+            target.copy_(stage, non_blocking=True)
+        self.copied.record()
         self.graph.replay()
         return self.outputs
 

@@ -134,37 +134,86 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, N, blocks, row_bytes,
-                  FMT: tl.constexpr, Q8: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+def _quads(blocks_ptr, FMT: tl.constexpr):
+    """The 32-weight blocks at byte pointers `blocks_ptr` [S...] read as 16-bit words (their fields are
+    2-byte aligned): (v0, v1, v2, v3) [S..., 8] holding elements 2k, 2k + 16, 2k + 1, 2k + 17 of each
+    block as integers (q4_0 already minus 8), its scale d and min m [S...] (m = 0 but for q4_1)."""
+    k = tl.arange(0, 8)
+    scale = tl.load(blocks_ptr.to(tl.pointer_type(tl.uint16))).to(tl.float16, bitcast=True).to(tl.float32)
+    at = tl.expand_dims(blocks_ptr, -1)
+    if FMT == 8:                                            # q8_0: d, 32 x int8
+        low = tl.load((at + 2 + 2 * k).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        high = tl.load((at + 18 + 2 * k).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+        v0, v2 = ((low & 255) ^ 128) - 128, ((low >> 8) ^ 128) - 128          # bytes as signed
+        v1, v3 = ((high & 255) ^ 128) - 128, ((high >> 8) ^ 128) - 128
+        return v0, v1, v2, v3, scale, scale * 0.0
+    offset: tl.constexpr = 4 if FMT == 3 else 2            # q4_1 stores a min after d
+    words = tl.load((at + offset + 2 * k).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+    bias: tl.constexpr = 0 if FMT == 3 else 8
+    v0, v1 = (words & 15) - bias, ((words >> 4) & 15) - bias
+    v2, v3 = ((words >> 8) & 15) - bias, (words >> 12) - bias
+    if FMT == 3:
+        return v0, v1, v2, v3, scale, tl.load((blocks_ptr + 2).to(tl.pointer_type(tl.uint16))).to(tl.float16, bitcast=True).to(tl.float32)
+    return v0, v1, v2, v3, scale, scale * 0.0
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blocks, row_bytes, FMT: tl.constexpr,
+                  Q8: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BN weight rows, NB blocks per step: decode reads
-    the weights once, in wide loads, and keeps many rows in flight (the bandwidth-bound case)."""
+    the weights once, in wide loads, and keeps many rows in flight (the bandwidth-bound case).
+    With HAS_RES, the residual stream is added as the result is stored."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     j = tl.arange(0, 32)
+    k = tl.arange(0, 8)
     rows = tl.expand_dims(w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes, 1)        # [BN, 1]
     acc = tl.zeros((BN, NB), tl.float32)
     for b0 in tl.range(0, blocks, NB):
         b = b0 + tl.arange(0, NB)
         b_ok = b < blocks
         b = tl.where(b_ok, b, 0)
-        if Q8:                                              # exact integer dots, one scale per block
-            q, d, mn = _decode_int8(rows, tl.expand_dims(b, 0), FMT)
-            xq = tl.load(xq_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + j).to(tl.float32)       # [NB, 32]
-            dots = tl.sum(q.to(tl.float32) * tl.expand_dims(xq, 0), 2)
-            xd = tl.load(xd_ptr + m * blocks + b)
-            part = dots * d * tl.expand_dims(xd, 0)
-            if FMT == 3:
-                part += mn * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
+        if FMT == 2 or FMT == 3 or FMT == 8:                # 16-bit words: two elements per byte pair
+            size: tl.constexpr = 18 if FMT == 2 else (20 if FMT == 3 else 34)
+            v0, v1, v2, v3, d, mn = _quads(rows + tl.expand_dims(b, 0) * size, FMT)
+            at = m * blocks * 32 + tl.expand_dims(b, 1) * 32 + 2 * k                              # [NB, 8]
+            if Q8:                                          # exact integer dots, one scale per block
+                x0, x1 = _row(xq_ptr, at).to(tl.int32), _row(xq_ptr, at + 16).to(tl.int32)
+                x2, x3 = _row(xq_ptr, at + 1).to(tl.int32), _row(xq_ptr, at + 17).to(tl.int32)
+                dots = tl.sum(v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3, 2)
+                part = dots.to(tl.float32) * d * tl.expand_dims(tl.load(xd_ptr + m * blocks + b), 0)
+                if FMT == 3:
+                    part += mn * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
+            else:
+                x0, x1 = _row(x_ptr, at).to(tl.float32), _row(x_ptr, at + 16).to(tl.float32)
+                x2, x3 = _row(x_ptr, at + 1).to(tl.float32), _row(x_ptr, at + 17).to(tl.float32)
+                part = d * tl.sum(v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3, 2)
+                if FMT == 3:
+                    part += mn * tl.sum(x0 + x1 + x2 + x3, 2)
         else:
             w = _decode_f32(rows, tl.expand_dims(b, 0), FMT)                                          # [BN, NB, 32]
             x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + j).to(tl.float32)
             part = tl.sum(w * tl.expand_dims(x, 0), 2)
         acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
-    tl.store(out_ptr + m * N + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
+    _store_row(out_ptr, res_ptr, m * N + n, tl.sum(acc, 1), n < N, HAS_RES)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, swk, BN: tl.constexpr, BK: tl.constexpr):
+def _store_row(out_ptr, res_ptr, at, y, keep, HAS_RES: tl.constexpr):
+    """A matrix-vector result stored in the output's dtype, the residual added first if there is one."""
+    if HAS_RES:
+        y += tl.load(res_ptr + at, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _row(ptr, at):
+    """Activations at offsets `at` [NB, 8], broadcast over the weight rows: [1, NB, 8]."""
+    return tl.expand_dims(tl.load(ptr + at), 0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, N, K, swn, swk, HAS_RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One activation row times BN dense weight rows (any float type, read once, f32 math)."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
@@ -174,13 +223,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, swk, BN: tl.constexpr, BK: tl
         x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + n[:, None] * swn + k[None, :] * swk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    tl.store(out_ptr + m * N + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
+    _store_row(out_ptr, res_ptr, m * N + n, tl.sum(acc, 1), n < N, HAS_RES)
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
-                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[batch, M, N] = a[batch, M, K] @ b[batch, N, K]^T over strided (possibly broadcast) views."""
+                   F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[batch, M, N] = a[batch, M, K] @ b[batch, N, K]^T over strided (possibly broadcast) views.
+    f32 operands go through the tensor cores as tf32x3 (split into high and low parts: f32 accuracy)."""
     pm, pn, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pm * BM + tl.arange(0, BM)
     n = pn * BN + tl.arange(0, BN)
@@ -189,15 +239,24 @@ def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
         k = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + batch * sab + m[:, None] * sam + k[None, :] * sak, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + batch * sbb + n[:, None] * sbn + k[None, :] * sbk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        if F32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="tf32x3")
         else:
             acc += tl.dot(a, tl.trans(b.to(a.dtype)))
     tl.store(out_ptr + batch * M * N + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool) -> torch.Tensor:
+def with_residual(out: torch.Tensor, residual):
+    return out if residual is None else binary(out, residual, BINARY["add"])
+
+
+def gemv_residual(residual, like: torch.Tensor) -> torch.Tensor:
+    """The residual as the matrix-vector kernels read it: [rows, N], contiguous (else `like`, unread)."""
+    return like if residual is None else residual.reshape(like.shape).contiguous()
+
+
+def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None) -> torch.Tensor:
     fmt = w.dtype.ggml_id
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = rows.shape
@@ -211,17 +270,29 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool) -> torch.Tenso
     else:
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
-        BN = 16 if N >= 8192 else 4                         # narrow layers: more, smaller programs to fill the GPU
-        _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, out, N, blocks, w.data.shape[1], FMT=fmt, Q8=use_q8,
-                                               BN=BN, NB=8)
-    else:
-        BM, BN = 16, 64
-        _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
-                                                                    w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
-    return out.reshape(*x.shape[:-1], N)
+        # 32-blocks (swept on an H200): two rows per one-warp program; K-quants: wider programs, and
+        # narrow layers more, smaller programs to fill the GPU
+        BN, warps = (2, 1) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 4)
+        _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, gemv_residual(residual, out), out, N, blocks,
+                                               w.data.shape[1], FMT=fmt, Q8=use_q8, HAS_RES=residual is not None, BN=BN, NB=8,
+                                               num_warps=warps)
+        return out.reshape(*x.shape[:-1], N)
+    BM, BN = 16, 64
+    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
+                                                                w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
+    return with_residual(out.reshape(*x.shape[:-1], N), residual)
 
 
-def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.Tensor:
+def matmul_tiles(M: int, N: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, warps) for an [M, N] product, as swept on an H200 (f32 x bf16, 1B shapes): a decode
+    batch takes narrow column tiles with long steps, so many programs share the weight read; long
+    prompts take square tiles, larger where there are many columns."""
+    if M <= 64:
+        return (min(32, max(16, triton.next_power_of_2(M))), 64, 64, 4) if N >= 8192 else (16, 32, 256, 4)
+    return (128, 128, 32, 8) if N >= 8192 else (64, 64, 64, 4)
+
+
+def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None) -> torch.Tensor:
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
     if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
@@ -230,7 +301,8 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.T
         # measured on an H200 (1B shapes): long rows want one weight row per program and two warps,
         # the rest two rows and four warps; 1024-wide steps either way (2.7-4.6 TB/s read)
         BN, warps = (1, 2) if K >= 8192 or N >= 16384 else (2, 4)
-        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, out, N, K, bt.stride(0), bt.stride(1), BN=BN, BK=1024,
+        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, gemv_residual(residual, out), out, N, K, bt.stride(0),
+                                                          bt.stride(1), HAS_RES=residual is not None, BN=BN, BK=1024,
                                                           num_warps=warps)
         return out.reshape(*a.shape[:-1], N)
     batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
@@ -238,30 +310,34 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool) -> torch.T
     a3 = a.expand(*batch, M, K).reshape(-1, M, K) if batch else a.reshape(1, M, K)
     b3 = bt.expand(*batch, N, K).reshape(-1, N, K) if batch else bt.reshape(1, N, K)
     out = torch.empty((a3.shape[0], M, N), dtype=a.dtype, device=a.device)
-    BM, BN, BK = 16, 64, 32
+    BM, BN, BK, warps = matmul_tiles(M, N)
     _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), a3.shape[0])](
         a3, b3, out, M, N, K, a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
-        IEEE=a.dtype == torch.float32, BM=BM, BN=BN, BK=BK)
-    return out.reshape(*batch, M, N)
+        F32=a.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=warps)
+    return with_residual(out.reshape(*batch, M, N), residual)
 
 
-@jet("matmul", CUDA, [(F, F, "none"), (F, F, F)] + [("f32", q, b) for q in QUANTIZED for b in ("none", "f32")])
+@jet("matmul", CUDA, [(F, F, b, r) for b in ("none", F) for r in ("none", F)]
+     + [("f32", q, b, r) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32")])
 @device_jet
-def matmul(a, b, bias=None, transpose_b=False, activations="f32", epilogue="none"):
-    y = product(a, b, transpose_b, activations)
+def matmul(a, b, bias=None, residual=None, transpose_b=False, activations="f32", epilogue="none"):
+    plain = bias is None and epilogue == "none"              # a residual alone joins inside the GEMV kernels
+    y = product(a, b, transpose_b, activations, residual if plain else None)
     y = y if bias is None else binary(y, bias, BINARY["add"])
-    return y if epilogue == "none" else unary(y, UNARY["gelu"], approximate="tanh" if epilogue == "gelu_tanh" else "none")
+    y = y if epilogue == "none" else unary(y, UNARY["gelu"], approximate="tanh" if epilogue == "gelu_tanh" else "none")
+    return y if residual is None or plain else binary(y, residual, BINARY["add"])
 
 
-def product(a, b, transpose_b, activations):
+def product(a, b, transpose_b, activations, residual=None):
+    """a @ b (+ residual, added by the matrix-vector kernels as they store, else afterwards)."""
     if isinstance(b, DeviceQTensor):
-        return quantized_matmul(a, b, activations == "q8")
+        return quantized_matmul(a, b, activations == "q8", residual)
     if a.ndim > 1 and b.ndim > 1:
-        return dense_matmul(a, b, transpose_b)
+        return dense_matmul(a, b, transpose_b, residual)
     # vectors, as numpy: a one-row (or one-column) matrix, squeezed afterwards
     result = dense_matmul(a.reshape(1, -1) if a.ndim == 1 else a, b.reshape(-1, 1) if b.ndim == 1 else b,
                           transpose_b and b.ndim > 1)
-    return result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2)
+    return with_residual(result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2), residual)
 
 
 @triton.jit

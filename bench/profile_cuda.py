@@ -1,0 +1,97 @@
+"""Where a decode step's GPU time goes: the kernels of graphed decode steps (batch 1 and batch 32) on a
+random-weight Llama shape, by total time, with launches per step and the step's wall time.
+
+Run (on a GPU machine): python bench/profile_cuda.py [--shape 1b|8b] [--q4] [--host]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.llm_cuda import BATCH, PROMPT_TOKENS, SHAPES, prompt, write_model
+
+STEPS = 20
+
+
+def decode_steps(model, rows: int):
+    """A function running one decode step for `rows` sequences whose prompts are already cached."""
+    from soma_runtime.engine.generate import Stream
+    engine = model.engine
+    streams = [Stream(engine, model.request([int(t) for t in row], 256, temperature=0)) for row in prompt(1000, rows)]
+    for s in streams:
+        s.start()
+        engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams])
+    return step, lambda: [engine.pool.release(s.seq) for s in streams]
+
+
+def host_profile(step) -> None:
+    """The Python functions a decode step spends its host time in (the GPU idles meanwhile)."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [step() for _ in range(STEPS * 5)])
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
+def report(model, rows: int, host: bool) -> None:
+    step, release = decode_steps(model, rows)
+    for _ in range(3):
+        step()
+    if host:
+        host_profile(step)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / STEPS
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += 1
+            kernels[e.name][1] += e.device_time
+    total = sum(t for _, t in kernels.values())
+    print(f"\nbatch {rows}: step {wall * 1e3:.3f} ms wall ({rows / wall:.0f} tok/s), GPU busy {total / STEPS / 1e3:.3f} ms, "
+          f"{sum(n for n, _ in kernels.values()) / STEPS:.0f} kernels per step")
+    for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"  {t / STEPS:9.1f} us  {n / STEPS:5.0f}x  {name[:90]}")
+    release()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--q4", action="store_true", help="also the model converted to q4_0")
+    ap.add_argument("--host", action="store_true", help="also profile the host side of batch-1 steps")
+    args = ap.parse_args()
+    from soma_runtime.api import Runtime
+    from soma_runtime.convert import convert_hf_to_gguf
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model")
+        write_model(args.shape, path)
+        torch.cuda.empty_cache()
+        paths = {"bf16": path}
+        if args.q4:
+            paths["q4_0"] = convert_hf_to_gguf(path, os.path.join(tmp, "model.q4_0.gguf"), "q4_0")
+        for name, path in paths.items():
+            print(f"\n== {args.shape} {name}")
+            model = Runtime("cuda").load(path, n_ctx=1024, progress=False)
+            for rows in (1, BATCH):
+                report(model, rows, args.host and rows == 1)
+            del model
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
