@@ -78,7 +78,7 @@ def bench_ours(path: str) -> dict:
         s.start()
         engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
         s.pending = [1]
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams])
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy=True)
     step()
     torch.cuda.synchronize()
     start = time.perf_counter()

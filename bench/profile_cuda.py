@@ -27,7 +27,7 @@ def decode_steps(model, rows: int):
     for s in streams:
         s.start()
         engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams])
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy=True)
     return step, lambda: [engine.pool.release(s.seq) for s in streams]
 
 

@@ -119,6 +119,22 @@ def with_residual(make, residual_shape):
 case("matmul", with_residual(mk((1, 64), (7, 64)), (1, 7)), lambda a, b, _, r: a @ b.T + r, id="gemv-residual", transpose_b=True)
 case("matmul", with_residual(mk((2, 3, 33), (5, 33)), (2, 3, 5)), lambda a, b, _, r: a @ b.T + r, id="residual",
      transpose_b=True)
+def rms_normalized(a, weight, eps=1e-6):
+    return a * torch.rsqrt((a * a).mean(-1, keepdim=True) + eps) * weight
+
+
+def with_norm(make, k, residual_shape=None):
+    """A matmul's inputs with the rmsnorm weight of its activations (and a residual stream)."""
+    return lambda dt: (make(dt)[:2] + [None] + (mk(residual_shape, seed=3)(dt) if residual_shape else [None])
+                       + mk((k,), seed=4, positive=(0,))(dt))
+
+
+case("matmul", with_norm(mk((1, 64), (7, 64)), 64), lambda a, b, _, r, w: rms_normalized(a, w, 1e-5) @ b.T, id="gemv-norm",
+     transpose_b=True, norm_eps=1e-5)
+case("matmul", with_norm(mk((2, 3, 33), (5, 33)), 33), lambda a, b, _, r, w: rms_normalized(a, w) @ b.T, id="norm",
+     transpose_b=True)
+case("matmul", with_norm(mk((1, 64), (7, 64)), 64, (1, 7)), lambda a, b, _, r, w: rms_normalized(a, w) @ b.T + r,
+     id="gemv-norm-residual", transpose_b=True)
 case("matmul", lambda dt: mk((2, 3, 33), (5, 33), (5,), (2, 3, 5))(dt),
      lambda a, b, c, r: F.gelu(F.linear(a, b, c), approximate="tanh") + r, id="bias-gelu-residual", transpose_b=True,
      epilogue="gelu_tanh")
@@ -190,6 +206,16 @@ def kv_append_ref(pages, new, slots):
 
 
 case("kv_append", int_inputs(mk((4, 2, 2, 3), (3, 2, 3)), [5, 0, 6]), kv_append_ref)
+
+
+def rotary_inputs(rows, rotary):
+    """A fused rope's inputs: each row's position, and the inverse frequencies of `rotary` dims."""
+    return [np.arange(7, 7 + rows, dtype=np.int64), (10000.0 ** (-np.arange(0, rotary, 2) / rotary)).astype(np.float32)]
+
+
+for style in ("neox", "interleaved"):        # keys rotated as they are stored; 6 of 8 dims rotary (partial)
+    case("kv_append", lambda dt: int_inputs(mk((4, 2, 2, 8), (3, 2, 8)), [5, 0, 6])(dt) + rotary_inputs(3, 6),
+         lambda p, n, sl, pos, f, st=style: kv_append_ref(p, rope_ref(st, 6)(n, pos, f), sl), id=f"rope-{style}", style=style)
 case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
      lambda p, s: p.reshape(-1, *p.shape[2:])[s])
 
@@ -239,6 +265,10 @@ case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_atte
      id="rows-scale-softcap", scale=0.2, softcap=1.5)
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
 case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
+for style in ("neox", "interleaved"):        # queries rotated as they are loaded
+    case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
+         lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),
+         id=f"rope-{style}", rope_style=style)
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
@@ -255,6 +285,18 @@ case("cast", mk((3, 5)), lambda x: x.half().float(), id="to-f16", dtypes=("f32",
 case("cast", lambda dt: [randn(3, 5) * 3], lambda x: x.to(torch.int64), id="to-i64", dtypes=("f32",), dtype="i64")
 case("argmax", mk((4, 7)), lambda x: torch.argmax(x, -1), dtypes=("f32",))
 case("argmax", mk((4, 7)), lambda x: torch.argmax(x, 0), id="axis0", dtypes=("f32",), axis=0)
+case("argmax", lambda dt: [np.array([[1, 3, 3, 0], [2, 2, 2, 2], [-np.inf, -np.inf, -1, -1]], NP[dt])],
+     lambda x: torch.argmax(x, -1), id="ties-first", dtypes=("f32",))
+
+
+def wide_ties(dt):
+    """Rows of 10000 whose maximum appears twice, in different parts of a parallel reduction."""
+    x = randn(2, 10000).astype(NP[dt])
+    x[0, [5000, 9000]] = x[1, [100, 4100]] = 10
+    return [x]
+
+
+case("argmax", wide_ties, lambda x: torch.argmax(x, -1), id="wide-ties", dtypes=("f32",))
 case("topk", mk((3, 11)), lambda x: torch.topk(x, 4, -1), dtypes=("f32",), k=4)
 case("topk", mk((6, 2)), lambda x: torch.topk(x, 6, 0), id="all-axis0", dtypes=("f32",), k=6, axis=0)
 

@@ -102,6 +102,20 @@ def test_quantized_matmul_adds_the_residual(name, rows, backend):
 
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
 @pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("name,activations", [("q4_0", "q8"), ("q8_0", "q8"), ("q4_0", "f32"), ("q4_K", "f32")])
+def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, backend):
+    """rmsnorm folded into the product (into the activations' quantization under q8) gives the CPU's
+    numbers, which normalize first."""
+    w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
+    rng = np.random.default_rng(rows)
+    x, norm = rng.standard_normal((rows, 512)).astype(np.float32), rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    want = run_op("matmul", x, w, None, None, norm, backend="cpu", transpose_b=True, activations=activations)
+    got = run_op("matmul", x, w, None, None, norm, backend=backend, transpose_b=True, activations=activations)
+    assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
+@pytest.mark.parametrize("rows", [1, 17])
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
 def test_q8_activation_matmul_agrees_with_cpu(name, rows, backend):
     """llama.cpp's scheme (q8 activations, integer block dots) gives the CPU's numbers on every backend,

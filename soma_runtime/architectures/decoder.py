@@ -4,8 +4,8 @@ embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm 
 Graph inputs: token `ids`, their `positions`, the cache `slots` they are written to, the
 `ctx_slots` attention reads, additive attention masks [1, 1, S, T] (one per window size), each row's
 `spans` of the context (its sequence's segment), the `logit_rows` whose logits are wanted, and per
-layer the K/V pages. Outputs: logits [R, vocab], then
-every layer's updated K and V pages. Rows are independent except through the masks, so one graph
+layer the K/V pages. Outputs: logits [R, vocab], each row's most likely token [R] (greedy decoding
+reads only these), then every layer's updated K and V pages. Rows are independent except through the masks, so one graph
 serves a prompt, a decode step, or a continuous batch of many sequences' rows.
 """
 from __future__ import annotations
@@ -125,12 +125,20 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
     spans = g.input("spans", ("S", 2), "i64")
     logit_rows = g.input("logit_rows", ("R",), "i64")
 
-    def const(name, f32=False):
-        return g.const(name, as_f32(weights[name]) if f32 else weights[name])
+    made = {}
 
-    def linear(x, name, residual=None):
+    def const(name, f32=False):
+        """A weight as a graph constant, once however often it is read (tied embeddings, shared norms)."""
+        if (name, f32) not in made:
+            made[name, f32] = g.const(name, as_f32(weights[name]) if f32 else weights[name])
+        return made[name, f32]
+
+    def linear(x, name, residual=None, norm=None):
+        """x @ W.T (+ bias) (+ residual); with `norm`, of rmsnorm(x) by that weight (a pre-norm block's input)."""
         bias = const(f"{name}.bias", f32=True) if f"{name}.bias" in weights else None
-        return g.matmul(x, const(f"{name}.weight"), bias, residual, transpose_b=True, activations=activations)
+        norm_weight = None if norm is None else const(f"{norm}.weight", f32=True)
+        return g.matmul(x, const(f"{name}.weight"), bias, residual, norm_weight, transpose_b=True, activations=activations,
+                        norm_eps=cfg.rms_norm_eps)
 
     def joined(x, y, name, post_norm):
         """The residual stream x joined by a block's output projection `name` of y: added inside the
@@ -152,11 +160,10 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         p = f"blk.{i}"
         k_pages = g.input(f"k_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
         v_pages = g.input(f"v_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
-        h = norm(x, f"{p}.attn_norm")
         if f"{p}.attn_qkv.weight" in weights:      # phi3: q, k, v fused in one matrix
-            q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
+            q, k, v = g.split(linear(x, f"{p}.attn_qkv", norm=f"{p}.attn_norm"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
         else:
-            q, k, v = (linear(h, f"{p}.attn_{n}") for n in "qkv")
+            q, k, v = (linear(x, f"{p}.attn_{n}", norm=f"{p}.attn_norm") for n in "qkv")
         q, k, v = (g.reshape(t, shape=("S", n, hd)) for t, n in ((q, H), (k, KV), (v, KV)))
         if cfg.qk_norm:
             q, k = norm(q, f"{p}.attn_q_norm"), norm(k, f"{p}.attn_k_norm")
@@ -164,27 +171,25 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         if "rope_freqs.weight" in weights:            # llama-3 GGUF: scaling stored as per-dim factors
             inv_freq = inv_freq / as_f32(weights["rope_freqs.weight"])
         freqs = g.const(f"{p}.inv_freq", inv_freq.astype(np.float32))
-        q, k = g.rope(q, positions, freqs, style=cfg.rope_style), g.rope(k, positions, freqs, style=cfg.rope_style)
-        k_pages = g.kv_append(k_pages, k, slots)
+        # rope rides along: keys are rotated as they are stored, queries as attention loads them
+        k_pages = g.kv_append(k_pages, k, slots, positions, freqs, style=cfg.rope_style)
         v_pages = g.kv_append(v_pages, v, slots)
         pages_out += [k_pages, v_pages]
-        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, scale=cfg.attn_scale,
-                                 softcap=cfg.attn_softcap)
+        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, positions, freqs, scale=cfg.attn_scale,
+                                 softcap=cfg.attn_softcap, rope_style=cfg.rope_style)
         x = joined(x, g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", f"{p}.post_attention_norm")
-        h = norm(x, f"{p}.ffn_norm")
         if f"{p}.ffn_gate.weight" in weights:
-            gate, up = linear(h, f"{p}.ffn_gate"), linear(h, f"{p}.ffn_up")
+            gate, up = (linear(x, f"{p}.ffn_{n}", norm=f"{p}.ffn_norm") for n in ("gate", "up"))
         else:                                         # phi3: gate and up fused in one matrix
-            gate, up = g.split(linear(h, f"{p}.ffn_up"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
+            gate, up = g.split(linear(x, f"{p}.ffn_up", norm=f"{p}.ffn_norm"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
         act = g.swiglu(gate, up) if cfg.activation == "silu" else g.geglu(gate, up, approximate="tanh")
         x = joined(x, act, f"{p}.ffn_down", f"{p}.post_ffw_norm")
     x = g.embedding(x, logit_rows)                    # the rows that sample a token: the head reads only those
-    x = norm(x, "output_norm")
-    head = "token_embd.weight" if cfg.tie_embeddings or "output.weight" not in weights else "output.weight"
-    logits = g.matmul(x, const(head), transpose_b=True, activations=activations)
+    head = "token_embd" if cfg.tie_embeddings or "output.weight" not in weights else "output"
+    logits = linear(x, head, norm="output_norm")
     if cfg.final_softcap:
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
                        g.const("softcap", np.full(1, cap, np.float32)))
-    return g.output(logits, *pages_out)
+    return g.output(logits, g.argmax(logits, axis=-1), *pages_out)
 

@@ -161,12 +161,12 @@ class Scheduler:
         if not batch:
             return
         start = time.perf_counter()
-        logits = self.engine.forward(batch)
+        rows_of = self.engine.forward(batch, greedy=all(job.stream.greedy for job in jobs))   # greedy: only token ids
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.last_batch = len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
-        for job, rows in zip(jobs, logits):
+        for job, rows in zip(jobs, rows_of):
             if len(rows):
                 self._deliver(job, job.stream.accept(rows[-1]))
 

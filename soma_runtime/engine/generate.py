@@ -115,17 +115,23 @@ class Stream:
         tokens, self.pending = self.pending[:limit], self.pending[limit:]
         return tokens
 
-    def accept(self, logits: np.ndarray) -> Token:
-        """Sample the next token from the logits after the last pending token; say if the stream ends."""
+    @property
+    def greedy(self) -> bool:
+        """Whether the model's own most likely token is this stream's choice (no logits needed)."""
+        return self.sampler.params.greedy and self.req.logprobs is None
+
+    def accept(self, choice: np.ndarray) -> Token:
+        """Sample the next token from `choice`, the logits after the last pending token, or take it as
+        the token itself (0-d: the model's most likely one, for a greedy stream); say if the stream ends."""
         if self.prefilling:
             self.engine.pool.publish(self.seq, self.req.prompt_ids)
-        token = self.sampler(logits, self.history, self.generated)
+        token = int(choice) if np.ndim(choice) == 0 else self.sampler(choice, self.history, self.generated)
         self.history.append(token)
         self.generated.append(token)
         self.metrics.generated_tokens += 1
         out = Token(token, "")
         if self.req.logprobs is not None:
-            logp = log_softmax(logits)
+            logp = log_softmax(choice)
             top = np.argsort(-logp, kind="stable")[: self.req.logprobs]
             out.logprob, out.top_logprobs = float(logp[token]), [(int(i), float(logp[i])) for i in top]
         if token in self.engine.stop_ids:
@@ -174,9 +180,11 @@ class Engine:
                                    free=("T",))
         return self.plans[key]
 
-    def forward(self, batch: list[tuple[Sequence, list[int], int]]) -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[Sequence, list[int], int]], greedy: bool = False) -> list[np.ndarray]:
         """Run each sequence's new tokens, appending them to its cache. Item (seq, tokens, want) asks for
-        the logits after its last `want` tokens; the result has one [want, vocab] array per item."""
+        the logits after its last `want` tokens; the result has one [want, vocab] array per item. With
+        `greedy`, each item gets its rows' most likely tokens [want] instead, chosen where the model runs:
+        the logits never cross to the host."""
         for seq, tokens, _ in batch:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
@@ -214,14 +222,15 @@ class Engine:
                 if key not in self.graphs:
                     self.graphs[key] = self.graphed(plan, inputs)
                 plan = self.graphs[key]
-            logits, *pages = plan.run(inputs)
+            logits, choices, *pages = plan.run(inputs)
             for i in range(self.cfg.num_layers):             # backends that update out of place return new pages
                 self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
+        result = choices if greedy else logits
         if self.fetch:
-            logits = self.fetch(logits)
-        return np.split(logits, np.cumsum([want for _, _, want in batch])[:-1])
+            result = self.fetch(result)
+        return np.split(result, np.cumsum([want for _, _, want in batch])[:-1])
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
@@ -249,8 +258,8 @@ class Engine:
             t = time.perf_counter()
             while True:
                 prefill = stream.prefilling
-                logits = self.forward([(stream.seq, stream.take(len(stream.pending)), 1)])[0][-1]
-                token = stream.accept(logits)
+                last = self.forward([(stream.seq, stream.take(len(stream.pending)), 1)], stream.greedy)[0][-1]
+                token = stream.accept(last)
                 if prefill:
                     m.prefill_ms, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
                 else:

@@ -22,6 +22,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """The most likely token, whatever the history: the model's own argmax decides."""
+        return self.temperature == 0 and self.repeat_penalty == 1.0 and self.presence_penalty == self.frequency_penalty == 0
+
     def validate(self) -> SamplingParams:
         checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),

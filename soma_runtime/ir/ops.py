@@ -348,6 +348,7 @@ def matmul_rule(metas, attrs):
     a, b = metas[:2]
     bias = metas[2] if len(metas) > 2 else None
     residual = metas[3] if len(metas) > 3 else None
+    norm = metas[4] if len(metas) > 4 else None
     dt = float_dtype(a, "activation")
     check(a.ndim >= 2 and b.ndim >= 2, "matmul needs rank >= 2 operands")
     check(attrs["activations"] in ("f32", "bf16", "q8"), f"activations must be f32, bf16 or q8, got {attrs['activations']!r}")
@@ -363,6 +364,10 @@ def matmul_rule(metas, attrs):
         float_dtype(bias, "bias")
         check(bias.ndim == 1 and same_dim(bias.shape[0], n) is not False, f"bias must be [{n}], got {list(bias.shape)}")
     out = batch + (a.shape[-2], n)
+    if norm is not None:
+        float_dtype(norm, "norm weight")
+        check(norm.ndim == 1 and same_dim(norm.shape[0], a.shape[-1]) is not False,
+              f"norm weight must be [{a.shape[-1]}], got {list(norm.shape)}")
     if residual is not None:
         float_dtype(residual, "residual")
         check(residual.ndim == len(out) and all(same_dim(r, o) is not False for r, o in zip(residual.shape, out)),
@@ -373,17 +378,21 @@ def matmul_rule(metas, attrs):
 EPILOGUES = ("none", "gelu", "gelu_tanh")      # elementwise functions a matmul may apply to its result
 
 
-@op("matmul", ["a", "b", "bias?", "residual?"], matmul_rule,
-    attrs={"transpose_b": False, "activations": "f32", "epilogue": "none"},
-    struct={"transpose_b": (False, True), "epilogue": EPILOGUES}, tol=4.0, ranks=(2, 2, 1, 2))
-def matmul(A, a, b, bias, residual, transpose_b, activations, epilogue):
-    """epilogue(a @ b (+ bias, a linear layer's)) (+ residual, the stream a block's output joins):
-    a kernel applies them while the product is still in its registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+@op("matmul", ["a", "b", "bias?", "residual?", "norm?"], matmul_rule,
+    attrs={"transpose_b": False, "activations": "f32", "epilogue": "none", "norm_eps": 1e-6},
+    struct={"transpose_b": (False, True), "epilogue": EPILOGUES}, tol=4.0, ranks=(2, 2, 1, 2, 1))
+def matmul(A, a, b, bias, residual, norm, transpose_b, activations, epilogue, norm_eps):
+    """epilogue(rmsnorm(a) @ b (+ bias, a linear layer's)) (+ residual, the stream a block's output
+    joins): with a `norm` weight, a is rms-normalized first (a pre-norm block's input), and a kernel
+    does it all in one pass: the row's 1/rms scales the finished dot products, the epilogue and the
+    residual apply while they are still in registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
     block-quantized weights, as llama.cpp does; "bf16" lets it round them to bf16 for a bf16 weight
     (matrix units): precision hints, the formula is the same product."""
     b = dequant_if_needed(A, b)
     if not transpose_b:
         b = A.read("transpose", b, axis1=-1, axis2=-2)
+    if norm is not None:
+        a = rmsnorm(A, a, norm, norm_eps)
     y = matmul_nk(A, a, b)
     y = y if bias is None else A.add(y, bias)
     y = y if epilogue == "none" else gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
@@ -493,8 +502,16 @@ def embedding(A, table, ids):
 
 # --- kv cache (paged: pages [P, block, H, D]; a slot is page * block + offset) --------------
 
+def rope_inputs_rule(x, positions, inv_freq, what):
+    """An op's optional rope inputs: both or neither, as the rope op takes them."""
+    check((positions is None) == (inv_freq is None), f"{what}: positions and inv_freq come together")
+    if positions is not None:
+        rope_rule([x, positions, inv_freq], {})
+
+
 def kv_append_rule(metas, attrs):
-    pages, new, slots = metas
+    pages, new, slots = metas[:3]
+    rope_inputs_rule(new, *(list(metas[3:5]) + [None] * (5 - len(metas))), "kv_append")
     float_dtype(pages, "pages")
     float_dtype(new)
     check(pages.ndim == 4 and new.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
@@ -503,8 +520,13 @@ def kv_append_rule(metas, attrs):
     return [pages]
 
 
-@op("kv_append", ["pages", "new", "slots"], kv_append_rule, stateful=True, view=True, ranks=(4, 3, 1))
-def kv_append(A, pages, new, slots):
+@op("kv_append", ["pages", "new", "slots", "positions?", "inv_freq?"], kv_append_rule, attrs={"style": "neox"},
+    struct={"style": ("neox", "interleaved")}, stateful=True, view=True, ranks=(4, 3, 1, 1, 1))
+def kv_append(A, pages, new, slots, positions=None, inv_freq=None, style="neox"):
+    """Rows of `new` [..., H, D] into the cache slots; with positions and inv_freq, rotated first (rope:
+    a key is stored rotated, in one pass)."""
+    if positions is not None and inv_freq is not None:
+        new = Ref(rope(A, new, positions, inv_freq, style).index, new.shape, new.dtype)
     P, block, H, D = pages.shape
     flat = A.read("reshape", pages, shape=(P * block, H, D))
     rows = A.read("reshape", new, shape=(-1, H, D))
@@ -529,8 +551,8 @@ def kv_read(A, pages, slots):
 
 def paged_attention_rule(metas, attrs):
     q, k_pages, v_pages, ctx = metas[:4]
-    mask = metas[4] if len(metas) > 4 else None
-    spans = metas[5] if len(metas) > 5 else None
+    mask, spans, positions, inv_freq = list(metas[4:8]) + [None] * (8 - len(metas))
+    rope_inputs_rule(q, positions, inv_freq, "paged_attention")
     float_dtype(q)
     check(q.ndim == 3, "paged_attention takes q as [S, H, D]")
     check(k_pages.ndim == 4 and v_pages.ndim == 4, "paged_attention takes pages as [P, block, H, D]")
@@ -550,15 +572,19 @@ def paged_attention_rule(metas, attrs):
     return [TensorMeta((q.shape[0], q.shape[1], v_pages.shape[3]), q.dtype)]
 
 
-@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?", "spans?"], paged_attention_rule,
-    attrs={"scale": None, "softcap": 0.0}, struct={"softcap": (0.0, 30.0)}, tol=4.0, ranks=(3, 4, 4, 1, 4, 2))
-def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap):
+@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?", "spans?", "positions?", "inv_freq?"],
+    paged_attention_rule, attrs={"scale": None, "softcap": 0.0, "rope_style": "neox"},
+    struct={"softcap": (0.0, 30.0), "rope_style": ("neox", "interleaved")}, tol=4.0, ranks=(3, 4, 4, 1, 4, 2, 1, 1))
+def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, inv_freq, scale, softcap, rope_style):
     """New queries [S, H, D] attend over the cached keys/values at ctx_slots: kv_read, then sdpa on
     [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. With spans [S, 2], row s sees
     only context positions spans[s, 0] <= t < spans[s, 1] (a batch's rows, each its own sequence's
-    segment), so a kernel reads nothing else. One kernel per layer on CPU."""
+    segment), so a kernel reads nothing else. With positions and inv_freq, the queries are rotated
+    first (rope, as the kernel loads them). One kernel per layer on CPU."""
     S, H, D = q.shape
     T, KV, Dv = ctx_slots.shape[0], k_pages.shape[2], v_pages.shape[3]
+    if positions is not None and inv_freq is not None:
+        q = Ref(rope(A, q, positions, inv_freq, rope_style).index, q.shape, q.dtype)
     if spans is not None:
         mask = span_mask(A, mask, spans, S, T)
 

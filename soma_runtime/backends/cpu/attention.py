@@ -14,8 +14,9 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu import amx
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, f32, out_f32
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, f32, out_f32
 from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
+from soma_runtime.backends.cpu.linear import rope
 from soma_runtime.backends.cpu.simd import narrow, widen
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
@@ -131,9 +132,12 @@ def flat_cache(pages: np.ndarray) -> np.ndarray:
     return flat.view(np.uint16) if flat.dtype == np.float16 else flat
 
 
-@jet("paged_attention", CPU, [(F, F, F, INT, m, sp) for m in (F, "none") for sp in (INT, "none")]
-     + [("f32", c, c, INT, m, sp) for c in HALF for m in ("f32", "none") for sp in (INT, "none")])
-def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, out=None, scale=None, softcap=0.0):
+@jet("paged_attention", CPU, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
+     + [("f32", c, c, INT, m, sp, *r) for c in HALF for m in ("f32", "none") for sp in (INT, "none") for r in ROPE_INPUTS])
+def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, out=None, scale=None,
+                    softcap=0.0, rope_style="neox"):
+    if positions is not None:
+        q = rope(q, positions, inv_freq, style=rope_style)
     like = dtype_of(q)
     S, H, D = q.shape
     T = ctx_slots.shape[0]

@@ -13,6 +13,7 @@ HALF = ("f16", "bf16")
 F = FLOATS               # any float dtype
 INT = ("i32", "i64")
 ANY = "*"
+ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positions and inv_freq, or neither
 
 
 def f32(x):

@@ -6,8 +6,8 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu import amx
-from soma_runtime.backends.cpu.common import CPU, HALF, INT, F, all_f32, deliver, dense, f32, float_kernel, out_f32
-from soma_runtime.backends.cpu.elementwise import gelu_in_place
+from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, dense, f32, float_kernel, out_f32
+from soma_runtime.backends.cpu.elementwise import gelu_in_place, rmsnorm
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
@@ -39,9 +39,12 @@ def _few_rows_matmul(a, w, out):
             out[r, n] = s
 
 
-@jet("matmul", CPU, [(F, F, b, r) for b in ("none", F) for r in ("none", F)]
-     + [("f32", q, b, r) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32")])
-def matmul(a, b, bias=None, residual=None, out=None, transpose_b=False, activations="f32", epilogue="none"):
+@jet("matmul", CPU, [(F, F, b, r, n) for b in ("none", F) for r in ("none", F) for n in ("none", F)]
+     + [("f32", q, b, r, n) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32") for n in ("none", "f32")])
+def matmul(a, b, bias=None, residual=None, norm=None, out=None, transpose_b=False, activations="f32", epilogue="none",
+           norm_eps=1e-6):
+    if norm is not None:
+        a = rmsnorm(a, norm, eps=norm_eps)
     # bf16 weights on the matrix units: every row count under bf16 activations (a row's numbers must
     # not depend on its batch); under q8 (GGUF), only past the rows where decode's GEMV wins
     if activations != "f32" and transpose_b and amx.takes(a, b, 0 if activations == "bf16" else GEMV_MAX_ROWS):
@@ -137,9 +140,12 @@ def embedding(table, ids, out=None):
     return deliver(np.take(table, ids, axis=0), dtype_of(table), out)
 
 
-@jet("kv_append", CPU, [(F, F, INT)] + [(c, "f32", INT) for c in HALF])
-def kv_append(pages, new, slots, out=None):
-    """Write new rows into their slots in place; the returned tensor is the cache itself."""
+@jet("kv_append", CPU, [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in HALF for r in ROPE_INPUTS])
+def kv_append(pages, new, slots, positions=None, inv_freq=None, out=None, style="neox"):
+    """Write new rows into their slots in place (rotated first, given rope's inputs); the returned
+    tensor is the cache itself."""
+    if positions is not None:
+        new = rope(new, positions, inv_freq, style=style)
     flat = pages.reshape(-1, *pages.shape[2:])
     rows = new.reshape(-1, *pages.shape[2:])
     if rows.shape[0] == 1:                  # decode: one row, where fancy indexing's setup dominates

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.device import device_jet
+from soma_runtime.backends.cuda.linear import ROPE_INPUTS, rotated
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
@@ -20,9 +21,9 @@ INT = ("i32", "i64")
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, part_ptr, top_ptr, total_ptr, out_ptr, T,
-                            splits, heads, kv_heads, dim, dv, scale, softcap, HAS_MASK: tl.constexpr,
-                            HAS_SPANS: tl.constexpr, ROUND_Q: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
+                            out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
+                            HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                             BV: tl.constexpr):
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel, merged
     after): the share's unnormalized output, running max and sum for each query head of the group;
@@ -45,8 +46,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
             tl.store(top_ptr + h * splits + c, tl.full((GROUP,), -float("inf"), tl.float32), mask=g_ok)
             tl.store(total_ptr + h * splits + c, tl.zeros((GROUP,), tl.float32), mask=g_ok)
         return
-    q = tl.load(q_ptr + (s * heads + kvh * group + g)[:, None] * dim + d[None, :], mask=g_ok[:, None] & (d[None, :] < dim),
-                other=0.0)
+    q_rows = q_ptr + (s * heads + kvh * group + g)[:, None] * dim
+    q_ok = g_ok[:, None] & (d[None, :] < dim)
+    q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
+    if ROPE:                                      # the queries rotated as they are loaded
+        q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
     if ROUND_Q:                                   # an f16 cache under f32 queries: q at the cache's precision
         q = q.to(tl.float16)
     q = q.to(tl.float32)
@@ -101,17 +105,21 @@ def _merge_kernel(part_ptr, top_ptr, total_ptr, out_ptr, splits, dv, SPLITS: tl.
     tl.store(out_ptr + h * dv + e, result.to(out_ptr.dtype.element_ty), mask=e < dv)
 
 
-CACHE_MIXES = [("f32", c, c, INT, m, sp) for c in ("f16", "bf16") for m in ("f32", "none") for sp in (INT, "none")]
+CACHE_MIXES = [("f32", c, c, INT, m, sp, *r) for c in ("f16", "bf16") for m in ("f32", "none") for sp in (INT, "none")
+               for r in ROPE_INPUTS]
 BT = 64                # context positions per tile
 PROGRAMS = 512         # enough programs to fill an H200: fewer rows and heads split each row's span more
 
 
-@jet("paged_attention", CUDA, [(F, F, F, INT, m, sp) for m in (F, "none") for sp in (INT, "none")] + CACHE_MIXES)
+@jet("paged_attention", CUDA, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
+     + CACHE_MIXES)
 @device_jet
-def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale=None, softcap=0.0):
+def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, scale=None, softcap=0.0,
+                    rope_style="neox"):
     S, H, D = q.shape
     KV, Dv, T = k_pages.shape[2], v_pages.shape[3], ctx_slots.shape[0]
     q = q.contiguous()
+    rope = None if positions is None else (positions.expand(S).contiguous(), inv_freq.contiguous())
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
     splits = max(1, min(triton.cdiv(PROGRAMS, S * KV), triton.cdiv(T, BT)))
@@ -121,9 +129,10 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale=None, sof
     BV = max(16, triton.next_power_of_2(Dv))
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
-        q if spans is None else spans.contiguous(), part, top, total, out, T, splits, H, KV, D, Dv,
-        float(1 / math.sqrt(D) if scale is None else scale), float(softcap), HAS_MASK=mask is not None,
-        HAS_SPANS=spans is not None, ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
+        q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
+        total, out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
+        0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None, ROPE=rope is not None,
+        NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         GROUP=max(16, triton.next_power_of_2(H // KV)), BT=BT, BD=max(16, triton.next_power_of_2(D)), BV=BV)
     if splits > 1:
         _merge_kernel[(S * H,)](part, top, total, out, splits, Dv, SPLITS=max(2, triton.next_power_of_2(splits)), BV=BV)

@@ -224,3 +224,44 @@ def softmax(x, mask, axis=-1, causal=False, window=0):
     _softmax_kernel[(x.numel() // max(n, 1),)](x, mask if mask is not None else x, out, n, rows, causal=bool(causal),
                                                window=int(window), HAS_MASK=mask is not None, BLOCK=triton.next_power_of_2(n))
     return out if last else out.movedim(-1, axis)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, best_ptr, where_ptr, n, parts, BLOCK: tl.constexpr):
+    """Part p of row r: the largest of its BLOCK values and the first index holding it (as numpy)."""
+    r, p = tl.program_id(0), tl.program_id(1)
+    cols = p * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r.to(tl.int64) * n + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
+    x = tl.where(cols < n, x, -float("inf"))
+    top = tl.max(x, 0)
+    tl.store(best_ptr + r * parts + p, top)
+    tl.store(where_ptr + r * parts + p, tl.min(tl.where((x == top) & (cols < n), cols, n), 0))
+
+
+@triton.jit
+def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, n, parts, PARTS: tl.constexpr):
+    """Row r: the best of its parts, the first (lowest index) on ties."""
+    r = tl.program_id(0)
+    p = tl.arange(0, PARTS)
+    best = tl.load(best_ptr + r * parts + p, mask=p < parts, other=-float("inf"))
+    where = tl.load(where_ptr + r * parts + p, mask=p < parts, other=n)
+    top = tl.max(best, 0)
+    tl.store(out_ptr + r, tl.min(tl.where(best == top, where, n), 0).to(tl.int64))
+
+
+@jet("argmax", CUDA, [(F,)])
+@device_jet
+def argmax(x, axis=-1):
+    """Greedy decoding's token choice on the device (only the ids cross to the host, not the logits):
+    rows split in parts reduced in parallel, then the parts."""
+    moved = x.movedim(axis, -1).contiguous()
+    n = moved.shape[-1]
+    out = torch.empty(moved.shape[:-1], dtype=torch.int64, device=x.device)
+    rows, block = out.numel(), min(4096, triton.next_power_of_2(max(n, 1)))
+    parts = triton.cdiv(max(n, 1), block)
+    if rows:
+        best = torch.empty((rows, parts), dtype=torch.float32, device=x.device)
+        where = torch.empty((rows, parts), dtype=torch.int32, device=x.device)
+        _argmax_kernel[(rows, parts)](moved, best, where, n, parts, BLOCK=block)
+        _argmax_parts_kernel[(rows,)](best, where, out, n, parts, PARTS=max(2, triton.next_power_of_2(parts)))
+    return out
