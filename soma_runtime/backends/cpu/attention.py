@@ -64,7 +64,8 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
     group = heads // kv_heads
     for task in prange(rows * kv_heads):
         s, kvh = task // kv_heads, task % kv_heads
-        lo, hi = spans[s, 0], spans[s, 1]
+        lo = max(spans[s, 0], 0)
+        hi = max(min(spans[s, 1], mask.shape[1]), lo)
         qg = np.empty((group, dim), np.float32)
         for g in range(group):
             for d in range(dim):
@@ -155,10 +156,8 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
     rows_mask = np.ascontiguousarray(f32(mask)[0, 0])
-    visible = visible_spans(rows_mask)
-    if spans is not None:                          # within both: the span and the mask's visible range
-        visible = np.stack([np.maximum(visible[:, 0], spans[:, 0]), np.minimum(visible[:, 1], spans[:, 1])], axis=1)
-        visible[:, 1] = np.maximum(visible[:, 0], visible[:, 1])
+    # the rows' spans as given (masked keys within are skipped), else the mask's visible ranges
+    visible = visible_spans(rows_mask) if spans is None else np.ascontiguousarray(spans, dtype=np.int64)
     _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible,
                      scale, np.float32(softcap), precision, result)
     return result if result is out else deliver(result, like, out)
