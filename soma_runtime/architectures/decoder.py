@@ -160,10 +160,12 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         p = f"blk.{i}"
         k_pages = g.input(f"k_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
         v_pages = g.input(f"v_pages.{i}", ("P", "BLK", KV, hd), kv_dtype)
-        if f"{p}.attn_qkv.weight" in weights:      # phi3: q, k, v fused in one matrix
+        # a projection fused in one matrix takes the block's norm itself; separate ones share one norm
+        if f"{p}.attn_qkv.weight" in weights:
             q, k, v = g.split(linear(x, f"{p}.attn_qkv", norm=f"{p}.attn_norm"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
         else:
-            q, k, v = (linear(x, f"{p}.attn_{n}", norm=f"{p}.attn_norm") for n in "qkv")
+            h = norm(x, f"{p}.attn_norm")
+            q, k, v = (linear(h, f"{p}.attn_{n}") for n in "qkv")
         q, k, v = (g.reshape(t, shape=("S", n, hd)) for t, n in ((q, H), (k, KV), (v, KV)))
         if cfg.qk_norm:
             q, k = norm(q, f"{p}.attn_q_norm"), norm(k, f"{p}.attn_k_norm")
@@ -179,8 +181,9 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
                                  softcap=cfg.attn_softcap, rope_style=cfg.rope_style)
         x = joined(x, g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", f"{p}.post_attention_norm")
         if f"{p}.ffn_gate.weight" in weights:
-            gate, up = (linear(x, f"{p}.ffn_{n}", norm=f"{p}.ffn_norm") for n in ("gate", "up"))
-        else:                                         # phi3: gate and up fused in one matrix
+            h = norm(x, f"{p}.ffn_norm")
+            gate, up = linear(h, f"{p}.ffn_gate"), linear(h, f"{p}.ffn_up")
+        else:                                         # gate and up fused in one matrix
             gate, up = g.split(linear(x, f"{p}.ffn_up", norm=f"{p}.ffn_norm"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
         act = g.swiglu(gate, up) if cfg.activation == "silu" else g.geglu(gate, up, approximate="tanh")
         x = joined(x, act, f"{p}.ffn_down", f"{p}.post_ffw_norm")
