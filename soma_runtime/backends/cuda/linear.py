@@ -398,39 +398,6 @@ def embedding(table, ids):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
-    """One (position, head) row of x [rows, heads, dim]: pairs (i, i + half) (neox) or (2i, 2i + 1)."""
-    row = tl.program_id(0)
-    i = tl.arange(0, BLOCK)
-    base = row * dim
-    keep = i < half
-    angle = tl.load(pos_ptr + row // heads).to(tl.float32) * tl.load(freq_ptr + i, mask=keep, other=0.0)
-    c, s = tl.cos(angle), tl.sin(angle)
-    a = tl.where(NEOX, i, 2 * i)
-    b = tl.where(NEOX, i + half, 2 * i + 1)
-    first = tl.load(x_ptr + base + a, mask=keep).to(tl.float32)
-    second = tl.load(x_ptr + base + b, mask=keep).to(tl.float32)
-    ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + base + a, (first * c - second * s).to(ty), mask=keep)
-    tl.store(out_ptr + base + b, (second * c + first * s).to(ty), mask=keep)
-    rest = 2 * half + i
-    tl.store(out_ptr + base + rest, tl.load(x_ptr + base + rest, mask=rest < dim), mask=rest < dim)
-
-
-@jet("rope", CUDA, [(F, INT, "f32")])
-@device_jet
-def rope(x, positions, inv_freq, style="neox"):
-    x = x.contiguous()
-    heads, dim = x.shape[-2], x.shape[-1]
-    positions = positions.expand(x.shape[:-2]).contiguous()
-    out = torch.empty_like(x)
-    half = inv_freq.shape[0]
-    _rope_kernel[(x.numel() // dim,)](x, positions, inv_freq.contiguous(), out, heads, dim, half, NEOX=style == "neox",
-                                      BLOCK=triton.next_power_of_2(max(half, dim - 2 * half, 1)))
-    return out
-
-
-@triton.jit
 def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexpr):
     """Rope on values already loaded from one head's row (`d`: their dims): each rotary dim meets its
     pair partner (i + half under neox, else the neighbour), loaded here; dims past 2 * half pass."""
@@ -445,6 +412,31 @@ def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexp
     angle = position * tl.load(freq_ptr + f, mask=rotary, other=0.0)
     turned = value * tl.cos(angle) + tl.where(first, -other, other) * tl.sin(angle)
     return tl.where(rotary, turned, value)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """One (position, head) row of x [rows, heads, dim], rotated (see `rotated`)."""
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK)
+    keep = d < dim
+    value = tl.load(x_ptr + row * dim + d, mask=keep, other=0.0).to(tl.float32)
+    position = tl.load(pos_ptr + row // heads).to(tl.float32)
+    turned = rotated(x_ptr + row * dim, d, value, keep, position, freq_ptr, half, NEOX)
+    tl.store(out_ptr + row * dim + d, turned.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("rope", CUDA, [(F, INT, "f32")])
+@device_jet
+def rope(x, positions, inv_freq, style="neox"):
+    x = x.contiguous()
+    heads, dim = x.shape[-2], x.shape[-1]
+    positions = positions.expand(x.shape[:-2]).contiguous()
+    out = torch.empty_like(x)
+    half = inv_freq.shape[0]
+    _rope_kernel[(x.numel() // dim,)](x, positions, inv_freq.contiguous(), out, heads, dim, half, NEOX=style == "neox",
+                                      BLOCK=triton.next_power_of_2(dim))
+    return out
 
 
 @triton.jit
