@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: the kernels of graphed decode steps (batch 1 and batch 32) on a
 random-weight Llama shape, by total time, with launches per step and the step's wall time.
 
-Run (on a GPU machine): python bench/profile_cuda.py [--shape 1b|8b] [--q4] [--host]
+Run (on a GPU machine): python bench/profile_cuda.py [--shape 1b|8b] [--formats bf16,q4_0] [--host]
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def report(model, rows: int, host: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
-    ap.add_argument("--q4", action="store_true", help="also the model converted to q4_0")
+    ap.add_argument("--formats", default="bf16", help="comma-separated: bf16 (the model as written), q4_0 (converted)")
     ap.add_argument("--host", action="store_true", help="also profile the host side of batch-1 steps")
     args = ap.parse_args()
     from soma_runtime.api import Runtime
@@ -81,9 +81,9 @@ def main() -> None:
         path = os.path.join(tmp, "model")
         write_model(args.shape, path)
         torch.cuda.empty_cache()
-        paths = {"bf16": path}
-        if args.q4:
-            paths["q4_0"] = convert_hf_to_gguf(path, os.path.join(tmp, "model.q4_0.gguf"), "q4_0")
+        formats = args.formats.split(",")
+        paths = {name: path if name == "bf16" else convert_hf_to_gguf(path, os.path.join(tmp, f"model.{name}.gguf"), name)
+                 for name in formats}
         for name, path in paths.items():
             print(f"\n== {args.shape} {name}")
             model = Runtime("cuda").load(path, n_ctx=1024, progress=False)

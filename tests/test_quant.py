@@ -115,15 +115,16 @@ def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, ba
 
 
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
-@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (17, 512), (17, 96)])   # 96: 3 blocks, a ragged step
+@pytest.mark.parametrize("activations", ["q8", "f32"])
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
-def test_q8_activation_matmul_agrees_with_cpu(name, rows, backend):
-    """llama.cpp's scheme (q8 activations, integer block dots) gives the CPU's numbers on every backend,
-    up to the order the blocks are summed in."""
-    w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
-    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
-    want = run_op("matmul", x, w, backend="cpu", transpose_b=True, activations="q8")
-    got = run_op("matmul", x, w, backend=backend, transpose_b=True, activations="q8")
+def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend):
+    """llama.cpp's scheme (q8 activations, integer block dots), and f32 activations, give the CPU's
+    numbers on every backend, up to the order the blocks are summed in."""
+    w = QTensor(random_blocks(name, 40, cols).reshape(-1), name, (40, cols))
+    x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+    want = run_op("matmul", x, w, backend="cpu", transpose_b=True, activations=activations)
+    got = run_op("matmul", x, w, backend=backend, transpose_b=True, activations=activations)
     assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
 
 
@@ -146,6 +147,19 @@ def test_half_weight_matmul_matches_torch(name):
         want = torch.from_numpy(x) @ torch.from_numpy(w.astype(np.float32)).T
         got = run_op("matmul", x, w, backend="cpu", transpose_b=True)
         assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+@pytest.mark.parametrize("cols", [96, 256])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_K", "q6_K"])
+def test_device_weights_come_back_byte_identical(name, cols):
+    """The device's layout of a quantized weight (planar for the 32-weight formats) is a regrouping:
+    fetched back, the GGUF bytes are the same."""
+    from soma_runtime.backends.cuda import fetch, place
+    cols = cols if dtype(name).block_size == 32 else 256
+    w = QTensor(random_blocks(name, 5, cols).reshape(-1), name, (5, cols))
+    back = fetch(place(w))
+    assert back.shape == w.shape and np.array_equal(back.data, w.data)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

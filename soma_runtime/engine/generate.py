@@ -9,10 +9,11 @@ incremental detokenizer; text stops are held back until they can no longer match
 """
 from __future__ import annotations
 
+import functools
 import resource
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +117,11 @@ class Stream:
         return tokens
 
     @property
+    def has_next_step(self) -> bool:
+        """Whether a step may follow the one in flight, should its token not end the stream."""
+        return len(self.generated) + 1 < self.req.max_tokens and len(self.history) + 1 < self.engine.n_ctx
+
+    @property
     def greedy(self) -> bool:
         """Whether the model's own most likely token is this stream's choice (no logits needed)."""
         return self.sampler.params.greedy and self.req.logprobs is None
@@ -140,12 +146,20 @@ class Stream:
             out.text, stopped = self.stops.push(self.detok.push(token))
             if stopped:
                 out.finish_reason = "stop"
-            elif len(self.generated) >= self.req.max_tokens or self.seq.length + 1 >= self.engine.n_ctx:
+            elif len(self.generated) >= self.req.max_tokens or len(self.history) >= self.engine.n_ctx:
                 out.text, out.finish_reason = out.text + self.stops.flush(), "length"
             else:
                 self.pending = [token]
         self.finish_reason = self.metrics.finish_reason = out.finish_reason
         return out
+
+
+@dataclass
+class Step:
+    """A queued forward: its choices where the model runs (the next step's tokens, for greedy streams)
+    and the wait for its results (as `Engine.forward` returns them)."""
+    choices: object
+    wait: Callable[[], list[np.ndarray]]
 
 
 class Engine:
@@ -158,6 +172,7 @@ class Engine:
         self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
         module = load_backend(backend)
         self.fetch = getattr(module, "fetch", None)       # logits come back to the host for sampling
+        self.fetch_soon = getattr(module, "fetch_soon", None)   # ... or start back, while the next step is queued
         self.graphed = getattr(module, "graphed", None)   # decode steps captured and replayed as one launch
         self.graphs: dict[tuple[int, int, int], object] = {}
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(self.n_ctx, kv_tokens or KV_TOKENS),
@@ -185,6 +200,12 @@ class Engine:
         the logits after its last `want` tokens; the result has one [want, vocab] array per item. With
         `greedy`, each item gets its rows' most likely tokens [want] instead, chosen where the model runs:
         the logits never cross to the host."""
+        return self.launch(batch, greedy).wait()
+
+    def launch(self, batch: list[tuple[Sequence, list[int], int]], greedy: bool = False, ids=None) -> Step:
+        """`forward`, queued: the step runs on while the caller goes on, until it waits for the results.
+        `ids` may give the tokens as a device value (an earlier step's choices, not yet read back); the
+        batch's token lists then only count them."""
         for seq, tokens, _ in batch:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
@@ -209,18 +230,20 @@ class Engine:
             logit_rows.extend(range(row + len(tokens) - want, row + len(tokens)))
             row, offset = row + len(tokens), offset + bucket
         positions = np.concatenate(positions).astype(np.int64)
-        inputs = {"ids": np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64), "positions": positions,
+        if ids is None:
+            ids = np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64)
+        inputs = {"ids": ids, "positions": positions,
                   "slots": np.concatenate(new_slots),
                   "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
                   **{mask_name(w): mask for w, mask in masks.items()}}
-        for i in range(self.cfg.num_layers):
-            inputs[f"k_pages.{i}"], inputs[f"v_pages.{i}"] = self.pool.k[i], self.pool.v[i]
+        pages = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
+        inputs.update(pages)
         plan = self.plan(rows, len(logit_rows))
         with self.lock:
             if graph:
                 key = (rows, len(logit_rows), context)
                 if key not in self.graphs:
-                    self.graphs[key] = self.graphed(plan, inputs)
+                    self.graphs[key] = self.graphed(plan, inputs, set(pages))    # the cache is updated in place
                 plan = self.graphs[key]
             logits, choices, *pages = plan.run(inputs)
             for i in range(self.cfg.num_layers):             # backends that update out of place return new pages
@@ -228,9 +251,8 @@ class Engine:
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
         result = choices if greedy else logits
-        if self.fetch:
-            result = self.fetch(result)
-        return np.split(result, np.cumsum([want for _, _, want in batch])[:-1])
+        read = self.fetch_soon(result) if self.fetch_soon else functools.partial(self.fetch or np.asarray, result)
+        return Step(choices, lambda: np.split(read(), np.cumsum([want for _, _, want in batch])[:-1]))
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
@@ -250,16 +272,21 @@ class Engine:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
 
     def generate(self, req: GenerationRequest) -> Iterator[Token]:
-        """One request on its own: the whole uncached prompt in one step, then a step per token."""
+        """One request on its own: the whole uncached prompt in one step, then a step per token. Where
+        results come back asynchronously, a greedy stream queues each step before reading the last
+        one's token (fed to it on the device), so the host's work overlaps the model's."""
         stream = Stream(self, req)
         self.metrics = m = stream.metrics
         stream.start()
         try:
             t = time.perf_counter()
+            step = self.launch([(stream.seq, stream.take(len(stream.pending)), 1)], stream.greedy)
             while True:
                 prefill = stream.prefilling
-                last = self.forward([(stream.seq, stream.take(len(stream.pending)), 1)], stream.greedy)[0][-1]
-                token = stream.accept(last)
+                ahead = None
+                if self.fetch_soon and stream.greedy and stream.has_next_step:
+                    ahead = self.launch([(stream.seq, [0], 1)], True, ids=step.choices)
+                token = stream.accept(step.wait()[0][-1])
                 if prefill:
                     m.prefill_ms, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
                 else:
@@ -267,6 +294,8 @@ class Engine:
                 yield token
                 if token.finish_reason:
                     return
+                step = ahead or self.launch([(stream.seq, stream.pending, 1)], stream.greedy)
+                stream.take(1)
         finally:
             self.pool.release(stream.seq)
             m.peak_rss_mb = peak_rss_mb()

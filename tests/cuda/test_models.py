@@ -8,6 +8,7 @@ import pytest
 
 from soma_runtime.api import Runtime
 from soma_runtime.backends import gpu_available
+from soma_runtime.engine.kv import Sequence
 from tests.backends import BACKENDS
 from tests.llm.tiny import FAMILIES, build_model
 
@@ -35,15 +36,56 @@ def test_tiny_family_same_logits_and_tokens(family, tmp_path):
 @pytest.mark.skipif(not gpu_available(), reason="SmolLM2 on the interpreter would take hours")
 def test_smollm2_gguf_same_greedy_tokens():
     """llama.cpp's precision (q8 activations, f16 cache) rounds at many points, and a rounding that
-    lands the other way moves later logits a little: compare top-1 where the CPU's choice is clear,
-    and the greedy text."""
+    lands the other way moves logits by up to about one: compare top-1 where the CPU's choice is
+    clear (by more than 0.5), over the prompt and over decode steps fed the CPU's greedy tokens, and
+    the greedy tokens themselves up to the first step whose choice is not clear."""
     cpu, cuda = Runtime("cpu").load("default", progress=False), Runtime("cuda").load("default", progress=False)
     messages = [{"role": "user", "content": "Name three rivers in Europe and say one fact about each."}]
     ids = cpu.chat_ids(messages)
     want, got = cpu.logits(ids), cuda.logits(ids)
-    top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 0.5
+    clear = margins(want) > 0.5
     assert clear.sum() > len(ids) // 2 and (got.argmax(-1) == want.argmax(-1))[clear].all()
     assert np.max(np.abs(got - want)) <= 0.05 * float(np.abs(want).max())
     greedy = {"max_tokens": 32, "temperature": 0}
-    assert cuda.chat(messages, stream=False, **greedy) == cpu.chat(messages, stream=False, **greedy)
+    tokens = [t.id for t in cpu.generate(ids, **greedy)]
+    decoded = decode_steps(cuda, ids, tokens)                  # the cuda decode path, fed the CPU's tokens
+    clear = margins(cpu.logits(ids + tokens)[len(ids) - 1:-1]) > 0.5
+    assert clear.sum() > len(tokens) // 2 and (decoded == np.array(tokens))[clear].all()
+    first_unclear = int(np.argmin(clear)) if not clear.all() else len(tokens)
+    assert [t.id for t in cuda.generate(ids, **greedy)][:first_unclear] == tokens[:first_unclear]
+
+
+def margins(logits: np.ndarray) -> np.ndarray:
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def decode_steps(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The model's greedy choice at each decode step, each step fed the given token, not its own."""
+    engine, seq = model.engine, Sequence()
+    try:
+        choices = [engine.forward([(seq, prompt, 1)], greedy=True)[0][-1]]
+        choices += [engine.forward([(seq, [t], 1)], greedy=True)[0][-1] for t in tokens[:-1]]
+        return np.array(choices)
+    finally:
+        engine.pool.release(seq)
+
+
+def test_queued_greedy_steps_end_where_single_steps_do(tmp_path):
+    """On cuda a greedy stream queues each step before it reads the last token: it must still end
+    where the CPU's one-step-at-a-time loop ends (max_tokens, the context's end, a stop string) and
+    give the same tokens and text, returning every cache page."""
+    build_model("llama", str(tmp_path))
+    for limits in ({"max_tokens": 5}, {"max_tokens": 40, "n_ctx": 24}):
+        n_ctx = limits.pop("n_ctx", None)
+        cpu, cuda = (Runtime(b).load(str(tmp_path), n_ctx=n_ctx, progress=False) for b in ("cpu", "cuda"))
+        ids = cpu.tokenize(PROMPT)[:16]
+        want = list(cpu.generate(ids, temperature=0, **limits))
+        held = cuda.engine.pool.in_use
+        got = list(cuda.generate(ids, temperature=0, **limits))
+        assert [(t.id, t.text, t.finish_reason) for t in got] == [(t.id, t.text, t.finish_reason) for t in want]
+        assert cuda.engine.pool.in_use == held
+    text = "".join(t.text for t in want)
+    stop = text[len(text) // 2:][:2]
+    assert [t.text for t in cuda.generate(ids, temperature=0, max_tokens=40, stop=[stop])] == \
+        [t.text for t in cpu.generate(ids, temperature=0, max_tokens=40, stop=[stop])]

@@ -1,8 +1,10 @@
 """CUDA jet for attention over the paged KV cache: one program per (query row, kv head, share of the
 row's context) reads its slots in tiles, the query heads of the group together (GQA), with an online
-softmax; a second kernel merges the shares (flash-decoding), unless each row has one. With `spans`,
-a row reads only its own span of the context: a batch's rows each read their own sequence, never the
-others' segments or the padding. Masked-out keys weigh nothing. Prefill and decode share it."""
+softmax; a second kernel merges the shares (flash-decoding), unless each row has one. Products run on
+the tensor cores as tf32x3 (f32 accuracy): as fp32 FMA dots, 128-wide heads took 94 us a layer on an
+H200. With `spans`, a row reads only its own span of the context: a batch's rows each read their own
+sequence, never the others' segments or the padding. Masked-out keys weigh nothing. Prefill and
+decode share it."""
 from __future__ import annotations
 
 import math
@@ -67,7 +69,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         slot = tl.load(ctx_ptr + t, mask=t_ok, other=0).to(tl.int64)
         row = (slot * kv_heads + kvh)
         keys = tl.load(k_ptr + row[:, None] * dim + d[None, :], mask=t_ok[:, None] & (d[None, :] < dim), other=0.0)
-        scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee") * scale
+        scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="tf32x3") * scale
         if softcap != 0:
             scores = softcap * (2 * tl.sigmoid(2 * scores / softcap) - 1)
         scores = scores + bias[None, :]
@@ -76,7 +78,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         p = tl.exp(scores - safe_top[:, None])
         alpha = tl.exp(top - safe_top)
         values = tl.load(v_ptr + row[:, None] * dv + e[None, :], mask=t_ok[:, None] & (e[None, :] < dv), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="tf32x3")
         total = total * alpha + tl.sum(p, 1)
         top = new_top
     if splits == 1:

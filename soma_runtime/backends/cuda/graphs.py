@@ -1,6 +1,7 @@
 """CUDA graphs: a plan's whole run captured once and replayed, so a decode step costs one launch
 from Python instead of hundreds. Host inputs are copied into static device buffers before each
-replay; device inputs (the KV pages) must be the same tensors every time, as the pool's are."""
+replay, or on the device where they come as device tensors (an earlier step's tokens); shared inputs
+(the KV pages) are captured as themselves and must be the same tensors every time, as the pool's are."""
 from __future__ import annotations
 
 import torch
@@ -10,12 +11,13 @@ from soma_runtime.errors import GraphError
 
 
 class GraphedPlan:
-    def __init__(self, plan, inputs: dict):
+    def __init__(self, plan, inputs: dict, shared: set):
+        """`shared`: the inputs captured as themselves (device tensors); the rest get buffers of their own."""
         self.plan = plan
-        self.static = {name: value if isinstance(value, torch.Tensor) else place(value).clone() for name, value in inputs.items()}
+        self.static = {name: value if name in shared else place(value).clone() for name, value in inputs.items()}
         # host inputs pass through pinned buffers: their copies to the device are then truly asynchronous
         self.staging = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                        for name, t in self.static.items() if not isinstance(inputs[name], torch.Tensor)}
+                        for name, t in self.static.items() if name not in shared}
         self.copied = torch.cuda.Event()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -32,8 +34,11 @@ class GraphedPlan:
             target = self.static[name]
             if value is target:
                 continue
-            if isinstance(value, torch.Tensor):
+            if name not in self.staging:
                 raise GraphError(f"graph input {name!r} must be the tensor it was captured with")
+            if isinstance(value, torch.Tensor):             # already on the device (an earlier step's output)
+                target.copy_(value)
+                continue
             stage = self.staging[name]
             stage.numpy()[...] = value
             target.copy_(stage, non_blocking=True)
@@ -42,5 +47,5 @@ class GraphedPlan:
         return self.outputs
 
 
-def graphed(plan, inputs: dict) -> GraphedPlan:
-    return GraphedPlan(plan, inputs)
+def graphed(plan, inputs: dict, shared: set) -> GraphedPlan:
+    return GraphedPlan(plan, inputs, shared)
