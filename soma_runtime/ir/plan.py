@@ -1,8 +1,9 @@
 """A Plan: a graph compiled for bound shapes on one backend, runnable many times without re-planning.
 
 Making a plan runs the passes (dead nodes, constant folding), binds symbolic dims, picks each
-node's kernel from the jet registry once, and lays intermediates out in one arena. Running it is
-a loop over prepared steps: no lookups, no shape inference, no allocation for planned tensors.
+node's kernel from the jet registry once, and lays intermediates out in one arena, whose views
+(reshapes, splits) are made then too. Running it is a loop over prepared steps: no lookups, no
+shape inference, no allocation for planned tensors.
 A dim left `free` may take any size per run; only graph inputs may carry it (the decoder's
 context length: its slots and masks vary per step, no intermediate does).
 """
@@ -84,6 +85,7 @@ class Plan:
         self.memory = plan_memory(g, self.metas) if memory_plan and getattr(module, "HOST_ARENA", True) else None
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
+        self.fixed = self._fix_views() if self.memory else {}
         self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
         self.place = getattr(module, "place", None)             # weights go to a device backend once, here
         if self.place:
@@ -122,8 +124,27 @@ class Plan:
             out = self.arena[off: off + count * np_dtype.itemsize].view(np_dtype).reshape(meta.shape)
         return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out)
 
+    def _fix_views(self) -> dict:
+        """Views (reshape, split, ...) of arena buffers and constants are the same views every run:
+        made once here, their steps leave the run loop. A view op that had to copy stays a step."""
+        known = {step.outputs[0]: step.out for step in self.steps if step.out is not None}
+        known.update(self.graph.constants)
+        fixed, kept = {}, []
+        for step, node in zip(self.steps, self.graph.nodes):
+            source = known.get(node.inputs[0]) if node.inputs and node.inputs[0] is not None else None
+            if OPS[node.op].view and source is not None and all(i is None or i in known for i in node.inputs):
+                result = step.kernel(*[None if i is None else known[i] for i in step.inputs], **step.attrs)
+                results = result if isinstance(result, tuple) else (result,)
+                if all(isinstance(r, np.ndarray) and np.shares_memory(r, source) for r in results):
+                    fixed.update(zip(step.outputs, results))
+                    known.update(zip(step.outputs, results))
+                    continue
+            kept.append(step)
+        self.steps = kept
+        return fixed
+
     def run(self, inputs: dict) -> list:
-        env = dict(self.graph.constants)
+        env = {**self.graph.constants, **self.fixed}
         for name, shape in self.input_shapes.items():
             value = inputs.get(name)
             got = None if value is None else tuple(value.shape) if hasattr(value, "shape") else np.shape(value)

@@ -8,6 +8,7 @@ import numpy as np
 from numba import njit, vectorize
 
 from soma_runtime.backends.cpu.common import CPU, F, all_f32, deliver, dense, float_kernel, out_f32
+from soma_runtime.backends.cpu.simd import exp_f32
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -131,7 +132,7 @@ def _gelu_numpy(x, approximate): return gelu_f32(x, approximate)
 def _swiglu(gate, up, out):
     for i in range(gate.size):
         g = gate.flat[i]
-        out.flat[i] = g / (np.float32(1) + np.exp(-g)) * up.flat[i]
+        out.flat[i] = g / (np.float32(1) + exp_f32(-g)) * up.flat[i]
 
 
 @jet("swiglu", CPU, [(F, F)])
