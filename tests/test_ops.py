@@ -216,6 +216,25 @@ def rotary_inputs(rows, rotary):
 for style in ("neox", "interleaved"):        # keys rotated as they are stored; 6 of 8 dims rotary (partial)
     case("kv_append", lambda dt: int_inputs(mk((4, 2, 2, 8), (3, 2, 8)), [5, 0, 6])(dt) + rotary_inputs(3, 6),
          lambda p, n, sl, pos, f, st=style: kv_append_ref(p, rope_ref(st, 6)(n, pos, f), sl), id=f"rope-{style}", style=style)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_kv_append_rotates_f32_keys_into_an_f16_cache(style, backend):
+    """GGUF decode's mix: f32 keys, rotated as they are stored in an f16 cache, land rounded to f16
+    (within one f16 step of torch's rounding of its own rotation); untouched slots keep their values."""
+    rng = np.random.default_rng(0)
+    pages = rng.standard_normal((4, 2, 2, 8)).astype(np.float16)
+    new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    slots = np.array([5, 0, 6], np.int64)
+    positions, inv_freq = rotary_inputs(3, 6)
+    rotated = rope_ref(style, 6)(torch.from_numpy(new), torch.from_numpy(positions), torch.from_numpy(inv_freq))
+    want = kv_append_ref(torch.from_numpy(pages.astype(np.float32)), rotated, torch.from_numpy(slots)).half().numpy()
+    got = run_op("kv_append", pages.copy(), new, slots, positions, inv_freq, backend=backend, style=style)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
 case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
      lambda p, s: p.reshape(-1, *p.shape[2:])[s])
 

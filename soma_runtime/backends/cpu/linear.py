@@ -9,6 +9,7 @@ from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, dense, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.elementwise import gelu_in_place, rmsnorm
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
+from soma_runtime.backends.cpu.simd import stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -140,13 +141,30 @@ def embedding(table, ids, out=None):
     return deliver(np.take(table, ids, axis=0), dtype_of(table), out)
 
 
+@njit(cache=True, error_model="numpy")
+def _append_rotated(cache, new, slots, positions, inv_freq, neox):
+    """Keys new [rows, H, D] f32, rotated (as `_rope`), into their cache slots [slots, H, D] (f32, or
+    f16 bits): one call where rope, then numpy's rounding scatter, took three."""
+    rotated = np.empty_like(new)
+    _rope(new, positions, inv_freq, neox, rotated)
+    for r in range(new.shape[0]):
+        for h in range(new.shape[1]):
+            for d in range(new.shape[2]):
+                cache[slots[r], h, d] = stored(rotated[r, h, d], cache[0, 0, 0])
+
+
 @jet("kv_append", CPU, [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in HALF for r in ROPE_INPUTS])
 def kv_append(pages, new, slots, positions=None, inv_freq=None, out=None, style="neox"):
     """Write new rows into their slots in place (rotated first, given rope's inputs); the returned
     tensor is the cache itself."""
+    flat = pages.reshape(-1, *pages.shape[2:])
+    if positions is not None and all_f32(new) and new.ndim == 3 and positions.shape == new.shape[:1]:
+        cache = flat.view(np.uint16) if flat.dtype == np.float16 else flat      # numba has no float16: its bits
+        if cache.dtype in (np.uint16, np.float32):
+            _append_rotated(cache, dense(new), dense(slots.reshape(-1)), dense(positions), dense(inv_freq), style == "neox")
+            return pages
     if positions is not None:
         new = rope(new, positions, inv_freq, style=style)
-    flat = pages.reshape(-1, *pages.shape[2:])
     rows = new.reshape(-1, *pages.shape[2:])
     if rows.shape[0] == 1:                  # decode: one row, where fancy indexing's setup dominates
         flat[int(slots.reshape(-1)[0])] = rows[0]

@@ -258,6 +258,16 @@ def narrow(typingctx, x, like):
 
 
 @intrinsic
+def stored(typingctx, x, like):
+    """x (f32) as an element of `like`'s array: f16 bits (uint16, rounded to nearest even) or f32."""
+    def codegen(context, builder, signature, args):
+        if signature.args[1] == types.uint16:
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return args[0]
+    return (types.uint16 if like == types.uint16 else types.float32)(x, like), codegen
+
+
+@intrinsic
 def widen_bits(typingctx, x, bf16):
     """16-bit float bits (uint16) as f32: f16 when the literal `bf16` is 0, else bf16 (the high half
     of an f32's bit pattern)."""
