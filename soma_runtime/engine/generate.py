@@ -236,14 +236,14 @@ class Engine:
                   "slots": np.concatenate(new_slots),
                   "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
                   **{mask_name(w): mask for w, mask in masks.items()}}
-        pages = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
-        inputs.update(pages)
+        cache = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
+        inputs.update(cache)
         plan = self.plan(rows, len(logit_rows))
         with self.lock:
             if graph:
                 key = (rows, len(logit_rows), context)
                 if key not in self.graphs:
-                    self.graphs[key] = self.graphed(plan, inputs, set(pages))    # the cache is updated in place
+                    self.graphs[key] = self.graphed(plan, inputs, set(cache))    # the cache is updated in place
                 plan = self.graphs[key]
             logits, choices, *pages = plan.run(inputs)
             for i in range(self.cfg.num_layers):             # backends that update out of place return new pages

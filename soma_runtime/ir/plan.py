@@ -132,10 +132,10 @@ class Plan:
         fixed, kept = {}, []
         for step, node in zip(self.steps, self.graph.nodes):
             source = known.get(node.inputs[0]) if node.inputs and node.inputs[0] is not None else None
-            if OPS[node.op].view and source is not None and all(i is None or i in known for i in node.inputs):
+            if OPS[node.op].view and isinstance(source, np.ndarray) and all(i is None or i in known for i in node.inputs):
                 result = step.kernel(*[None if i is None else known[i] for i in step.inputs], **step.attrs)
                 results = result if isinstance(result, tuple) else (result,)
-                if all(isinstance(r, np.ndarray) and np.shares_memory(r, source) for r in results):
+                if all(isinstance(r, np.ndarray) and np.may_share_memory(r, source) for r in results):
                     fixed.update(zip(step.outputs, results))
                     known.update(zip(step.outputs, results))
                     continue
