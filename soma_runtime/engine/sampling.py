@@ -72,6 +72,15 @@ def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
     return np.where(logits >= kth, logits, -np.inf)
 
 
+def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The indices `top_k_filter` keeps, in order. Filtered tokens weigh nothing in what follows, so
+    top-p, min-p and the draw (one uniform against the cumulative sum, in token order) may run over
+    these alone: the same choice, without sorting the whole vocabulary every token."""
+    if k <= 0 or k >= logits.size:
+        return np.arange(logits.size)
+    return np.flatnonzero(logits >= np.partition(logits, -k)[-k])
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - logits.max())
     return e / e.sum()
@@ -110,5 +119,6 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(logits))
         logits = logits / p.temperature
-        logits = min_p_filter(top_p_filter(top_k_filter(logits, p.top_k), p.top_p), p.min_p)
-        return int(self.rng.choice(logits.size, p=softmax(logits)))
+        ids = top_k_ids(logits, p.top_k)          # the later stages and the draw see only top-k's survivors
+        kept = min_p_filter(top_p_filter(logits[ids], p.top_p), p.min_p)
+        return int(ids[self.rng.choice(ids.size, p=softmax(kept))])

@@ -65,3 +65,15 @@ def test_seeded_sampling_is_reproducible_and_respects_the_filters():
 def test_out_of_range_parameters_are_rejected(bad):
     with pytest.raises(RequestError):
         Sampler(SamplingParams(**bad))
+
+
+def test_draws_over_top_k_survivors_match_draws_over_the_whole_vocabulary():
+    """The pipeline runs top-p, min-p and the draw over top-k's survivors only: seeded, it must choose
+    what the stages applied to the whole vocabulary, then numpy's choice over all of it, choose."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        logits = rng.standard_normal(5000) * 3
+        params = SamplingParams(temperature=0.7, top_k=int(rng.integers(1, 60)), top_p=0.9, min_p=0.05, seed=trial)
+        full = min_p_filter(top_p_filter(top_k_filter(logits / 0.7, params.top_k), 0.9), 0.05)
+        want = int(np.random.default_rng(trial).choice(full.size, p=softmax(full)))
+        assert Sampler(params)(logits, []) == want
