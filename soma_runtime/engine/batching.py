@@ -81,10 +81,6 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.waiting)
 
-    @property
-    def active(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; finish the queued and running ones (drain) or cancel them."""
         with self.wake:

@@ -23,7 +23,6 @@ from soma_runtime.dtypes import QTensor, dtype
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64,
          "bool": torch.bool, "u8": torch.uint8, "i8": torch.int8}
-SOMA = {v: k for k, v in TORCH.items()}
 
 
 def device() -> torch.device:
@@ -110,10 +109,6 @@ def blocked(rows: torch.Tensor, kind, n: int) -> torch.Tensor:
     quants = rows[:, :quant_bytes].reshape(rows.shape[0], count, -1)
     fields = rows[:, quant_bytes:quant_bytes + count * header].reshape(rows.shape[0], header // 2, count, 2)
     return torch.cat([fields.transpose(1, 2).reshape(rows.shape[0], count, header), quants], dim=2).reshape(rows.shape[0], -1)
-
-
-def soma_dtype(x) -> str:
-    return x.dtype.name if isinstance(x, DeviceQTensor) else SOMA[x.dtype]
 
 
 def zeros(shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:

@@ -13,17 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from soma_runtime.backends.cuda.device import INTERPRET, DeviceQTensor, device_jet
+from soma_runtime.backends.cuda.device import INTERPRET, PLANAR_HEADER, DeviceQTensor, device_jet
 from soma_runtime.backends.cuda.elementwise import BINARY, UNARY, binary, normalize, unary
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
 F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
-# GGUF type ids, and the bytes of one block: 32 weights, or 256 for the K-quants
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
-INT8_FORMATS = (Q4_0, Q4_1, Q8_0)
+INT8_FORMATS = tuple(PLANAR_HEADER)   # GGUF ids of the 32-weight formats (q4_0 2, q4_1 3, q8_0 8): planar, int8 dots
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
@@ -190,6 +187,9 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
             words = tl.load(rows.to(tl.pointer_type(tl.int32))[:, None, None] + at[None, :, :])      # [BN, NB, words]
             scales = tl.expand_dims(rows, 1) + blocks * 4 * words_per_block + 2 * tl.expand_dims(b, 0)
             d = _f16_at(scales)                                                                      # [BN, NB]
+            mn = d
+            if FMT == 3:                                    # q4_1: its mins follow the scales
+                mn = _f16_at(scales + 2 * blocks)
             if FMT == 8:                                    # 4 weights as 4 signed bytes per word
                 low, high = words, words
             else:                                           # a word's low nibbles are weights 4c..4c+3, its high ones 16 later
@@ -205,12 +205,12 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
                     dots = _dot4(high, tl.expand_dims(tl.load(xw + 4 + c), 0), dots)
                 part = tl.sum(dots, 2).to(tl.float32) * d * tl.expand_dims(tl.load(xd_ptr + m * blocks + b), 0)
                 if FMT == 3:
-                    part += _f16_at(scales + 2 * blocks) * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
+                    part += mn * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
             else:
                 part = d * _float_dots(low, high, x_ptr + m * blocks * 32, b, FMT)
                 if FMT == 3:
                     row = x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)
-                    part += _f16_at(scales + 2 * blocks) * tl.expand_dims(tl.sum(tl.load(row), 1), 0)
+                    part += mn * tl.expand_dims(tl.sum(tl.load(row), 1), 0)
         else:
             w = _decode_f32(tl.expand_dims(rows, 1), tl.expand_dims(b, 0), blocks, FMT)              # [BN, NB, 32]
             x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
@@ -238,12 +238,6 @@ def _store_row(out_ptr, res_ptr, at, y, keep, HAS_RES: tl.constexpr):
     if HAS_RES:
         y += tl.load(res_ptr + at, mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _row(ptr, at):
-    """Activations at offsets `at` [NB, 8], broadcast over the weight rows: [1, NB, 8]."""
-    return tl.expand_dims(tl.load(ptr + at), 0)
 
 
 @triton.jit
