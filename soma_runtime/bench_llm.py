@@ -6,8 +6,9 @@ import statistics
 import numpy as np
 
 
-def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: int = 3) -> dict:
-    """Median over `runs` of greedy generation from a fixed pseudo-random prompt, EOS ignored."""
+def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: int = 3, **sampling) -> dict:
+    """Median over `runs` of generation from a fixed pseudo-random prompt, EOS ignored: greedy, or
+    with the given sampling params."""
     rng = np.random.default_rng(0)
     vocab = model.loaded.config.vocab_size
     prompt = [int(t) for t in rng.integers(100, min(vocab, 30000), prompt_tokens)]
@@ -16,7 +17,7 @@ def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: in
     try:
         results = []
         for _ in range(runs + 1):                              # the first run warms the plans up
-            for _ in model.generate(prompt, max_tokens=new_tokens, temperature=0):
+            for _ in model.generate(prompt, max_tokens=new_tokens, **(sampling or {"temperature": 0})):
                 pass
             results.append(model.metrics())
     finally:

@@ -319,6 +319,42 @@ case("argmax", wide_ties, lambda x: torch.argmax(x, -1), id="wide-ties", dtypes=
 case("topk", mk((3, 11)), lambda x: torch.topk(x, 4, -1), dtypes=("f32",), k=4)
 case("topk", mk((6, 2)), lambda x: torch.topk(x, 6, 0), id="all-axis0", dtypes=("f32",), k=6, axis=0)
 
+
+def torch_sample(logits, params, width):
+    """The sampling pipeline in torch, row by row, the way llama.cpp's samplers and numpy's
+    Generator.choice define it: temperature, top-k, top-p, min-p, then u against the cumulative sum."""
+    out = []
+    for x, (t, k, p, min_p, u) in zip(logits.double(), params.double()):
+        if t == 0:
+            out.append(int(torch.argmax(x)))
+            continue
+        x = x / t
+        ids = torch.nonzero(x >= torch.topk(x, int(k) if 1 <= k <= width else width).values[-1]).flatten()
+        y = x[ids]
+        order = torch.argsort(-y, stable=True)
+        before = torch.cumsum(torch.softmax(y, 0)[order], 0) - torch.softmax(y, 0)[order]
+        keep = torch.zeros_like(y, dtype=torch.bool)
+        keep[order[(before < p) | (p >= 1)]] = True
+        probs = torch.softmax(torch.where(keep, y, -torch.inf), 0)
+        weights = torch.where(probs >= min_p * probs.max(), probs, 0)
+        cdf = torch.cumsum(weights, 0)
+        out.append(int(ids[torch.searchsorted(cdf / cdf[-1], u, right=True)]))
+    return torch.tensor(out)
+
+
+def sampling_rows(vocab, rows=8, seed=0):
+    """Logits [rows, vocab] and param rows (temperature, top_k, top_p, min_p, u) over the pipeline's
+    corners: greedy, top-k 1 and beyond the width, top-p and min-p on and off, u near 1."""
+    rng = np.random.default_rng(seed)
+    settings = [(0, 40, 0.95, 0.05), (0.8, 40, 0.95, 0.05), (0.7, 1, 1.0, 0.0), (1.5, 0, 1.0, 0.0), (1.0, 5, 0.6, 0.0),
+                (2.0, 64, 1.0, 0.2), (0.5, 200, 0.9, 0.0), (1.0, 3, 1.0, 0.0)]
+    params = np.array([(*s, u) for s in settings[:rows] for u in (rng.random(), 0.999)], np.float32)
+    return lambda dt: [(3 * randn(len(params), vocab, rng=rng)).astype(NP[dt]), params]
+
+
+case("sample", sampling_rows(300), lambda x, p: torch_sample(x, p, 16), dtypes=("f32",), width=16)
+case("sample", sampling_rows(1000, rows=3, seed=1), lambda x, p: torch_sample(x, p, 64), id="parts", dtypes=("f32",), width=64)
+
 # convolution, pooling, resampling
 case("conv1d", mk((2, 4, 9), (6, 2, 3), (6,)), lambda x, w, b: F.conv1d(x, w, b, 2, 1, 2, 2), id="groups-stride-dilation",
      stride=2, padding=1, dilation=2, groups=2)

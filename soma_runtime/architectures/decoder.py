@@ -3,8 +3,9 @@
 embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm -> head.
 Graph inputs: token `ids`, their `positions`, the cache `slots` they are written to, the
 `ctx_slots` attention reads, additive attention masks [1, 1, S, T] (one per window size), each row's
-`spans` of the context (its sequence's segment), the `logit_rows` whose logits are wanted, and per
-layer the K/V pages. Outputs: logits [R, vocab], each row's most likely token [R] (greedy decoding
+`spans` of the context (its sequence's segment), the `logit_rows` whose logits are wanted, their
+`sampling` rows (the `sample` op's params) and per layer the K/V pages. Outputs: logits [R, vocab],
+each row's chosen token [R] (temperature 0: the most likely; a stream sampled where the model runs
 reads only these), then every layer's updated K and V pages. Rows are independent except through the masks, so one graph
 serves a prompt, a decode step, or a continuous batch of many sequences' rows.
 """
@@ -103,6 +104,9 @@ def fuse_projections(cfg: DecoderConfig, weights: Weights) -> Weights:
     return Weights(fused, weights.source)
 
 
+SAMPLE_WIDTH = 64
+
+
 def as_f32(t):
     return np.asarray(t, dtype=np.float32)
 
@@ -124,6 +128,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
     masks = {w: g.input(mask_name(w), (1, 1, "S", "T"), "f32") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
     spans = g.input("spans", ("S", 2), "i64")
     logit_rows = g.input("logit_rows", ("R",), "i64")
+    sampling = g.input("sampling", ("R", 5), "f32")
 
     made = {}
 
@@ -194,5 +199,10 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
                        g.const("softcap", np.full(1, cap, np.float32)))
-    return g.output(logits, g.argmax(logits, axis=-1), *pages_out)
+    return g.output(logits, g.sample(logits, sampling, width=sample_width(cfg)), *pages_out)
+
+
+def sample_width(cfg: DecoderConfig) -> int:
+    """The candidates the graph's sampler sees: enough for llama.cpp's and HF's default top-k (40, 50)."""
+    return min(SAMPLE_WIDTH, cfg.vocab_size)
 

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
 from soma_runtime.engine.kv import prefix_hashes
 from soma_runtime.errors import RequestError
@@ -157,7 +159,10 @@ class Scheduler:
         if not batch:
             return
         start = time.perf_counter()
-        rows_of = self.engine.forward(batch, greedy=all(job.stream.greedy for job in jobs))   # greedy: only token ids
+        # every stream sampled where the model runs: only their tokens come back (else all the logits)
+        on_model = all(job.stream.on_model for job in jobs)
+        sampling = np.concatenate([job.stream.draws() for job, (_, _, want) in zip(jobs, batch) if want]) if on_model else None
+        rows_of = self.engine.forward(batch, sampling)
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.last_batch = len(batch)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name
+from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name, sample_width
 from soma_runtime.backends import load_backend
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, log_softmax
@@ -122,13 +122,17 @@ class Stream:
         return len(self.generated) + 1 < self.req.max_tokens and len(self.history) + 1 < self.engine.n_ctx
 
     @property
-    def greedy(self) -> bool:
-        """Whether the model's own most likely token is this stream's choice (no logits needed)."""
-        return self.sampler.params.greedy and self.req.logprobs is None
+    def on_model(self) -> bool:
+        """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host)."""
+        return self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None
+
+    def draws(self) -> np.ndarray | None:
+        """The `sampling` rows of this stream's next step (one row), where the model samples for it."""
+        return self.sampler.draw()[None] if self.on_model else None
 
     def accept(self, choice: np.ndarray) -> Token:
         """Sample the next token from `choice`, the logits after the last pending token, or take it as
-        the token itself (0-d: the model's most likely one, for a greedy stream); say if the stream ends."""
+        the token itself (0-d: chosen where the model runs, from `draws()`); say if the stream ends."""
         if self.prefilling:
             self.engine.pool.publish(self.seq, self.req.prompt_ids)
         token = int(choice) if np.ndim(choice) == 0 else self.sampler(choice, self.history, self.generated)
@@ -156,8 +160,8 @@ class Stream:
 
 @dataclass
 class Step:
-    """A queued forward: its choices where the model runs (the next step's tokens, for greedy streams)
-    and the wait for its results (as `Engine.forward` returns them)."""
+    """A queued forward: its choices where the model runs (the next step's tokens, for streams sampled
+    there) and the wait for its results (as `Engine.forward` returns them)."""
     choices: object
     wait: Callable[[], list[np.ndarray]]
 
@@ -195,14 +199,14 @@ class Engine:
                                    free=("T",))
         return self.plans[key]
 
-    def forward(self, batch: list[tuple[Sequence, list[int], int]], greedy: bool = False) -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None) -> list[np.ndarray]:
         """Run each sequence's new tokens, appending them to its cache. Item (seq, tokens, want) asks for
         the logits after its last `want` tokens; the result has one [want, vocab] array per item. With
-        `greedy`, each item gets its rows' most likely tokens [want] instead, chosen where the model runs:
-        the logits never cross to the host."""
-        return self.launch(batch, greedy).wait()
+        `sampling` (a `Sampler.draw()` row per wanted row, in order), each item gets its rows' tokens
+        [want] instead, chosen where the model runs: the logits never cross to the host."""
+        return self.launch(batch, sampling).wait()
 
-    def launch(self, batch: list[tuple[Sequence, list[int], int]], greedy: bool = False, ids=None) -> Step:
+    def launch(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None, ids=None) -> Step:
         """`forward`, queued: the step runs on while the caller goes on, until it waits for the results.
         `ids` may give the tokens as a device value (an earlier step's choices, not yet read back); the
         batch's token lists then only count them."""
@@ -235,6 +239,7 @@ class Engine:
         inputs = {"ids": ids, "positions": positions,
                   "slots": np.concatenate(new_slots),
                   "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
+                  "sampling": np.zeros((len(logit_rows), 5), np.float32) if sampling is None else np.asarray(sampling, np.float32),
                   **{mask_name(w): mask for w, mask in masks.items()}}
         cache = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
         inputs.update(cache)
@@ -250,7 +255,7 @@ class Engine:
                 self.pool.k[i], self.pool.v[i] = pages[2 * i], pages[2 * i + 1]
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
-        result = choices if greedy else logits
+        result = logits if sampling is None else choices
         read = self.fetch_soon(result) if self.fetch_soon else functools.partial(self.fetch or np.asarray, result)
         return Step(choices, lambda: np.split(read(), np.cumsum([want for _, _, want in batch])[:-1]))
 
@@ -273,19 +278,19 @@ class Engine:
 
     def generate(self, req: GenerationRequest) -> Iterator[Token]:
         """One request on its own: the whole uncached prompt in one step, then a step per token. Where
-        results come back asynchronously, a greedy stream queues each step before reading the last
+        results come back asynchronously, a stream sampled there queues each step before reading the last
         one's token (fed to it on the device), so the host's work overlaps the model's."""
         stream = Stream(self, req)
         self.metrics = m = stream.metrics
         stream.start()
         try:
             t = time.perf_counter()
-            step = self.launch([(stream.seq, stream.take(len(stream.pending)), 1)], stream.greedy)
+            step = self.launch([(stream.seq, stream.take(len(stream.pending)), 1)], stream.draws())
             while True:
                 prefill = stream.prefilling
                 ahead = None
-                if self.fetch_soon and stream.greedy and stream.has_next_step:
-                    ahead = self.launch([(stream.seq, [0], 1)], True, ids=step.choices)
+                if self.fetch_soon and stream.on_model and stream.has_next_step:
+                    ahead = self.launch([(stream.seq, [0], 1)], stream.draws(), ids=step.choices)
                 token = stream.accept(step.wait()[0][-1])
                 if prefill:
                     m.prefill_ms, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
@@ -294,7 +299,7 @@ class Engine:
                 yield token
                 if token.finish_reason:
                     return
-                step = ahead or self.launch([(stream.seq, stream.pending, 1)], stream.greedy)
+                step = ahead or self.launch([(stream.seq, stream.pending, 1)], stream.draws())
                 stream.take(1)
         finally:
             self.pool.release(stream.seq)

@@ -1,6 +1,10 @@
 """The sampling pipeline, in SPEC order: repetition penalty (and OpenAI's presence/frequency
 penalties over the generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw.
-Temperature 0 is greedy. Each stage is a small function over a logits vector."""
+Temperature 0 is greedy. Each stage is a small function over a logits vector.
+
+After the penalties, a choice is `choose(logits, row)` with row = (temperature, top_k, top_p, min_p,
+u), u the step's uniform: the decoder graph's `sample` op takes the same rows, so a stream without
+penalties or logprobs is sampled where the model runs, and only its token comes back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.errors import RequestError
+
+LAST_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
 @dataclass
@@ -23,9 +29,13 @@ class SamplingParams:
     seed: int | None = None
 
     @property
-    def greedy(self) -> bool:
-        """The most likely token, whatever the history: the model's own argmax decides."""
-        return self.temperature == 0 and self.repeat_penalty == 1.0 and self.presence_penalty == self.frequency_penalty == 0
+    def penalized(self) -> bool:
+        """Whether the history changes the logits (the choice then needs them on the host)."""
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def fits(self, width: int) -> bool:
+        """Whether the choice needs only the `width` most likely tokens (what the `sample` op sees)."""
+        return not self.penalized and (self.temperature == 0 or 1 <= self.top_k <= width)
 
     def validate(self) -> SamplingParams:
         checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
@@ -106,19 +116,33 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(probs >= min_p * probs.max(), logits, -np.inf)
 
 
+def choose(logits: np.ndarray, row) -> int:
+    """One token from penalized logits and a row (temperature, top_k, top_p, min_p, u): the draw is
+    numpy's Generator.choice with u as its uniform (the first token, in token order, whose share of
+    the cumulative probability exceeds u)."""
+    temperature, top_k, top_p, min_p, u = (float(v) for v in row)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    logits = np.asarray(logits, np.float64) / temperature
+    ids = top_k_ids(logits, int(top_k))          # the later stages and the draw see only top-k's survivors
+    cdf = np.cumsum(softmax(min_p_filter(top_p_filter(logits[ids], top_p), min_p)))
+    return int(ids[np.searchsorted(cdf / cdf[-1], u, side="right")])
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+
+    def draw(self) -> np.ndarray:
+        """The next choice's row for `choose` (or the `sample` op): one uniform per sampled token."""
+        p = self.params
+        u = min(self.rng.random(), LAST_BELOW_ONE) if p.temperature > 0 else 0.0     # kept < 1 once in f32
+        return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u], np.float32)
 
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = ()) -> int:
         p = self.params
         logits = apply_repeat_penalty(np.asarray(logits, np.float64), history[-p.repeat_last_n:] if p.repeat_last_n else history,
                                       p.repeat_penalty)
         logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
-        if p.temperature == 0:
-            return int(np.argmax(logits))
-        logits = logits / p.temperature
-        ids = top_k_ids(logits, p.top_k)          # the later stages and the draw see only top-k's survivors
-        kept = min_p_filter(top_p_filter(logits[ids], p.top_p), p.min_p)
-        return int(ids[self.rng.choice(ids.size, p=softmax(kept))])
+        return choose(logits, self.draw())

@@ -763,6 +763,49 @@ def topk(A, x, k, axis):
     return A.read("take_along", x, index, axis=axis), index
 
 
+def sample_rule(metas, attrs):
+    logits, params = metas
+    float_dtype(logits, "logits")
+    check(logits.ndim == 2, f"sample takes logits [rows, vocab], got {list(logits.shape)}")
+    check(params.dtype == "f32" and params.ndim == 2 and same_dim(params.shape[0], logits.shape[0]) is not False
+          and same_dim(params.shape[1], 5) is not False, f"params must be f32 [{logits.shape[0]}, 5], got {params.dtype} {list(params.shape)}")
+    if isinstance(logits.shape[1], int):
+        check(1 <= attrs["width"] <= logits.shape[1], f"width={attrs['width']} out of range for a vocabulary of {logits.shape[1]}")
+    return [TensorMeta((logits.shape[0],), "i64")]
+
+
+@op("sample", ["logits", "params"], sample_rule, attrs={"width": 64})
+def sample(A, logits, params, width):
+    """Each row's token from its params row (temperature, top_k, top_p, min_p, u). Temperature 0 takes
+    the most likely. Otherwise, over the `width` most likely tokens (top_k outside [1, width] counts as
+    width): logits / temperature -> top-k (ties at the k-th kept) -> top-p (the most likely first,
+    until their probability reaches top_p) -> min-p (probability >= min_p x the top one's) -> the draw:
+    the first survivor, in token order, whose share of the cumulative probability exceeds u."""
+    ids = A.reduce("topk", logits, axis=-1, k=width)                      # [R, W], most likely first
+    v = A.read("take_along", logits, ids, axis=-1)
+    t, k, top_p, min_p, u = (A.read("slice", params, axis=1, start=i, stop=i + 1) for i in range(5))
+    rank = A.read("iota", n=width, axis=1, ndim=2)
+    greedy = A.cmp("eq", t, A.lit(0.0))
+    x = A.mul(v, A.exp("recip", A.cmp("select", greedy, A.lit(1.0), t)))
+    kth = A.reduce("max", A.cmp("select", A.cmp("eq", rank, A.sub(k, A.lit(1.0))), v, A.lit(-math.inf)), axis=1)
+    live = A.cmp("le", kth, v)
+    e = A.cmp("select", live, A.exp("exp", A.sub(x, A.reduce("max", x, axis=1))), A.lit(0.0))
+    prob = A.mul(e, A.exp("recip", A.reduce("sum", e, axis=1)))
+
+    def pairwise_sum(w, pairs):             # out[r, j] = sum over i of w[r, i] * pairs[r, i, j]
+        return A.reduce("sum", A.mul(A.read("expand", w, axis=2), pairs), axis=1, keepdims=False)
+
+    before = pairwise_sum(prob, A.cmp("lt", A.read("iota", n=width, axis=1, ndim=3), A.read("iota", n=width, axis=2, ndim=3)))
+    nucleus = A.cmp("max", A.cmp("lt", before, top_p), A.cmp("le", A.lit(1.0), top_p))
+    keep = A.mul(A.mul(live, nucleus), A.cmp("le", min_p, e))
+    w = A.cmp("select", keep, e, A.lit(0.0))
+    cdf = pairwise_sum(w, A.cmp("le", A.read("expand", ids, axis=2), A.read("expand", ids, axis=1)))
+    hit = A.mul(keep, A.cmp("lt", u, A.mul(cdf, A.exp("recip", A.reduce("sum", w, axis=1)))))
+    drawn = A.reduce("min", A.cmp("select", hit, ids, A.lit(math.inf)), axis=1)
+    chosen = A.cmp("select", greedy, A.read("slice", ids, axis=1, start=0, stop=1), drawn)
+    return A.read("cast", A.read("reshape", chosen, shape=(-1,)), struct=("i64",))
+
+
 # --- convolution, pooling, resampling ------------------------------------------------------
 
 def conv_out(n, k, stride, pad, dil):

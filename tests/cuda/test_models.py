@@ -13,6 +13,7 @@ from tests.backends import BACKENDS
 from tests.llm.tiny import FAMILIES, build_model
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+GREEDY = np.zeros((1, 5), np.float32)      # one sampling row of temperature 0: the most likely token
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
 
 
@@ -64,8 +65,8 @@ def decode_steps(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """The model's greedy choice at each decode step, each step fed the given token, not its own."""
     engine, seq = model.engine, Sequence()
     try:
-        choices = [engine.forward([(seq, prompt, 1)], greedy=True)[0][-1]]
-        choices += [engine.forward([(seq, [t], 1)], greedy=True)[0][-1] for t in tokens[:-1]]
+        choices = [engine.forward([(seq, prompt, 1)], GREEDY)[0][-1]]
+        choices += [engine.forward([(seq, [t], 1)], GREEDY)[0][-1] for t in tokens[:-1]]
         return np.array(choices)
     finally:
         engine.pool.release(seq)
@@ -89,3 +90,21 @@ def test_queued_greedy_steps_end_where_single_steps_do(tmp_path):
     stop = text[len(text) // 2:][:2]
     assert [t.text for t in cuda.generate(ids, temperature=0, max_tokens=40, stop=[stop])] == \
         [t.text for t in cpu.generate(ids, temperature=0, max_tokens=40, stop=[stop])]
+
+
+def test_sampled_streams_choose_on_the_device_as_the_cpu_does(tmp_path):
+    """Seeded sampling (temperature, top-k, top-p, min-p) runs on the device: the same tokens as the
+    CPU's, and nothing but token ids comes back per step."""
+    build_model("llama", str(tmp_path))
+    cpu, cuda = Runtime("cpu").load(str(tmp_path), progress=False), Runtime("cuda").load(str(tmp_path), progress=False)
+    ids = cpu.tokenize(PROMPT)
+    fetched, fetch_soon = [], cuda.engine.fetch_soon
+
+    def watched(x):
+        fetched.append(tuple(x.shape))
+        return fetch_soon(x)
+
+    cuda.engine.fetch_soon = watched
+    for params in ({"temperature": 0.9, "top_k": 40, "seed": 3}, {"temperature": 1.5, "top_k": 8, "top_p": 0.8, "min_p": 0.1, "seed": 4}):
+        assert [t.id for t in cuda.generate(ids, max_tokens=6, **params)] == [t.id for t in cpu.generate(ids, max_tokens=6, **params)]
+    assert fetched and set(fetched) == {(1,)}

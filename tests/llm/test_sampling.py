@@ -1,9 +1,11 @@
-"""Each sampling stage on crafted logits, in SPEC order, and the pipeline's determinism."""
+"""Each sampling stage on crafted logits, in SPEC order, the pipeline's determinism, and the same
+choices made where the model runs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from soma_runtime.api import Runtime
 from soma_runtime.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -16,6 +18,11 @@ from soma_runtime.engine.sampling import (
 from soma_runtime.errors import RequestError
 
 NEG = -np.inf
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return Runtime().load(progress=False)
 
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
@@ -77,3 +84,22 @@ def test_draws_over_top_k_survivors_match_draws_over_the_whole_vocabulary():
         full = min_p_filter(top_p_filter(top_k_filter(logits / 0.7, params.top_k), 0.9), 0.05)
         want = int(np.random.default_rng(trial).choice(full.size, p=softmax(full)))
         assert Sampler(params)(logits, []) == want
+
+
+def test_the_model_samples_streams_whose_choice_needs_only_its_candidates():
+    assert SamplingParams().fits(64) and SamplingParams(temperature=0, top_k=0).fits(64)
+    assert SamplingParams(top_k=64).fits(64) and not SamplingParams(top_k=65).fits(64)
+    assert not SamplingParams(top_k=0).fits(64)                      # the whole vocabulary: on the host
+    assert not SamplingParams(temperature=0, repeat_penalty=1.1).fits(64)
+    assert not SamplingParams(presence_penalty=0.5).fits(64)
+
+
+def test_sampled_on_the_model_as_on_the_host(smol):
+    """The decoder graph's `sample` op and the host sampler (taken when logprobs are asked for) share
+    `choose` and one uniform per token: a seeded stream gives the same tokens either way."""
+    for params in ({"temperature": 0.9, "top_k": 40, "seed": 3}, {"temperature": 1.5, "top_k": 8, "top_p": 0.8, "seed": 4},
+                   {"temperature": 0.7, "min_p": 0.2, "seed": 5}):
+        on_model = list(smol.generate("Once upon a time", max_tokens=12, **params))
+        on_host = list(smol.generate("Once upon a time", max_tokens=12, logprobs=0, **params))
+        assert [t.id for t in on_model] == [t.id for t in on_host]
+        assert on_host[0].logprob is not None and on_model[0].logprob is None

@@ -5,6 +5,7 @@ import numpy as np
 
 from soma_runtime.backends.cpu.common import ANY, CPU, INT, F, deliver
 from soma_runtime.dtypes import DTYPES, dtype_of
+from soma_runtime.engine.sampling import choose
 from soma_runtime.ir.jets import jet
 
 
@@ -75,3 +76,11 @@ def topk(x, out=None, k=1, axis=-1):
         index = np.argsort(-moved, axis=-1, kind="stable")[..., :k]
     index = np.moveaxis(index, -1, axis)
     return np.take_along_axis(x, index, axis=axis), index.astype(np.int64)
+
+
+@jet("sample", CPU, [(F, "f32")])
+def sample(logits, params, out=None, width=64):
+    """Each row by the host sampler's own `choose`, its top-k read as the op reads it."""
+    rows = params.astype(np.float64)
+    rows[:, 1] = np.where((rows[:, 1] >= 1) & (rows[:, 1] <= width), rows[:, 1], width)
+    return np.array([choose(x, row) for x, row in zip(logits, rows)], np.int64)

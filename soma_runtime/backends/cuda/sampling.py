@@ -1,0 +1,87 @@
+"""On-device token choice, the `sample` op: each part of a row's vocabulary gives its `width` largest
+logits, one program per row merges them, and temperature, top-k, top-p, min-p and the draw with the
+row's uniform run over those candidates alone. One id per row crosses to the host, never the logits."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from soma_runtime.backends.cuda.device import INTERPRET, device_jet
+from soma_runtime.ir.jets import jet
+
+# vocabulary columns one program reduces, and the two kernels' warps: one row wants wide programs,
+# many rows narrow ones (swept on the H200 at a 128k vocabulary); the interpreter sorts slowly
+TILES = {"one row": (4096, 8, 16), "rows": (2048, 2, 8), "interpreted": (256, 4, 4)}
+
+
+@triton.jit
+def _keys(x, cols, n):
+    """(value, column) as int64 keys that sort by value, then by the lower column: the float's order
+    in the high word, the column's complement in the low. Columns past n hold -inf."""
+    bits = tl.where(cols < n, x, -float("inf")).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+
+
+@triton.jit
+def _unkey(keys):
+    ordered = (keys >> 32).to(tl.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (keys & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _candidates_kernel(x_ptr, params_ptr, keys_ptr, n, PART: tl.constexpr, W: tl.constexpr):
+    """Part p of row r: its W largest logits, as keys (a greedy row needs only the largest: W copies)."""
+    r, p, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    cols = p * PART + tl.arange(0, PART)
+    x = tl.load(x_ptr + r.to(tl.int64) * n + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
+    keys = _keys(x, cols, n)
+    if tl.load(params_ptr + r * 5) == 0:
+        top = tl.zeros([W], tl.int64) + tl.max(keys, 0)
+    else:
+        top = tl.topk(keys, W)
+    tl.store(keys_ptr + (r * parts + p) * W + tl.arange(0, W), top)
+
+
+@triton.jit
+def _choose_kernel(keys_ptr, params_ptr, out_ptr, n, width, CANDIDATES: tl.constexpr, W: tl.constexpr):
+    """Row r's token from its parts' candidates, as the op's atoms define it (see ops.sample)."""
+    r = tl.program_id(0)
+    keys = tl.load(keys_ptr + r * CANDIDATES + tl.arange(0, CANDIDATES))
+    t = tl.load(params_ptr + r * 5)
+    if t == 0:
+        choice = _unkey(tl.max(keys, 0))[1]
+    else:
+        v, ids = _unkey(tl.topk(keys, W))
+        k, top_p = tl.load(params_ptr + r * 5 + 1), tl.load(params_ptr + r * 5 + 2)
+        min_p, u = tl.load(params_ptr + r * 5 + 3), tl.load(params_ptr + r * 5 + 4)
+        k = tl.where((k >= 1) & (k <= width), k, width).to(tl.int32)
+        kth = tl.max(tl.where(tl.arange(0, W) == k - 1, v, -float("inf")), 0)
+        live = (v >= kth) & (ids < n)
+        x = v / t
+        e = tl.where(live, tl.exp(x - tl.max(x, 0)), 0.0)
+        prob = e / tl.sum(e, 0)
+        before = tl.cumsum(prob, 0) - prob
+        keep = live & (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (e >= min_p)
+        w = tl.where(keep, e, 0.0)
+        cdf = tl.sum(tl.where(ids[:, None] <= ids[None, :], w[:, None], 0.0), 0)      # cdf[j]: weight of ids <= ids[j]
+        choice = tl.min(tl.where(keep & (cdf / tl.sum(w, 0) > u), ids, n), 0)
+    tl.store(out_ptr + r, choice.to(tl.int64))
+
+
+@jet("sample", "cuda", [(("f32", "f16", "bf16"), "f32")])
+@device_jet
+def sample(logits, params, width=64):
+    rows, n = logits.shape
+    out, params = torch.empty(rows, dtype=torch.int64, device=logits.device), params.contiguous()
+    if rows:
+        W = triton.next_power_of_2(width)
+        part, *warps = TILES["interpreted" if INTERPRET else "one row" if rows == 1 else "rows"]
+        part = max(W, min(part, triton.next_power_of_2(n)))
+        parts = triton.next_power_of_2(triton.cdiv(n, part))        # a power of two: the merge sorts them all
+        keys = torch.empty((rows, parts * W), dtype=torch.int64, device=logits.device)
+        _candidates_kernel[(rows, parts)](logits.contiguous(), params, keys, n, PART=part, W=W, num_warps=warps[0])
+        _choose_kernel[(rows,)](keys, params, out, n, width, CANDIDATES=parts * W, W=W, num_warps=warps[1])
+    return out
