@@ -138,14 +138,19 @@ def test_quantized_matmul_stays_within_format_error(name, rel_error):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < rel_error
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["f16", "bf16"])
-def test_half_weight_matmul_matches_torch(name):
+@pytest.mark.parametrize("shape", [(24, 96), (40, 300), (24576, 40)])
+def test_half_weight_matmul_matches_torch(backend, name, shape):
+    """f32 rows against f16/bf16 weights at f32 accuracy: one row (matrix-vector), a decode batch (on
+    cuda, bf16 weights: f32 rows split in three bf16 parts, K split across programs or not), a prompt."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((24, 96)).astype(dtype(name).numpy)
-    for rows in (2, 12):
-        x = rng.standard_normal((rows, 96)).astype(np.float32)
-        want = torch.from_numpy(x) @ torch.from_numpy(w.astype(np.float32)).T
-        got = run_op("matmul", x, w, backend="cpu", transpose_b=True)
+    w = rng.standard_normal(shape).astype(dtype(name).numpy)
+    for rows in (1, 6, 40, 70) if shape[0] < 1000 else (6,):
+        x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+        residual = rng.standard_normal((rows, shape[0])).astype(np.float32)
+        want = torch.from_numpy(x) @ torch.from_numpy(w.astype(np.float32)).T + torch.from_numpy(residual)
+        got = run_op("matmul", x, w, None, residual, backend=backend, transpose_b=True)
         assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
 
 

@@ -23,8 +23,10 @@ INT = ("i32", "i64")
 INT8_FORMATS = tuple(PLANAR_HEADER)   # GGUF ids of the 32-weight formats (q4_0 2, q4_1 3, q8_0 8): planar, int8 dots
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
+BF16_DOT = tl.constexpr(not INTERPRET)
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
 GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
+SKINNY_ROWS = 64       # ... up to this many, against bf16 weights, the decode-batch kernel
 
 
 @triton.jit
@@ -275,6 +277,52 @@ def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
+@triton.jit
+def _bf16_dot(w, x, acc):
+    """acc + w @ x^T on bf16 tensor cores. Triton's interpreter gets bf16 dots wrong: there the same
+    values, exact in f32, are multiplied in f32."""
+    if BF16_DOT:
+        return tl.dot(w, tl.trans(x), acc)
+    return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+
+
+@triton.jit
+def _skinny_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sbn, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """out[M, N] (split s of K: out[s, M, N]) = a[M, K] @ b[N, K]^T for a few f32 rows against bf16
+    weights: the weight is the tensor cores' wide operand (BN of its rows a program), and each f32
+    row enters as three bf16 parts, high to low, each product exact: f32 accuracy in three bf16 MMAs
+    (tf32x3 takes three tf32 ones, at half the rate, and splits the weight for nothing)."""
+    pn, split = tl.program_id(0), tl.program_id(1)
+    n = pn * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    acc = tl.zeros((BN, BM), tl.float32)
+    for k0 in tl.range(split * BK, K, BK * SPLIT):
+        k = k0 + tl.arange(0, BK)
+        w = tl.load(b_ptr + n[:, None] * sbn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = tl.load(a_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        high = x.to(tl.bfloat16)
+        rest = x - high.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        low = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        # a step's products sum apart, then join in one rounded f32 add: a long chain of tensor-core
+        # accumulations (which truncate) lost 20x f32's accuracy at K = 4096 on the H200
+        acc += _bf16_dot(w, low, _bf16_dot(w, mid, _bf16_dot(w, high, tl.zeros((BN, BM), tl.float32))))
+    tl.store(out_ptr + split * M * N + m[None, :] * N + n[:, None], acc, mask=(m[None, :] < M) & (n[:, None] < N))
+
+
+@triton.jit
+def _sum_splits_kernel(parts_ptr, res_ptr, out_ptr, total, SPLIT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the K splits' partial products summed (+ the residual)."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(parts_ptr + s * total + at, mask=at < total, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res_ptr + at, mask=at < total, other=0.0)
+    tl.store(out_ptr + at, acc, mask=at < total)
+
+
 def with_residual(out: torch.Tensor, residual):
     return out if residual is None else binary(out, residual, BINARY["add"])
 
@@ -327,6 +375,29 @@ def matmul_tiles(M: int, N: int) -> tuple[int, int, int, int]:
     return (128, 128, 32, 8) if N >= 8192 else (64, 64, 64, 4)
 
 
+def skinny_tiles(N: int) -> tuple[int, int, int, int, int]:
+    """(BN, BK, warps, stages, K splits) for a few rows against an [N, K] bf16 weight, as swept on an
+    H200 at 32 rows (1B and 8B shapes, L2 cold): narrow layers split K four ways to fill the GPU."""
+    if N >= 16384:
+        return (128, 64, 8, 4, 2 if N < 24576 else 1)
+    return (64, 128, 4, 3, 4) if N <= 2048 else (128, 128, 8, 3, 4)
+
+
+def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
+    """[M, K] f32 rows @ [N, K]^T bf16, for a decode batch (see _skinny_matmul_kernel)."""
+    (M, K), N = rows.shape, w.shape[0]
+    BN, BK, warps, stages, split = skinny_tiles(N)
+    out = torch.empty((M, N), dtype=torch.float32, device=rows.device)
+    parts = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=rows.device)
+    _skinny_matmul_kernel[(triton.cdiv(N, BN), split)](rows, w, parts, M, N, K, w.stride(0), BN=BN, BM=max(16, triton.next_power_of_2(M)),
+                                                      BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
+    if split == 1:
+        return with_residual(out, residual)
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, gemv_residual(residual, out), out, M * N, SPLIT=split,
+                                                   HAS_RES=residual is not None, BLOCK=1024)
+    return out
+
+
 def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None) -> torch.Tensor:
     """The norm runs first: folded into the matrix-vector kernel, its weight's loads slowed the weight
     stream by a fifth (measured on an H200), more than the kernel it saves."""
@@ -342,6 +413,9 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
         _gemv_kernel[(triton.cdiv(N, 4), rows.shape[0])](rows, bt, gemv_residual(residual, out), out, N, K, bt.stride(0),
                                                          bt.stride(1), HAS_RES=residual is not None, BN=4, BK=1024, num_warps=2)
         return out.reshape(*a.shape[:-1], N)
+    if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and a.numel() // a.shape[-1] <= SKINNY_ROWS:
+        rows = a.reshape(-1, a.shape[-1]).contiguous()
+        return skinny_matmul(rows, bt, residual).reshape(*a.shape[:-1], bt.shape[0])
     batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], bt.shape[-2]
     a3 = a.expand(*batch, M, K).reshape(-1, M, K) if batch else a.reshape(1, M, K)
