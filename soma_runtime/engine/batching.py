@@ -159,10 +159,7 @@ class Scheduler:
         if not batch:
             return
         start = time.perf_counter()
-        # every stream sampled where the model runs: only their tokens come back (else all the logits)
-        on_model = all(job.stream.on_model for job in jobs)
-        sampling = np.concatenate([job.stream.draws() for job, (_, _, want) in zip(jobs, batch) if want]) if on_model else None
-        rows_of = self.engine.forward(batch, sampling)
+        rows_of = self.engine.forward(batch, self._sampling(jobs, batch))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.last_batch = len(batch)
@@ -170,6 +167,15 @@ class Scheduler:
         for job, rows in zip(jobs, rows_of):
             if len(rows):
                 self._deliver(job, job.stream.accept(rows[-1]))
+
+    @staticmethod
+    def _sampling(jobs: list[Job], batch: list) -> np.ndarray | None:
+        """The step's sampling rows where every stream is sampled where the model runs (only tokens
+        come back), else None (all the logits do)."""
+        if not all(job.stream.on_model for job in jobs):
+            return None
+        rows = [job.stream.draws() for job, (_, _, want) in zip(jobs, batch) if want]
+        return np.concatenate(rows) if rows else np.zeros((0, 5), np.float32)
 
     def _deliver(self, job: Job, token: Token) -> None:
         self.stats.generated_tokens += 1

@@ -80,7 +80,11 @@ def topk(x, out=None, k=1, axis=-1):
 
 @jet("sample", CPU, [(F, "f32")])
 def sample(logits, params, out=None, width=64):
-    """Each row by the host sampler's own `choose`, its top-k read as the op reads it."""
+    """Greedy rows (temperature 0) by one argmax; the others by the host sampler's own `choose`, their
+    top-k read as the op reads it."""
     rows = params.astype(np.float64)
     rows[:, 1] = np.where((rows[:, 1] >= 1) & (rows[:, 1] <= width), rows[:, 1], width)
-    return np.array([choose(x, row) for x, row in zip(logits, rows)], np.int64)
+    chosen = np.argmax(logits, axis=-1).astype(np.int64)
+    for r in np.flatnonzero(rows[:, 0] != 0):
+        chosen[r] = choose(logits[r], rows[r])
+    return chosen
