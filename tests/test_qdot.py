@@ -50,6 +50,20 @@ def test_portable_and_vnni_paths_agree_bitwise(name):
     results = []
     for portable in (False, True):
         out = np.empty((13, 24), np.float32)
-        qdot.make_matmul(fmt, portable)(blocks, x, out, qdot.TILE_ROWS)
+        qdot.make_matmul(fmt, portable)(blocks, x, out, qdot.TILE_ROWS, qdot.NONE_1D, np.float32(0), qdot.NONE_2D)
         results.append(out)
     np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_norm_and_residual_inside_the_kernel_round_as_the_separate_ops(name):
+    """Decode's matmul takes the block's rmsnorm and the residual add into its one call: the result
+    must be bit-identical to rmsnorm, then the matmul, then the add."""
+    from soma_runtime.backends.cpu.elementwise import rmsnorm
+    fmt = dtype(name).ggml_id
+    blocks = random_blocks(name, 40, 256, seed=3)
+    rng = np.random.default_rng(3)
+    x, norm = rng.standard_normal((3, 256)).astype(np.float32), rng.standard_normal(256).astype(np.float32)
+    residual = rng.standard_normal((3, 40)).astype(np.float32)
+    apart = qdot.matmul_q8(rmsnorm(x, norm, eps=1e-5), blocks, fmt) + residual
+    np.testing.assert_array_equal(qdot.matmul_q8(x, blocks, fmt, norm, 1e-5, residual), apart)

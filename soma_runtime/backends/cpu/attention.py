@@ -17,7 +17,7 @@ from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, f32, out_f32
 from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
 from soma_runtime.backends.cpu.linear import rope
-from soma_runtime.backends.cpu.simd import narrow, widen
+from soma_runtime.backends.cpu.simd import exp_f32, narrow, widen
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -90,11 +90,11 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
         value = np.empty(dv, np.float32)
         for g in range(group):             # softmax as ggml: exps summed in f64, scaled by the reciprocal
             top = scores[g].max()
+            for t in range(hi - lo):       # apart from the f64 sum, so that the exps vectorize
+                scores[g, t] = exp_f32(scores[g, t] - top)
             total = 0.0
             for t in range(hi - lo):
-                e = np.float32(np.exp(scores[g, t] - top))
-                scores[g, t] = e
-                total += e
+                total += scores[g, t]
             inv = np.float32(1.0 / total)
             for t in range(hi - lo):
                 scores[g, t] = narrow(scores[g, t] * inv, precision)

@@ -154,7 +154,7 @@ def geglu(gate, up, approximate): return gelu_f32(gate, approximate) * up
 
 
 @njit(cache=True, error_model="numpy")
-def _rmsnorm_rows(x, weight, eps, out):
+def rmsnorm_rows(x, weight, eps, out):
     n = x.shape[1]
     for r in range(x.shape[0]):
         total = 0.0
@@ -169,7 +169,7 @@ def _rmsnorm_rows(x, weight, eps, out):
 def rmsnorm(x, weight, out=None, eps=1e-6):
     if weight is not None and all_f32(x, weight) and x.ndim >= 2 and weight.shape == x.shape[-1:]:
         result = out_f32(out, x.shape)
-        _rmsnorm_rows(dense(x).reshape(-1, x.shape[-1]), dense(weight), np.float32(eps), result.reshape(-1, x.shape[-1]))
+        rmsnorm_rows(dense(x).reshape(-1, x.shape[-1]), dense(weight), np.float32(eps), result.reshape(-1, x.shape[-1]))
         return result
     return _rmsnorm_numpy(x, weight, eps=eps, out=out)
 

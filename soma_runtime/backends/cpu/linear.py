@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu import amx
+from soma_runtime.backends.cpu import amx, qdot
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, dense, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.elementwise import gelu_in_place, rmsnorm
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
@@ -44,6 +44,11 @@ def _few_rows_matmul(a, w, out):
      + [("f32", q, b, r, n) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32") for n in ("none", "f32")])
 def matmul(a, b, bias=None, residual=None, norm=None, out=None, transpose_b=False, activations="f32", epilogue="none",
            norm_eps=1e-6):
+    if decode_q8(a, b, bias, residual, norm, activations, epilogue):     # one call: norm, q8 dots, residual
+        rows, result = a.reshape(-1, a.shape[-1]), out_f32(out, (*a.shape[:-1], b.shape[0]))
+        qdot.matmul_q8(rows, b.data, b.dtype.ggml_id, norm, norm_eps, None if residual is None else residual.reshape(rows.shape[0], -1),
+                       result.reshape(rows.shape[0], -1))
+        return result
     if norm is not None:
         a = rmsnorm(a, norm, eps=norm_eps)
     # bf16 weights on the matrix units: every row count under bf16 activations (a row's numbers must
@@ -64,6 +69,14 @@ def matmul(a, b, bias=None, residual=None, norm=None, out=None, transpose_b=Fals
     if residual is not None:
         result += f32(residual)
     return deliver(result, dtype_of(a), out)
+
+
+def decode_q8(a, b, bias, residual, norm, activations, epilogue) -> bool:
+    """Whether a matmul is decode's: a few f32 rows against 32-weight blocks under q8 activations,
+    norm and residual (if any) f32 and contiguous, nothing else around it."""
+    return (isinstance(b, QTensor) and b.dtype.ggml_id in qdot.FORMATS and activations == "q8" and bias is None
+            and epilogue == "none" and a.size // a.shape[-1] <= GEMV_MAX_ROWS and all(
+                t is None or (t.dtype == np.float32 and t.flags.c_contiguous) for t in (a, residual, norm)))
 
 
 def own_f32(result: np.ndarray) -> np.ndarray:

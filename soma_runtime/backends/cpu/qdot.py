@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu import simd
+from soma_runtime.backends.cpu.elementwise import rmsnorm_rows
 from soma_runtime.quant.formats import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 FORMATS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -66,8 +67,14 @@ def make_matmul(fmt: int, portable: bool = False):
     path, stamp = int(portable), simd.SOURCE_STAMP
 
     @njit(parallel=True, cache=True)
-    def matmul(w, x, out, tile_rows):
+    def matmul(w, x, out, tile_rows, norm, eps, residual):
+        """With a `norm` weight (size 0: none), x is rmsnorm'd first; with a `residual` [M, N] (size 0:
+        none), it is added to out: the same f32 roundings as the separate ops, without their calls."""
         assert stamp == simd.SOURCE_STAMP        # in the closure, so the disk cache keys on simd.py too
+        if norm.size:
+            normed = np.empty_like(x)
+            rmsnorm_rows(x, norm, eps, normed)
+            x = normed
         qs, d, s = quantize(x)
         m_rows, n_rows = x.shape[0], w.shape[0]
         for tile in prange((n_rows + tile_rows - 1) // tile_rows):
@@ -85,16 +92,25 @@ def make_matmul(fmt: int, portable: bool = False):
                 for n in range(lo, hi):
                     simd.row_dots(fmt, 1, path, w, qs, d, s, m, n, out)
                 m += 1
+            if residual.size:
+                for m in range(m_rows):
+                    for n in range(lo, hi):
+                        out[m, n] += residual[m, n]
     return matmul
 
 
 MATMUL = {fmt: make_matmul(fmt) for fmt in FORMATS}
 
 
-def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int) -> np.ndarray:
-    """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32."""
-    out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, TILE_ROWS)
+NONE_1D, NONE_2D = np.empty(0, np.float32), np.empty((0, 0), np.float32)
+
+
+def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int, norm=None, eps: float = 0.0, residual=None, out=None) -> np.ndarray:
+    """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32 (into
+    `out` if given); x rmsnorm'd by `norm` (f32 [K]) first and `residual` (f32 [M, N]) added, where given."""
+    out = np.empty((x.shape[0], data.shape[0]), np.float32) if out is None else out
+    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, TILE_ROWS, NONE_1D if norm is None else norm, np.float32(eps),
+                NONE_2D if residual is None else residual)
     return out
 
 
