@@ -67,3 +67,13 @@ def test_norm_and_residual_inside_the_kernel_round_as_the_separate_ops(name):
     residual = rng.standard_normal((3, 40)).astype(np.float32)
     apart = qdot.matmul_q8(rmsnorm(x, norm, eps=1e-5), blocks, fmt) + residual
     np.testing.assert_array_equal(qdot.matmul_q8(x, blocks, fmt, norm, 1e-5, residual), apart)
+
+
+def test_decode_matmul_of_no_rows_is_empty():
+    """A batch step that wants no logits runs the head on zero rows (the norm folded in)."""
+    from soma_runtime.dtypes import QTensor
+    from soma_runtime.ir.jets import run_op
+    w = QTensor(random_blocks("q8_0", 8, 64), "q8_0", (8, 64))
+    got = run_op("matmul", np.zeros((0, 64), np.float32), w, None, None, np.ones(64, np.float32), backend="cpu",
+                 transpose_b=True, activations="q8")
+    assert got.shape == (0, 8)

@@ -46,8 +46,9 @@ def matmul(a, b, bias=None, residual=None, norm=None, out=None, transpose_b=Fals
            norm_eps=1e-6):
     if decode_q8(a, b, bias, residual, norm, activations, epilogue):     # one call: norm, q8 dots, residual
         rows, result = a.reshape(-1, a.shape[-1]), out_f32(out, (*a.shape[:-1], b.shape[0]))
-        qdot.matmul_q8(rows, b.data, b.dtype.ggml_id, norm, norm_eps, None if residual is None else residual.reshape(rows.shape[0], -1),
-                       result.reshape(rows.shape[0], -1))
+        shape = (rows.shape[0], b.shape[0])              # explicit: a step may want no rows
+        qdot.matmul_q8(rows, b.data, b.dtype.ggml_id, norm, norm_eps, None if residual is None else residual.reshape(shape),
+                       result.reshape(shape))
         return result
     if norm is not None:
         a = rmsnorm(a, norm, eps=norm_eps)
