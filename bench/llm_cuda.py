@@ -73,6 +73,7 @@ def bench_ours(path: str) -> dict:
     from soma_runtime.api import Runtime
     from soma_runtime.bench_llm import bench_model
     from soma_runtime.engine.generate import Stream
+    from soma_runtime.engine.sampling import greedy_rows
     model = Runtime("cuda").load(path, n_ctx=1024, progress=False)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     result["sampled_decode_tok_s"] = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS, **SAMPLED)["decode_tok_s"]
@@ -82,7 +83,7 @@ def bench_ours(path: str) -> dict:
         s.start()
         engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
         s.pending = [1]
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], np.zeros((BATCH, 5), np.float32))   # greedy rows
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy_rows(BATCH))
     step()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -8,7 +8,17 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 os.environ["SOMA_CACHE_DIR"] = tempfile.mkdtemp(prefix="soma-test-cache-")
 os.environ["SOMA_AUTOTUNE"] = "0"
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The bundled SmolLM2 through the Python API, loaded once per test module (imported here, after
+    the settings above)."""
+    from soma_runtime.api import Runtime
+    return Runtime().load("default", progress=False)

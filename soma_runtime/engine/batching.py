@@ -20,6 +20,7 @@ import numpy as np
 
 from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
 from soma_runtime.engine.kv import prefix_hashes
+from soma_runtime.engine.sampling import greedy_rows
 from soma_runtime.errors import RequestError
 
 log = logging.getLogger("soma_runtime.batching")
@@ -175,7 +176,7 @@ class Scheduler:
         if not all(job.stream.on_model for job in jobs):
             return None
         rows = [job.stream.draws() for job, (_, _, want) in zip(jobs, batch) if want]
-        return np.concatenate(rows) if rows else np.zeros((0, 5), np.float32)
+        return np.concatenate(rows) if rows else greedy_rows(0)
 
     def _deliver(self, job: Job, token: Token) -> None:
         self.stats.generated_tokens += 1

@@ -22,7 +22,7 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name, sample_width
 from soma_runtime.backends import load_backend
 from soma_runtime.engine.kv import KVPool, Sequence
-from soma_runtime.engine.sampling import Sampler, SamplingParams, log_softmax
+from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows, log_softmax
 from soma_runtime.errors import PromptTooLong, RequestError
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -239,7 +239,7 @@ class Engine:
         inputs = {"ids": ids, "positions": positions,
                   "slots": np.concatenate(new_slots),
                   "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
-                  "sampling": np.zeros((len(logit_rows), 5), np.float32) if sampling is None else np.asarray(sampling, np.float32),
+                  "sampling": greedy_rows(len(logit_rows)) if sampling is None else np.asarray(sampling, np.float32),
                   **{mask_name(w): mask for w, mask in masks.items()}}
         cache = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
         inputs.update(cache)

@@ -129,6 +129,11 @@ def choose(logits: np.ndarray, row) -> int:
     return int(ids[np.searchsorted(cdf / cdf[-1], u, side="right")])
 
 
+def greedy_rows(n: int) -> np.ndarray:
+    """n rows for `choose` (or the `sample` op) that take the most likely token: temperature 0."""
+    return np.zeros((n, 5), np.float32)
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()

@@ -9,11 +9,12 @@ import pytest
 from soma_runtime.api import Runtime
 from soma_runtime.backends import gpu_available
 from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.sampling import greedy_rows
 from tests.backends import BACKENDS
 from tests.llm.tiny import FAMILIES, build_model
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
-GREEDY = np.zeros((1, 5), np.float32)      # one sampling row of temperature 0: the most likely token
+GREEDY = greedy_rows(1)
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
 
 

@@ -6,17 +6,11 @@ import queue
 
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 
 PROMPTS = ["The capital of France is", "Write a poem about the moon.", "def fibonacci(n):", "List three colors:",
            "Once upon a time, in a land far far away, there lived a", "1, 2, 3, 4,", "Translate to French: good morning",
            "The best way to learn programming is"]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return Runtime().load("default", progress=False)
 
 
 def solo(model, ids, max_tokens, **params):

@@ -12,11 +12,6 @@ from soma_runtime.api import Runtime
 from tests.llm.tiny import build_model
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return Runtime().load(progress=False)
-
-
 def test_stop_string_ends_generation_and_is_not_emitted(smol):
     free = smol.complete("1, 2, 3, 4, 5,", max_tokens=12, temperature=0)
     assert " 8," in free, free                       # the model counts on; stop before 8

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -18,11 +17,6 @@ from soma_runtime.engine.sampling import (
 from soma_runtime.errors import RequestError
 
 NEG = -np.inf
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return Runtime().load(progress=False)
 
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
