@@ -22,12 +22,13 @@ STEPS = 20
 def decode_steps(model, rows: int):
     """A function running one decode step for `rows` sequences whose prompts are already cached."""
     from soma_runtime.engine.generate import Stream
+    from soma_runtime.engine.sampling import greedy_rows
     engine = model.engine
     streams = [Stream(engine, model.request([int(t) for t in row], 256, temperature=0)) for row in prompt(1000, rows)]
     for s in streams:
         s.start()
         engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy=True)
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy_rows(rows))
     return step, lambda: [engine.pool.release(s.seq) for s in streams]
 
 
@@ -64,7 +65,7 @@ def report(model, rows: int, host: bool) -> None:
     total = sum(t for _, t in kernels.values())
     print(f"\nbatch {rows}: step {wall * 1e3:.3f} ms wall ({rows / wall:.0f} tok/s), GPU busy {total / STEPS / 1e3:.3f} ms, "
           f"{sum(n for n, _ in kernels.values()) / STEPS:.0f} kernels per step")
-    for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]:
+    for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:16]:
         print(f"  {t / STEPS:9.1f} us  {n / STEPS:5.0f}x  {name[:90]}")
     release()
 

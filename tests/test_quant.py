@@ -115,7 +115,7 @@ def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, ba
 
 
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
-@pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (17, 512), (17, 96)])   # 96: 3 blocks, a ragged step
+@pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (1, 2144), (17, 512), (17, 96)])   # 96: 3 blocks, a ragged step; 2144: 67, two steps
 @pytest.mark.parametrize("activations", ["q8", "f32"])
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
 def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend):
@@ -140,10 +140,11 @@ def test_quantized_matmul_stays_within_format_error(name, rel_error):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["f16", "bf16"])
-@pytest.mark.parametrize("shape", [(24, 96), (40, 300), (24576, 40)])
+@pytest.mark.parametrize("shape", [(24, 96), (40, 300), (24, 2100), (24576, 40)])
 def test_half_weight_matmul_matches_torch(backend, name, shape):
-    """f32 rows against f16/bf16 weights at f32 accuracy: one row (matrix-vector), a decode batch (on
-    cuda, bf16 weights: f32 rows split in three bf16 parts, K split across programs or not), a prompt."""
+    """f32 rows against f16/bf16 weights at f32 accuracy: one row (matrix-vector, K in one step or
+    three), a decode batch (on cuda, bf16 weights: f32 rows split in three bf16 parts, K split across
+    programs or not), a prompt."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal(shape).astype(dtype(name).numpy)
     for rows in (1, 6, 40, 70) if shape[0] < 1000 else (6,):

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import device_jet
 from soma_runtime.backends.cuda.linear import ROPE_INPUTS, rotated
 from soma_runtime.ir.jets import jet
@@ -22,6 +23,7 @@ F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
 
 
+@chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
                             out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
@@ -30,6 +32,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel, merged
     after): the share's unnormalized output, running max and sum for each query head of the group;
     with one share per row, the normalized output itself."""
+    after_prior()
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = heads // kv_heads
     g = tl.arange(0, GROUP)
@@ -90,9 +93,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         tl.store(total_ptr + h * splits + c, total, mask=g_ok)
 
 
+@chained
 @triton.jit
 def _merge_kernel(part_ptr, top_ptr, total_ptr, out_ptr, splits, dv, SPLITS: tl.constexpr, BV: tl.constexpr):
     """One (row, head): the chunks' partial results, rescaled to their common max and normalized."""
+    after_prior()
     h = tl.program_id(0)
     c = tl.arange(0, SPLITS)
     e = tl.arange(0, BV)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import TORCH, device_jet
 from soma_runtime.ir.jets import jet
 
@@ -50,8 +51,10 @@ def _activate(x, kind: tl.constexpr, slope):
     return y
 
 
+@chained
 @triton.jit
 def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constexpr):
+    after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     a = tl.load(a_ptr + offs, mask=keep).to(tl.float32)
@@ -67,16 +70,20 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constex
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
+@chained
 @triton.jit
 def _unary_kernel(x_ptr, out_ptr, n, kind: tl.constexpr, slope, BLOCK: tl.constexpr):
+    after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
     tl.store(out_ptr + offs, _activate(x, kind, slope).to(out_ptr.dtype.element_ty), mask=keep)
 
 
+@chained
 @triton.jit
 def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, kind: tl.constexpr, BLOCK: tl.constexpr):
+    after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     g = tl.load(gate_ptr + offs, mask=keep).to(tl.float32)
@@ -84,8 +91,10 @@ def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, kind: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + offs, (_activate(g, kind, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
 
+@chained
 @triton.jit
 def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=keep).to(out_ptr.dtype.element_ty), mask=keep)
@@ -150,10 +159,12 @@ def cast(x, dtype="f32"):
     return out
 
 
+@chained
 @triton.jit
 def _norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                  CENTER: tl.constexpr, BLOCK: tl.constexpr):
     """One row: rmsnorm (CENTER=False) or layernorm (CENTER=True), then weight and bias if given."""
+    after_prior()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     keep = cols < n
@@ -190,11 +201,13 @@ def layernorm(x, weight, bias, eps=1e-5):
     return normalize(x, weight, bias, eps, center=True)
 
 
+@chained
 @triton.jit
 def _softmax_kernel(x_ptr, mask_ptr, out_ptr, n, rows, causal: tl.constexpr, window, HAS_MASK: tl.constexpr,
                     BLOCK: tl.constexpr):
     """One row; with `causal`/`window`, query row i of each [rows, n] matrix sees key j when
     j <= i + n - rows and i + n - rows - j < window (bottom-right aligned, as the op says)."""
+    after_prior()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     keep = cols < n
@@ -226,9 +239,11 @@ def softmax(x, mask, axis=-1, causal=False, window=0):
     return out if last else out.movedim(-1, axis)
 
 
+@chained
 @triton.jit
 def _argmax_kernel(x_ptr, best_ptr, where_ptr, n, parts, BLOCK: tl.constexpr):
     """Part p of row r: the largest of its BLOCK values and the first index holding it (as numpy)."""
+    after_prior()
     r, p = tl.program_id(0), tl.program_id(1)
     cols = p * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r.to(tl.int64) * n + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
@@ -238,9 +253,11 @@ def _argmax_kernel(x_ptr, best_ptr, where_ptr, n, parts, BLOCK: tl.constexpr):
     tl.store(where_ptr + r * parts + p, tl.min(tl.where((x == top) & (cols < n), cols, n), 0))
 
 
+@chained
 @triton.jit
 def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, n, parts, PARTS: tl.constexpr):
     """Row r: the best of its parts, the first (lowest index) on ties."""
+    after_prior()
     r = tl.program_id(0)
     p = tl.arange(0, PARTS)
     best = tl.load(best_ptr + r * parts + p, mask=p < parts, other=-float("inf"))

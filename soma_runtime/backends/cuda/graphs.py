@@ -1,11 +1,13 @@
 """CUDA graphs: a plan's whole run captured once and replayed, so a decode step costs one launch
 from Python instead of hundreds. Host inputs are copied into static device buffers before each
 replay, or on the device where they come as device tensors (an earlier step's tokens); shared inputs
-(the KV pages) are captured as themselves and must be the same tensors every time, as the pool's are."""
+(the KV pages) are captured as themselves and must be the same tensors every time, as the pool's are.
+The captured kernels are chained (chain.py): each launched while the one before it finishes."""
 from __future__ import annotations
 
 import torch
 
+from soma_runtime.backends.cuda.chain import chaining
 from soma_runtime.backends.cuda.device import place
 from soma_runtime.errors import GraphError
 
@@ -21,12 +23,13 @@ class GraphedPlan:
         self.copied = torch.cuda.Event()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                       # compile every kernel before capture
-            plan.run(self.static)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = plan.run(self.static)
+        with chaining():
+            with torch.cuda.stream(side):                   # compile every kernel before capture
+                plan.run(self.static)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = plan.run(self.static)
 
     def run(self, inputs: dict) -> list:
         self.copied.synchronize()                           # the last step's copies have left the buffers

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import INTERPRET, PLANAR_HEADER, DeviceQTensor, device_jet
 from soma_runtime.backends.cuda.elementwise import BINARY, UNARY, binary, normalize, unary
 from soma_runtime.ir.jets import jet
@@ -27,13 +28,14 @@ BF16_DOT = tl.constexpr(not INTERPRET)
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
 GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
 SKINNY_ROWS = 64       # ... up to this many, against bf16 weights, the decode-batch kernel
+GEMV_TILES = {"short": (8, 512, 2), "long": (8, 1024, 4)}     # dense matrix-vector (BN, BK, warps) by K: < 8192 or more
 
 
 @triton.jit
 def _f16_at(ptr):
-    """The little-endian f16 stored at byte pointers `ptr`, as f32."""
-    bits = tl.load(ptr).to(tl.uint16) | (tl.load(ptr + 1).to(tl.uint16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    """The f16 stored at byte pointers `ptr`, as f32: one 2-byte load (every scale and min is 2-byte
+    aligned: the formats' blocks and rows have even sizes, planar rows are 16-byte padded)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
@@ -89,10 +91,12 @@ def _round_half_even(v):
     return tl.where((r - v == 0.5) & (r % 2 != 0), r - 1.0, r)
 
 
+@chained
 @triton.jit
 def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM: tl.constexpr):
     """One 32-block of one row: d = f16(amax / 127), q = rint(x * 127 / amax), s = f16(amax / 127 * sum q),
     as the CPU kernels (and ggml's x86 code) compute them; with NORM, of the rms-normalized row."""
+    after_prior()
     row, b = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, 32)
     x = tl.load(x_ptr + row * blocks * 32 + b * 32 + j).to(tl.float32)
@@ -120,10 +124,12 @@ def _inverse_rms(row_ptr, n, eps):
     return tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
 
 
+@chained
 @triton.jit
 def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks, row_bytes,
                     FMT: tl.constexpr, Q8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """out[M, N] = x[M, K] @ W[N, K]^T, W as GGUF rows of `row_bytes`; K = 32 * blocks."""
+    after_prior()
     pm, pn = tl.program_id(0), tl.program_id(1)
     m = pm * BM + tl.arange(0, BM)
     n = pn * BN + tl.arange(0, BN)
@@ -167,58 +173,85 @@ def _dot4(a, b, acc):
         return acc
 
 
+@chained
 @triton.jit
 def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blocks, row_bytes, FMT: tl.constexpr,
                   Q8: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BN weight rows, NB blocks per step: decode reads
     the weights once and keeps many rows in flight (the bandwidth-bound case). The planar 32-block
-    formats are read as 32-bit words of quants (16-byte loads): under q8 activations, four weights
-    meet four activations in one dp4a. With HAS_RES, the residual stream is added as the result is stored."""
+    formats are read as 32-bit words of quants (16-byte loads), a step ahead: the first step's
+    weights load while the kernel before still runs (measured this way only, unlike the dense
+    GEMV, which lost with it). With HAS_RES, the residual stream is added as the result is stored."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     rows = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes                               # [BN]
+    PLANAR: tl.constexpr = FMT == 2 or FMT == 3 or FMT == 8
+    if PLANAR:
+        words, d, mn = _planar_blocks(rows, 0, blocks, FMT, NB)
+    after_prior()
     acc = tl.zeros((BN, NB), tl.float32)
     for b0 in tl.range(0, blocks, NB):
         b = b0 + tl.arange(0, NB)
         b_ok = b < blocks
         b = tl.where(b_ok, b, 0)
-        if FMT == 2 or FMT == 3 or FMT == 8:
-            words_per_block: tl.constexpr = 8 if FMT == 8 else 4
-            c = tl.arange(0, words_per_block)
-            at = tl.expand_dims(b, 1) * words_per_block + c                                          # [NB, words]
-            words = tl.load(rows.to(tl.pointer_type(tl.int32))[:, None, None] + at[None, :, :])      # [BN, NB, words]
-            scales = tl.expand_dims(rows, 1) + blocks * 4 * words_per_block + 2 * tl.expand_dims(b, 0)
-            d = _f16_at(scales)                                                                      # [BN, NB]
-            mn = d
-            if FMT == 3:                                    # q4_1: its mins follow the scales
-                mn = _f16_at(scales + 2 * blocks)
-            if FMT == 8:                                    # 4 weights as 4 signed bytes per word
-                low, high = words, words
-            else:                                           # a word's low nibbles are weights 4c..4c+3, its high ones 16 later
-                low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
-                if FMT == 2:                                # q4_0: each byte minus 8
-                    low, high = (low + 0x78787878) ^ SIGN_BITS, (high + 0x78787878) ^ SIGN_BITS
-            if Q8:                                          # exact integer dots, one scale per block
-                xw = (xq_ptr + m * blocks * 32).to(tl.pointer_type(tl.int32)) + tl.expand_dims(b, 1) * 8
-                if FMT == 8:
-                    dots = _dot4(words, tl.expand_dims(tl.load(xw + c), 0), tl.zeros((BN, NB, 8), tl.int32))
-                else:
-                    dots = _dot4(low, tl.expand_dims(tl.load(xw + c), 0), tl.zeros((BN, NB, 4), tl.int32))
-                    dots = _dot4(high, tl.expand_dims(tl.load(xw + 4 + c), 0), dots)
-                part = tl.sum(dots, 2).to(tl.float32) * d * tl.expand_dims(tl.load(xd_ptr + m * blocks + b), 0)
-                if FMT == 3:
-                    part += mn * tl.expand_dims(tl.load(xs_ptr + m * blocks + b), 0)
-            else:
-                part = d * _float_dots(low, high, x_ptr + m * blocks * 32, b, FMT)
-                if FMT == 3:
-                    row = x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)
-                    part += mn * tl.expand_dims(tl.sum(tl.load(row), 1), 0)
+        if PLANAR:
+            ahead = _planar_blocks(rows, b0 + NB, blocks, FMT, NB)
+            part = _planar_dots(words, d, mn, b, x_ptr + m * blocks * 32, xq_ptr + m * blocks * 32, xd_ptr + m * blocks,
+                                xs_ptr + m * blocks, FMT, Q8)
+            words, d, mn = ahead
         else:
             w = _decode_f32(tl.expand_dims(rows, 1), tl.expand_dims(b, 0), blocks, FMT)              # [BN, NB, 32]
             x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
             part = tl.sum(w * tl.expand_dims(x, 0), 2)
         acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
     _store_row(out_ptr, res_ptr, m * N + n, tl.sum(acc, 1), n < N, HAS_RES)
+
+
+@triton.jit
+def _planar_blocks(rows, b0, blocks, FMT: tl.constexpr, NB: tl.constexpr):
+    """Blocks b0 .. b0+NB-1 of planar rows [BN] (none past the last): their quants as 32-bit words
+    [BN, NB, words], their scales [BN, NB] and q4_1's mins (else the scales again)."""
+    words_per_block: tl.constexpr = 8 if FMT == 8 else 4
+    b = b0 + tl.arange(0, NB)
+    b_ok = b < blocks
+    at = tl.expand_dims(b, 1) * words_per_block + tl.arange(0, words_per_block)                      # [NB, words]
+    words = tl.load(rows.to(tl.pointer_type(tl.int32))[:, None, None] + at[None, :, :], mask=b_ok[None, :, None], other=0)
+    scales = (tl.expand_dims(rows, 1) + blocks * 4 * words_per_block + 2 * tl.expand_dims(b, 0)).to(tl.pointer_type(tl.float16))
+    d = tl.load(scales, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    mn = d
+    if FMT == 3:                                            # q4_1: its mins follow the scales
+        mn = tl.load(scales + blocks, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    return words, d, mn
+
+
+@triton.jit
+def _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_row, FMT: tl.constexpr, Q8: tl.constexpr):
+    """Blocks b [NB] of the rows (`_planar_blocks`' words, scales, mins) dotted with one activation row
+    -> [BN, NB]: under q8 activations four weights meet four activations in one dp4a, exact, one
+    scale per block; else the weights' integers meet f32 activations."""
+    words_per_block: tl.constexpr = 8 if FMT == 8 else 4
+    c = tl.arange(0, words_per_block)
+    if FMT == 8:                                            # 4 weights as 4 signed bytes per word
+        low, high = words, words
+    else:                                                   # a word's low nibbles are weights 4c..4c+3, its high ones 16 later
+        low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+        if FMT == 2:                                        # q4_0: each byte minus 8
+            low, high = (low + 0x78787878) ^ SIGN_BITS, (high + 0x78787878) ^ SIGN_BITS
+    if Q8:
+        xw = xq_row.to(tl.pointer_type(tl.int32)) + tl.expand_dims(b, 1) * 8
+        if FMT == 8:
+            dots = _dot4(words, tl.expand_dims(tl.load(xw + c), 0), tl.zeros(words.shape, tl.int32))
+        else:
+            dots = _dot4(low, tl.expand_dims(tl.load(xw + c), 0), tl.zeros(words.shape, tl.int32))
+            dots = _dot4(high, tl.expand_dims(tl.load(xw + 4 + c), 0), dots)
+        part = tl.sum(dots, 2).to(tl.float32) * d * tl.expand_dims(tl.load(xd_row + b), 0)
+        if FMT == 3:
+            part += mn * tl.expand_dims(tl.load(xs_row + b), 0)
+    else:
+        part = d * _float_dots(low, high, x_row, b, FMT)
+        if FMT == 3:
+            part += mn * tl.expand_dims(tl.sum(tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)), 1), 0)
+    return part
 
 
 @triton.jit
@@ -242,25 +275,40 @@ def _store_row(out_ptr, res_ptr, at, y, keep, HAS_RES: tl.constexpr):
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
+@chained
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, N, K, swn, swk, HAS_RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One activation row times BN dense weight rows (any float type, read once, f32 math)."""
+def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """One activation row times BN dense weight rows (any float type, read once, f32 math). With NORM,
+    of the row rms-normalized by weight g: the products of x * g, scaled by the row's 1/rms, whose
+    squares are summed in the same pass. (Loading each step's weights a step ahead, the first before
+    the wait, cost 3% at 1B and 8% at 8B, measured on an H200.)"""
+    after_prior()
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     acc = tl.zeros((BN, BK), tl.float32)
+    squares = tl.zeros((BK,), tl.float32)
     for k0 in tl.range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + n[:, None] * swn + k[None, :] * swk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
-    _store_row(out_ptr, res_ptr, m * N + n, tl.sum(acc, 1), n < N, HAS_RES)
+    y = tl.sum(acc, 1)
+    if NORM:
+        y = y * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(squares, 0) / K + eps))
+    _store_row(out_ptr, res_ptr, m * N + n, y, n < N, HAS_RES)
 
 
+@chained
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
                    F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[batch, M, N] = a[batch, M, K] @ b[batch, N, K]^T over strided (possibly broadcast) views.
     f32 operands go through the tensor cores as tf32x3 (split into high and low parts: f32 accuracy)."""
+    after_prior()
     pm, pn, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pm * BM + tl.arange(0, BM)
     n = pn * BN + tl.arange(0, BN)
@@ -286,6 +334,7 @@ def _bf16_dot(w, x, acc):
     return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
 
 
+@chained
 @triton.jit
 def _skinny_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sbn, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           SPLIT: tl.constexpr):
@@ -293,6 +342,7 @@ def _skinny_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sbn, BN: tl.constexpr,
     weights: the weight is the tensor cores' wide operand (BN of its rows a program), and each f32
     row enters as three bf16 parts, high to low, each product exact: f32 accuracy in three bf16 MMAs
     (tf32x3 takes three tf32 ones, at half the rate, and splits the weight for nothing)."""
+    after_prior()
     pn, split = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -311,9 +361,11 @@ def _skinny_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sbn, BN: tl.constexpr,
     tl.store(out_ptr + split * M * N + m[None, :] * N + n[:, None], acc, mask=(m[None, :] < M) & (n[:, None] < N))
 
 
+@chained
 @triton.jit
 def _sum_splits_kernel(parts_ptr, res_ptr, out_ptr, total, SPLIT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     """out = the K splits' partial products summed (+ the residual)."""
+    after_prior()
     at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     for s in tl.static_range(SPLIT):
@@ -353,9 +405,10 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         rows = normalized(rows, norm)
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
-        # swept on an H200 (1B and 8B shapes): 32-blocks, one-warp programs of 64 blocks a step, two rows
-        # (one for long rows); K-quants: wider programs, and narrow layers more, smaller programs
-        BN, NB, warps = (1 if K >= 8192 else 2, 64, 1) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 8, 4)
+        # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
+        # program (one per one-warp program for long rows); K-quants: wider programs, and narrow layers
+        # more, smaller programs
+        BN, NB, warps = ((1, 64, 1) if K >= 8192 else (4, 64, 2)) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 8, 4)
         _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, gemv_residual(residual, out), out, N, blocks,
                                                w.data.shape[1], FMT=fmt, Q8=use_q8, HAS_RES=residual is not None, BN=BN, NB=NB,
                                                num_warps=warps)
@@ -399,20 +452,21 @@ def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None) -> torch.T
 
 
 def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None) -> torch.Tensor:
-    """The norm runs first: folded into the matrix-vector kernel, its weight's loads slowed the weight
-    stream by a fifth (measured on an H200), more than the kernel it saves."""
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
-    if norm is not None:
-        a = normalized(a.contiguous(), norm)
     if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N), dtype=a.dtype, device=a.device)
-        # swept on an H200 (1B and 8B shapes): four rows per two-warp program, 1024-wide steps, were
-        # within 4% of each shape's best (2.9-5.6 TB/s read)
-        _gemv_kernel[(triton.cdiv(N, 4), rows.shape[0])](rows, bt, gemv_residual(residual, out), out, N, K, bt.stride(0),
-                                                         bt.stride(1), HAS_RES=residual is not None, BN=4, BK=1024, num_warps=2)
+        # swept on an H200 (1B and 8B shapes, chained, L2 cold): eight rows per program, 512-wide steps
+        # (1024 and four warps for long rows); with the norm folded in, 3.5-4.2 TB/s read on the large layers
+        BN, BK, warps = GEMV_TILES["long" if K >= 8192 else "short"]
+        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
+                                                          out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
+                                                          NORM=norm is not None, HAS_RES=residual is not None, BN=BN, BK=BK,
+                                                          num_warps=warps)
         return out.reshape(*a.shape[:-1], N)
+    if norm is not None:
+        a = normalized(a.contiguous(), norm)
     if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and a.numel() // a.shape[-1] <= SKINNY_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         return skinny_matmul(rows, bt, residual).reshape(*a.shape[:-1], bt.shape[0])
@@ -453,9 +507,11 @@ def product(a, b, transpose_b, activations, residual=None, norm=None):
     return with_residual(result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2), residual)
 
 
+@chained
 @triton.jit
 def _embedding_kernel(table_ptr, ids_ptr, out_ptr, dim, row_bytes, FMT: tl.constexpr, DENSE: tl.constexpr):
     """Row ids[r], 32 columns per program: dense tables copy, quantized ones decode."""
+    after_prior()
     r, b = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, 32)
     row = tl.load(ids_ptr + r).to(tl.int64)
@@ -499,9 +555,11 @@ def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexp
     return tl.where(rotary, turned, value)
 
 
+@chained
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
     """One (position, head) row of x [rows, heads, dim], rotated (see `rotated`)."""
+    after_prior()
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     keep = d < dim
@@ -524,9 +582,11 @@ def rope(x, positions, inv_freq, style="neox"):
     return out
 
 
+@chained
 @triton.jit
 def _kv_append_kernel(pages_ptr, new_ptr, slots_ptr, pos_ptr, freq_ptr, width, dim, half, ROPE: tl.constexpr,
                       NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    after_prior()
     r, part = tl.program_id(0), tl.program_id(1)
     i = part * BLOCK + tl.arange(0, BLOCK)
     keep = i < width

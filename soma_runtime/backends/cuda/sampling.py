@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import INTERPRET, device_jet
 from soma_runtime.ir.jets import jet
 
@@ -31,9 +32,11 @@ def _unkey(keys):
     return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (keys & 0xFFFFFFFF).to(tl.int32)
 
 
+@chained
 @triton.jit
 def _candidates_kernel(x_ptr, params_ptr, keys_ptr, n, PART: tl.constexpr, W: tl.constexpr):
     """Part p of row r: its W largest logits, as keys (a greedy row needs only the largest: W copies)."""
+    after_prior()
     r, p, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     cols = p * PART + tl.arange(0, PART)
     x = tl.load(x_ptr + r.to(tl.int64) * n + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
@@ -45,9 +48,11 @@ def _candidates_kernel(x_ptr, params_ptr, keys_ptr, n, PART: tl.constexpr, W: tl
     tl.store(keys_ptr + (r * parts + p) * W + tl.arange(0, W), top)
 
 
+@chained
 @triton.jit
 def _choose_kernel(keys_ptr, params_ptr, out_ptr, n, width, CANDIDATES: tl.constexpr, W: tl.constexpr):
     """Row r's token from its parts' candidates, as the op's atoms define it (see ops.sample)."""
+    after_prior()
     r = tl.program_id(0)
     keys = tl.load(keys_ptr + r * CANDIDATES + tl.arange(0, CANDIDATES))
     t = tl.load(params_ptr + r * 5)
