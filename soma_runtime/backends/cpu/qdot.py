@@ -31,9 +31,10 @@ def _f16_round(v):
 
 
 @njit(cache=True, error_model="numpy")
-def _quantize_rows(x, qs, d, s):
+def _quantize_rows(x, qs, d, s, groups):
     """x [M, K] f32 -> qs [M, K] int8, d [M, K/32] and s = d * sum q [K/32, M] f32 (transposed: the
-    kernels read one block's sums for several rows at once), f16-rounded like the file format."""
+    kernels read one block's sums for several rows at once), f16-rounded like the file format; and
+    the exact sums of each 4 consecutive q, groups [M, K/4] int32 (what a weight bias multiplies)."""
     for m in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             amax = np.float32(0)
@@ -45,6 +46,10 @@ def _quantize_rows(x, qs, d, s):
                 q = np.int32(np.rint(x[m, b * 32 + j] * inv))
                 qs[m, b * 32 + j] = q
                 total += q
+                if j % 4 == 0:
+                    groups[m, b * 8 + j // 4] = q
+                else:
+                    groups[m, b * 8 + j // 4] += q
             scale = amax / np.float32(127)
             d[m, b] = _f16_round(scale)
             s[b, m] = _f16_round(scale * np.float32(total))
@@ -52,12 +57,13 @@ def _quantize_rows(x, qs, d, s):
 
 @njit(cache=True)
 def quantize(x):
-    """The q8 blocks of x [M, K]: (qs, d, s) as `_quantize_rows` describes."""
+    """The q8 blocks of x [M, K]: (qs, d, s, groups) as `_quantize_rows` describes."""
     m, k = x.shape
     qs = np.empty((m, k), np.int8)
     d, s = np.empty((m, k // 32), np.float32), np.empty((k // 32, m), np.float32)
-    _quantize_rows(x, qs, d, s)
-    return qs, d, s
+    groups = np.empty((m, k // 4), np.int32)
+    _quantize_rows(x, qs, d, s, groups)
+    return qs, d, s, groups
 
 
 def make_matmul(fmt: int, portable: bool = False):
@@ -75,22 +81,22 @@ def make_matmul(fmt: int, portable: bool = False):
             normed = np.empty_like(x)
             rmsnorm_rows(x, norm, eps, normed)
             x = normed
-        qs, d, s = quantize(x)
+        qs, d, s, groups = quantize(x)
         m_rows, n_rows = x.shape[0], w.shape[0]
         for tile in prange((n_rows + tile_rows - 1) // tile_rows):
             lo, hi = tile * tile_rows, min(n_rows, (tile + 1) * tile_rows)
             m = 0
             while m + 8 <= m_rows:
                 for n in range(lo, hi):
-                    simd.row_dots(fmt, 8, path, w, qs, d, s, m, n, out)
+                    simd.row_dots(fmt, 8, path, w, qs, d, s, groups, m, n, out)
                 m += 8
             while m + 4 <= m_rows:
                 for n in range(lo, hi):
-                    simd.row_dots(fmt, 4, path, w, qs, d, s, m, n, out)
+                    simd.row_dots(fmt, 4, path, w, qs, d, s, groups, m, n, out)
                 m += 4
             while m < m_rows:
                 for n in range(lo, hi):
-                    simd.row_dots(fmt, 1, path, w, qs, d, s, m, n, out)
+                    simd.row_dots(fmt, 1, path, w, qs, d, s, groups, m, n, out)
                 m += 1
             if residual.size:
                 for m in range(m_rows):
@@ -117,5 +123,5 @@ def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int, norm=None, eps: float =
 def q8_rounded(x: np.ndarray) -> np.ndarray:
     """The activations as their q8 blocks represent them (q * d), for a BLAS product: equal to the
     integer-dot result up to f32 summation order (and, for q4_1/q5_1, the f16 rounding of block sums)."""
-    qs, d, _ = quantize(np.ascontiguousarray(x, dtype=np.float32))
+    qs, d, _, _ = quantize(np.ascontiguousarray(x, dtype=np.float32))
     return (qs.reshape(*d.shape, 32).astype(np.float32) * d[..., None]).reshape(x.shape)

@@ -5,10 +5,12 @@ numba types integer arithmetic as int64, which keeps byte-sized math out of SIMD
 of 4 bytes into <8 x i32>: one `vpdpbusd` (unsigned x signed bytes) where the CPU has VNNI,
 portable vector IR elsewhere (LLVM picks the instructions). Both give the same exact integers.
 
-Formats with unsigned weights (q4_1, q5_1) dot them with the signed activations directly. Formats
-with signed weights (q4_0, q5_0, q8_0) dot them with the activations shifted to unsigned (q + 128);
-the shift comes off through the accumulator's start, -128 * (sum of each 4 weights), computed once
-per block for all the activation rows that share it.
+The weights are the unsigned operand wherever they are stored unsigned: q4_1 and q5_1 dot them with
+the signed activations directly; q4_0 and q5_0, whose weights are the stored value minus a bias,
+too, with the bias coming off through the accumulator's start, -bias * (sum of each 4 activations),
+summed once per activation row when it is quantized and shared by every weight row. q8_0's signed
+weights meet the activations shifted to unsigned (q + 128); that shift comes off through the start
+-128 * (sum of each 4 weights), computed once per block for all the activation rows that share it.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class BlockLayout:
     quants: int
     min: int | None = None        # offset of the f16 min (formats that add m * sum of activations)
     high_bits: int | None = None  # offset of the 32-bit word of 5th bits
-    bias: int = 0                 # stored value - weight (4- and 5-bit formats without a min)
+    bias: int = 0                 # stored value - weight (4- and 5-bit formats without a min): a power of two
     bits: int = 4
 
 
@@ -89,8 +91,8 @@ def load_f16(builder, base, offset):
 
 def decode_block(builder, block, layout: BlockLayout, vnni):
     """(weights <32 x i8>, accumulator start <8 x i32> or None, scale, min or None) of the block at
-    byte pointer `block`: unsigned weights and no start, or signed weights and the start that
-    cancels the activations' +128 shift."""
+    byte pointer `block`: the stored (unsigned) values and no start, or q8_0's signed weights and the
+    start that cancels the activations' +128 shift."""
     if layout.bits == 8:
         weights = load(builder, block, i32(layout.quants), vec(I8, 32))
     else:
@@ -104,10 +106,8 @@ def decode_block(builder, block, layout: BlockLayout, vnni):
                                             ir.Constant(vec(I32, 32), None), const_vec(I32, [0] * 32))
             bit = builder.and_(builder.lshr(spread, const_vec(I32, list(range(32)))), const_vec(I32, [1] * 32))
             weights = builder.or_(weights, builder.shl(builder.trunc(bit, vec(I8, 32)), const_vec(I8, [4] * 32)))
-        if layout.bias:
-            weights = builder.sub(weights, const_vec(I8, [layout.bias] * 32))
     start = None
-    if layout.bias or layout.bits == 8:
+    if layout.bits == 8:
         sums = dot_groups(builder, const_vec(I8, [1] * 32), weights, zeros(vec(I32, 8)), vnni)
         start = builder.sub(zeros(vec(I32, 8)), builder.shl(sums, const_vec(I32, [7] * 8)))
     scale = load_f16(builder, block, layout.scale)
@@ -168,23 +168,24 @@ def hsum(builder, v):
 
 
 @intrinsic
-def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
+def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, groups, m0, n, out):
     """out[m0 + r, n] = weight row n . activation row m0 + r for r < `rows`, each weight block decoded
     once for all those rows. `fmt` (a GGML type id), `rows` and `portable` (1: no VNNI) must be
-    compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32] and
-    s = d * block sum [K/32, M] (for formats with a min); weights w [N, row bytes].
+    compile-time constants. Activations are q8 blocks: qs [M, K] int8, scales d [M, K/32],
+    s = d * block sum [K/32, M] (for formats with a min) and the sums of each 4, groups [M, K/4]
+    (for formats with a bias); weights w [N, row bytes].
     Blocks go two at a time through the integer dot (64 bytes), then one at a time into 8 float
     lanes per row, in ggml's order."""
     if not all(isinstance(t, types.IntegerLiteral) for t in (fmt, rows, portable)):
         return None
     layout, n_rows = LAYOUTS[fmt.literal_value], rows.literal_value
     vnni = None if portable.literal_value else host_vnni()
-    sig = types.void(fmt, rows, portable, w, qs, d, s, types.intp, types.intp, out)
+    sig = types.void(fmt, rows, portable, w, qs, d, s, groups, types.intp, types.intp, out)
 
     def codegen(context, builder, signature, args):
-        w, qs, d, s, out = (context.make_array(t)(context, builder, v)
-                            for t, v in zip(signature.args[3:7] + signature.args[9:], args[3:7] + args[9:]))
-        m0, n = args[7], args[8]
+        w, qs, d, s, groups, out = (context.make_array(t)(context, builder, v)
+                                    for t, v in zip(signature.args[3:8] + signature.args[10:], args[3:8] + args[10:]))
+        m0, n = args[8], args[9]
         intp = m0.type
         const = lambda v: ir.Constant(intp, v)
         k, m_rows = builder.extract_value(qs.shape, 1), builder.extract_value(qs.shape, 0)
@@ -208,7 +209,12 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, m0, n, out):
             for r in range(n_rows):
                 m = builder.add(m0, const(r))
                 quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, const(32))), vec(I8, 32 * count))
-                if start is None:
+                if layout.bias:                                        # -bias * (sum of each 4 activations)
+                    sums = load(builder, groups.data, builder.add(builder.mul(m, builder.udiv(k, const(4))), builder.mul(b, const(8))),
+                                vec(I32, 8 * count))
+                    bias = builder.shl(sums, const_vec(I32, [layout.bias.bit_length() - 1] * 8 * count))
+                    total = dot_groups(builder, weights, quants, builder.sub(zeros(vec(I32, 8 * count)), bias), vnni)
+                elif start is None:
                     total = dot_groups(builder, weights, quants, zeros(vec(I32, 8 * count)), vnni)
                 else:                                                  # flipping the sign bit adds 128
                     total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32 * count)), weights, start, vnni)
