@@ -5,12 +5,11 @@ numba types integer arithmetic as int64, which keeps byte-sized math out of SIMD
 of 4 bytes into <8 x i32>: one `vpdpbusd` (unsigned x signed bytes) where the CPU has VNNI,
 portable vector IR elsewhere (LLVM picks the instructions). Both give the same exact integers.
 
-The weights are the unsigned operand wherever they are stored unsigned: q4_1 and q5_1 dot them with
-the signed activations directly; q4_0 and q5_0, whose weights are the stored value minus a bias,
-too, with the bias coming off through the accumulator's start, -bias * (sum of each 4 activations),
-summed once per activation row when it is quantized and shared by every weight row. q8_0's signed
-weights meet the activations shifted to unsigned (q + 128); that shift comes off through the start
--128 * (sum of each 4 weights), computed once per block for all the activation rows that share it.
+The weights are always the unsigned operand: q4_1 and q5_1 store them unsigned; q4_0 and q5_0 store
+weight + 8 (or 16); q8_0's signed bytes become weight + 128 by flipping their sign bits. Where a
+weight is its unsigned value minus such a bias, the bias comes off through the accumulator's start,
+-bias * (sum of each 4 activations), summed once per activation row when it is quantized and shared
+by every weight row.
 """
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ class BlockLayout:
     quants: int
     min: int | None = None        # offset of the f16 min (formats that add m * sum of activations)
     high_bits: int | None = None  # offset of the 32-bit word of 5th bits
-    bias: int = 0                 # stored value - weight (4- and 5-bit formats without a min): a power of two
+    bias: int = 0                 # unsigned value - weight (formats without a min): a power of two
     bits: int = 4
 
 
@@ -66,7 +65,7 @@ LAYOUTS = {
     Q4_1: BlockLayout(20, scale=0, min=2, quants=4),
     Q5_0: BlockLayout(22, scale=0, high_bits=2, quants=6, bias=16),
     Q5_1: BlockLayout(24, scale=0, min=2, high_bits=4, quants=8),
-    Q8_0: BlockLayout(34, scale=0, quants=2, bits=8),
+    Q8_0: BlockLayout(34, scale=0, quants=2, bits=8, bias=128),
 }
 
 
@@ -89,12 +88,10 @@ def load_f16(builder, base, offset):
     return builder.fpext(load(builder, base, i32(offset), ir.HalfType()), F32)
 
 
-def decode_block(builder, block, layout: BlockLayout, vnni):
-    """(weights <32 x i8>, accumulator start <8 x i32> or None, scale, min or None) of the block at
-    byte pointer `block`: the stored (unsigned) values and no start, or q8_0's signed weights and the
-    start that cancels the activations' +128 shift."""
-    if layout.bits == 8:
-        weights = load(builder, block, i32(layout.quants), vec(I8, 32))
+def decode_block(builder, block, layout: BlockLayout):
+    """(unsigned weights <32 x i8>, scale, min or None) of the block at byte pointer `block`."""
+    if layout.bits == 8:                              # flipping the sign bit adds 128
+        weights = builder.xor(load(builder, block, i32(layout.quants), vec(I8, 32)), const_vec(I8, [0x80] * 32))
     else:
         raw = load(builder, block, i32(layout.quants), vec(I8, 16))
         low = builder.and_(raw, const_vec(I8, [15] * 16))
@@ -106,13 +103,9 @@ def decode_block(builder, block, layout: BlockLayout, vnni):
                                             ir.Constant(vec(I32, 32), None), const_vec(I32, [0] * 32))
             bit = builder.and_(builder.lshr(spread, const_vec(I32, list(range(32)))), const_vec(I32, [1] * 32))
             weights = builder.or_(weights, builder.shl(builder.trunc(bit, vec(I8, 32)), const_vec(I8, [4] * 32)))
-    start = None
-    if layout.bits == 8:
-        sums = dot_groups(builder, const_vec(I8, [1] * 32), weights, zeros(vec(I32, 8)), vnni)
-        start = builder.sub(zeros(vec(I32, 8)), builder.shl(sums, const_vec(I32, [7] * 8)))
     scale = load_f16(builder, block, layout.scale)
     minimum = load_f16(builder, block, layout.min) if layout.min is not None else None
-    return weights, start, scale, minimum
+    return weights, scale, minimum
 
 
 def zeros(ty):
@@ -196,28 +189,24 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, groups, m0, n, out):
 
         def step(b, count):
             """Blocks b .. b + count - 1 (count 1 or 2) into every row's accumulator."""
-            decoded = [decode_block(builder, builder.gep(row, [builder.mul(builder.add(b, const(i)), const(layout.size))]),
-                                    layout, vnni) for i in range(count)]
+            decoded = [decode_block(builder, builder.gep(row, [builder.mul(builder.add(b, const(i)), const(layout.size))]), layout)
+                       for i in range(count)]
             weights = decoded[0][0] if count == 1 else concat(builder, decoded[0][0], decoded[1][0])
-            start = None if decoded[0][1] is None else (decoded[0][1] if count == 1 else concat(builder, decoded[0][1], decoded[1][1]))
-            scales = [splat(builder, x[2]) for x in decoded]
+            scales = [splat(builder, x[1]) for x in decoded]
             scales = scales[0] if count == 1 else concat(builder, *scales)
-            for i, (_, _, _, minimum) in enumerate(decoded):
+            for i, (_, _, minimum) in enumerate(decoded):
                 if minimum is not None:        # s is stored [K/32, M]: the rows' sums of one block sit together
                     sums = load(builder, s.data, builder.add(builder.mul(builder.add(b, const(i)), m_rows), m0), vec(F32, n_rows))
                     builder.store(fmuladd(builder, splat(builder, minimum, n_rows), sums, builder.load(mins)), mins)
             for r in range(n_rows):
                 m = builder.add(m0, const(r))
                 quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, const(32))), vec(I8, 32 * count))
+                start = zeros(vec(I32, 8 * count))
                 if layout.bias:                                        # -bias * (sum of each 4 activations)
                     sums = load(builder, groups.data, builder.add(builder.mul(m, builder.udiv(k, const(4))), builder.mul(b, const(8))),
                                 vec(I32, 8 * count))
-                    bias = builder.shl(sums, const_vec(I32, [layout.bias.bit_length() - 1] * 8 * count))
-                    total = dot_groups(builder, weights, quants, builder.sub(zeros(vec(I32, 8 * count)), bias), vnni)
-                elif start is None:
-                    total = dot_groups(builder, weights, quants, zeros(vec(I32, 8 * count)), vnni)
-                else:                                                  # flipping the sign bit adds 128
-                    total = dot_groups(builder, builder.xor(quants, const_vec(I8, [0x80] * 32 * count)), weights, start, vnni)
+                    start = builder.sub(start, builder.shl(sums, const_vec(I32, [layout.bias.bit_length() - 1] * 8 * count)))
+                total = dot_groups(builder, weights, quants, start, vnni)
                 act = load(builder, d.data, builder.add(builder.mul(m, blocks), b), vec(F32, count))
                 act = builder.fmul(scales, builder.shuffle_vector(act, act, const_vec(I32, [i for i in range(count) for _ in range(8)])))
                 term = builder.sitofp(total, vec(F32, 8 * count))
