@@ -34,7 +34,7 @@ def _f16_round(v):
 def _quantize_rows(x, qs, d, s, groups):
     """x [M, K] f32 -> qs [M, K] int8, d [M, K/32] and s = d * sum q [K/32, M] f32 (transposed: the
     kernels read one block's sums for several rows at once), f16-rounded like the file format; and
-    the exact sums of each 4 consecutive q, groups [M, K/4] int32 (what a weight bias multiplies)."""
+    the exact sums of each 4 consecutive q, added into groups [M, K/4] int32 (given zeroed: what a weight bias multiplies)."""
     for m in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             amax = np.float32(0)
@@ -46,10 +46,7 @@ def _quantize_rows(x, qs, d, s, groups):
                 q = np.int32(np.rint(x[m, b * 32 + j] * inv))
                 qs[m, b * 32 + j] = q
                 total += q
-                if j % 4 == 0:
-                    groups[m, b * 8 + j // 4] = q
-                else:
-                    groups[m, b * 8 + j // 4] += q
+                groups[m, b * 8 + j // 4] += q
             scale = amax / np.float32(127)
             d[m, b] = _f16_round(scale)
             s[b, m] = _f16_round(scale * np.float32(total))
@@ -61,7 +58,7 @@ def quantize(x):
     m, k = x.shape
     qs = np.empty((m, k), np.int8)
     d, s = np.empty((m, k // 32), np.float32), np.empty((k // 32, m), np.float32)
-    groups = np.empty((m, k // 4), np.int32)
+    groups = np.zeros((m, k // 4), np.int32)
     _quantize_rows(x, qs, d, s, groups)
     return qs, d, s, groups
 
