@@ -280,12 +280,21 @@ def spanned_attention_ref(q, k_pages, v_pages, slots, mask, spans):
     return paged_attention_ref()(q, k_pages, v_pages, slots, mask.masked_fill(~inside, -torch.inf))
 
 
+def long_decode_inputs(dt):
+    """One decode row over 600 cached slots, three query heads per kv head, 128-wide heads: a kernel
+    that splits the context in shares merges many of them, more than it holds at once."""
+    q, k_pages, v_pages = mk((1, 6, 128), (40, 16, 2, 128), (40, 16, 2, 128), seed=3)(dt)
+    slots = np.random.default_rng(4).permutation(640)[:600].astype(np.int64)
+    return [q, k_pages, v_pages, slots, np.zeros((1, 1, 1, 600), NP[dt])]
+
+
 CONTEXT = [9, 10, 11, 12, 0, 1, 2, 3, 14, 4, 5]
 case("paged_attention", paged_attention_inputs(1, 4, 2, 8, CONTEXT), paged_attention_ref(), id="decode-gqa")
 case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_attention_ref(0.2, 1.5),
      id="rows-scale-softcap", scale=0.2, softcap=1.5)
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
 case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
+case("paged_attention", long_decode_inputs, paged_attention_ref(), id="long-decode")
 for style in ("neox", "interleaved"):        # queries rotated as they are loaded
     case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
          lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),

@@ -1,10 +1,11 @@
 """CUDA jet for attention over the paged KV cache: one program per (query row, kv head, share of the
 row's context) reads its slots in tiles, the query heads of the group together (GQA), with an online
-softmax; a second kernel merges the shares (flash-decoding), unless each row has one. Products run on
-the tensor cores as tf32x3 (f32 accuracy): as fp32 FMA dots, 128-wide heads took 94 us a layer on an
-H200. With `spans`, a row reads only its own span of the context: a batch's rows each read their own
-sequence, never the others' segments or the padding. Masked-out keys weigh nothing. Prefill and
-decode share it."""
+softmax; the last share of a (row, kv head) to finish merges them all (flash-decoding in one kernel:
+a count per pair, in device memory). Products run on the tensor cores in f32 accuracy: tf32x3, or
+two tf32 passes against a 16-bit cache, whose values tf32 holds exactly (as fp32 FMA dots, 128-wide
+heads took 94 us a layer on an H200). With `spans`, a row reads only its own span of the context: a
+batch's rows each read their own sequence, never the others' segments or the padding. Masked-out
+keys weigh nothing. Prefill and decode share it."""
 from __future__ import annotations
 
 import math
@@ -23,67 +24,87 @@ F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
 
 
+@triton.jit
+def _dot(a, b, EXACT: tl.constexpr):
+    """a @ b in f32 accuracy on the tensor cores: tf32x3, or where b's values are exact in tf32 (a 16-bit
+    cache's), two tf32 passes of a's high and low parts."""
+    if EXACT:
+        high = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(high, b, input_precision="tf32") + tl.dot(a - high, b, input_precision="tf32")
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
+def _slots(ctx_ptr, mask_ptr, t, end, s, T, kv_heads, kvh, HAS_MASK: tl.constexpr):
+    """Context positions t of row s (those before `end`): their cache rows for head kvh and the mask's
+    bias (-inf past `end`)."""
+    row = tl.load(ctx_ptr + t, mask=t < end, other=0).to(tl.int64) * kv_heads + kvh
+    if HAS_MASK:
+        bias = tl.load(mask_ptr + s * T + t, mask=t < end, other=-float("inf"))
+    else:
+        bias = tl.where(t < end, 0.0, -float("inf"))
+    return row, bias
+
+
+@triton.jit
+def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.constexpr):
+    """The online softmax's running max, sum and output after one more tile."""
+    scores = _dot(q, tl.trans(keys.to(tl.float32)), EXACT) * scale
+    if softcap != 0:
+        scores = softcap * (2 * tl.sigmoid(2 * scores / softcap) - 1)
+    scores = scores + bias[None, :]
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)       # all masked so far: nothing to rescale
+    p = tl.exp(scores - safe_top[:, None])
+    alpha = tl.exp(top - safe_top)
+    acc = acc * alpha[:, None] + _dot(p, values.to(tl.float32), EXACT)
+    return new_top, total * alpha + tl.sum(p, 1), acc
+
+
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
-                            HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                            BV: tl.constexpr):
-    """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel, merged
-    after): the share's unnormalized output, running max and sum for each query head of the group;
-    with one share per row, the normalized output itself."""
-    after_prior()
+                            count_ptr, out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
+                            HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr,
+                            EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                            BV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
+    share's unnormalized output, running max and sum for each query head of the group; the last share
+    to finish merges them all (with one share, it stores its own). The span and the first tile's slots
+    and mask load before the wait (inputs: no kernel writes them), each next tile's a tile ahead."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    group = heads // kv_heads
-    g = tl.arange(0, GROUP)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
-    g_ok = g < group
-    h = s * heads + kvh * group + g
     lo, hi = 0, T
     if HAS_SPANS:
         lo, hi = tl.maximum(tl.load(spans_ptr + 2 * s).to(tl.int32), 0), tl.minimum(tl.load(spans_ptr + 2 * s + 1).to(tl.int32), T)
     share = tl.cdiv(tl.cdiv(hi - lo, splits), BT) * BT
     begin = lo + c * share
     end = tl.minimum(hi, begin + share)
-    if begin >= end:                              # past the row's span: an empty share
-        if splits > 1:
-            tl.store(top_ptr + h * splits + c, tl.full((GROUP,), -float("inf"), tl.float32), mask=g_ok)
-            tl.store(total_ptr + h * splits + c, tl.zeros((GROUP,), tl.float32), mask=g_ok)
-        return
-    q_rows = q_ptr + (s * heads + kvh * group + g)[:, None] * dim
-    q_ok = g_ok[:, None] & (d[None, :] < dim)
-    q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
-    if ROPE:                                      # the queries rotated as they are loaded
-        q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
-    if ROUND_Q:                                   # an f16 cache under f32 queries: q at the cache's precision
-        q = q.to(tl.float16)
-    q = q.to(tl.float32)
+    row, bias = _slots(ctx_ptr, mask_ptr, begin + tl.arange(0, BT), end, s, T, kv_heads, kvh, HAS_MASK)
+    after_prior()
+    group = heads // kv_heads
+    g = tl.arange(0, GROUP)
+    g_ok = g < group
+    h = s * heads + kvh * group + g
     top = tl.full((GROUP,), -float("inf"), tl.float32)
     total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, BV), tl.float32)
-    for t0 in tl.range(begin, end, BT):
-        t = t0 + tl.arange(0, BT)
-        t_ok = t < end
-        if HAS_MASK:
-            bias = tl.load(mask_ptr + s * T + t, mask=t_ok, other=-float("inf"))
-        else:
-            bias = tl.where(t_ok, 0.0, -float("inf"))
-        slot = tl.load(ctx_ptr + t, mask=t_ok, other=0).to(tl.int64)
-        row = (slot * kv_heads + kvh)
-        keys = tl.load(k_ptr + row[:, None] * dim + d[None, :], mask=t_ok[:, None] & (d[None, :] < dim), other=0.0)
-        scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="tf32x3") * scale
-        if softcap != 0:
-            scores = softcap * (2 * tl.sigmoid(2 * scores / softcap) - 1)
-        scores = scores + bias[None, :]
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)       # all masked so far: nothing to rescale
-        p = tl.exp(scores - safe_top[:, None])
-        alpha = tl.exp(top - safe_top)
-        values = tl.load(v_ptr + row[:, None] * dv + e[None, :], mask=t_ok[:, None] & (e[None, :] < dv), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="tf32x3")
-        total = total * alpha + tl.sum(p, 1)
-        top = new_top
+    if begin < end:
+        q_rows = q_ptr + (s * heads + kvh * group + g)[:, None] * dim
+        q_ok = g_ok[:, None] & (d[None, :] < dim)
+        q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
+        if ROPE:                                  # the queries rotated as they are loaded
+            q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
+        if ROUND_Q:                               # an f16 cache under f32 queries: q at the cache's precision
+            q = q.to(tl.float16)
+        q = q.to(tl.float32)
+        for t0 in tl.range(begin, end, BT):
+            t = t0 + tl.arange(0, BT)
+            keys = tl.load(k_ptr + row[:, None] * dim + d[None, :], mask=(t < end)[:, None] & (d[None, :] < dim), other=0.0)
+            values = tl.load(v_ptr + row[:, None] * dv + e[None, :], mask=(t < end)[:, None] & (e[None, :] < dv), other=0.0)
+            top, total, acc = _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT)
+            row, bias = _slots(ctx_ptr, mask_ptr, t + BT, end, s, T, kv_heads, kvh, HAS_MASK)         # the next tile's
     if splits == 1:
         tl.store(out_ptr + h[:, None] * dv + e[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & (e[None, :] < dv))
@@ -91,31 +112,58 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         tl.store(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], acc, mask=g_ok[:, None] & (e[None, :] < dv))
         tl.store(top_ptr + h * splits + c, top, mask=g_ok)
         tl.store(total_ptr + h * splits + c, total, mask=g_ok)
+        tl.debug_barrier()                        # every thread's stores precede the count's release
+        if tl.atomic_add(count_ptr + s * kv_heads + kvh, 1, sem="acq_rel") == splits - 1:
+            tl.debug_barrier()
+            _merge(part_ptr, top_ptr, total_ptr, out_ptr, s * heads + kvh * group, group, splits, dv, G, SPLITS, CHUNK, BV)
+            tl.store(count_ptr + s * kv_heads + kvh, 0)            # ready for the next launch
 
 
-@chained
 @triton.jit
-def _merge_kernel(part_ptr, top_ptr, total_ptr, out_ptr, splits, dv, SPLITS: tl.constexpr, BV: tl.constexpr):
-    """One (row, head): the chunks' partial results, rescaled to their common max and normalized."""
-    after_prior()
-    h = tl.program_id(0)
-    c = tl.arange(0, SPLITS)
+def _merge(part_ptr, top_ptr, total_ptr, out_ptr, h0, group, splits, dv, G: tl.constexpr, SPLITS: tl.constexpr,
+           CHUNK: tl.constexpr, BV: tl.constexpr):
+    """Heads h0 .. h0+group-1: the shares' partial results, rescaled to their common max and normalized,
+    CHUNK shares at a time (read past L1: other programs wrote them)."""
+    h = h0 + tl.arange(0, G)
+    h_ok = h < h0 + group
     e = tl.arange(0, BV)
-    c_ok = c < splits
-    tops = tl.load(top_ptr + h * splits + c, mask=c_ok, other=-float("inf"))
-    best = tl.max(tops, 0)
-    weight = tl.where(tops == -float("inf"), 0.0, tl.exp(tops - tl.where(best == -float("inf"), 0.0, best)))
-    total = tl.sum(tl.load(total_ptr + h * splits + c, mask=c_ok, other=0.0) * weight, 0)
-    read = c_ok & (tops != -float("inf"))                  # a skipped chunk wrote no partial output
-    parts = tl.load(part_ptr + (h * splits + c)[:, None] * dv + e[None, :], mask=read[:, None] & (e[None, :] < dv), other=0.0)
-    result = tl.sum(parts * weight[:, None], 0) / total
-    tl.store(out_ptr + h * dv + e, result.to(out_ptr.dtype.element_ty), mask=e < dv)
+    every = tl.arange(0, SPLITS)
+    tops = tl.load(top_ptr + h[:, None] * splits + every[None, :], mask=h_ok[:, None] & (every < splits)[None, :],
+                   other=-float("inf"), cache_modifier=".cg")
+    best = tl.max(tops, 1)
+    best = tl.where(best == -float("inf"), 0.0, best)
+    total = tl.zeros((G,), tl.float32)
+    result = tl.zeros((G, BV), tl.float32)
+    for c0 in tl.range(0, splits, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        ok = h_ok[:, None] & (c < splits)[None, :]
+        at = h[:, None] * splits + c[None, :]                                              # [G, CHUNK]
+        top = tl.load(top_ptr + at, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        weight = tl.where(top == -float("inf"), 0.0, tl.exp(top - best[:, None]))
+        total += tl.sum(tl.load(total_ptr + at, mask=ok, other=0.0, cache_modifier=".cg") * weight, 1)
+        read = ok & (top != -float("inf"))                                                 # an empty share's output is zeros
+        parts = tl.load(part_ptr + at[:, :, None] * dv + e[None, None, :], mask=read[:, :, None] & (e < dv)[None, None, :],
+                        other=0.0, cache_modifier=".cg")
+        result += tl.sum(parts * weight[:, :, None], 1)
+    tl.store(out_ptr + h[:, None] * dv + e[None, :], (result / total[:, None]).to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (e < dv)[None, :])
 
 
 CACHE_MIXES = [("f32", c, c, INT, m, sp, *r) for c in ("f16", "bf16") for m in ("f32", "none") for sp in (INT, "none")
                for r in ROPE_INPUTS]
 BT = 64                # context positions per tile
 PROGRAMS = 512         # enough programs to fill an H200: fewer rows and heads split each row's span more
+_counts: dict = {}     # per device: how many shares of each (row, kv head) have finished; the last resets it
+
+
+def finished_counts(device, n: int) -> torch.Tensor:
+    """Zeroed counters for n (row, kv head) pairs, made once (outside any graph capture: the first run
+    of a plan precedes its capture). Kernels on concurrent streams would share them: the engine runs
+    one step at a time."""
+    counts = _counts.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _counts[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts
 
 
 @jet("paged_attention", CUDA, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
@@ -133,14 +181,17 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     part = torch.empty((S * H * splits, Dv), dtype=torch.float32, device=q.device)
     top, total = (torch.empty(S * H * splits, dtype=torch.float32, device=q.device) for _ in range(2))
     out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
-    BV = max(16, triton.next_power_of_2(Dv))
+    BD, BV, G, SPLITS = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv)), triton.next_power_of_2(H // KV), \
+        triton.next_power_of_2(splits)
+    # 16-bit caches hold values exact in tf32: their products need two passes, not three. Eight warps for
+    # a decode's shares (H200, alone, f16 cache: 6.5 us vs 8.6 at 64 dims) and for wide heads (four
+    # spill registers at 128 dims); a prompt's rows at 64 dims keep four
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
-        0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None, ROPE=rope is not None,
-        NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
-        GROUP=max(16, triton.next_power_of_2(H // KV)), BT=BT, BD=max(16, triton.next_power_of_2(D)), BV=BV)
-    if splits > 1:
-        _merge_kernel[(S * H,)](part, top, total, out, splits, Dv, SPLITS=max(2, triton.next_power_of_2(splits)), BV=BV)
+        total, finished_counts(q.device, S * KV), out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
+        float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
+        ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
+        EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV, SPLITS=SPLITS,
+        CHUNK=max(1, min(SPLITS, 4096 // (G * BV))), num_warps=8 if splits > 1 or max(D, Dv) >= 128 else 4)
     return out

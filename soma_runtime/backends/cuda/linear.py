@@ -542,17 +542,17 @@ def embedding(table, ids):
 def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexpr):
     """Rope on values already loaded from one head's row (`d`: their dims): each rotary dim meets its
     pair partner (i + half under neox, else the neighbour), loaded here; dims past 2 * half pass."""
-    rotary = keep & (d < 2 * half)
+    rotary = d < 2 * half
     if NEOX:
         first, f = d < half, d % half
         partner = tl.where(first, d + half, d - half)
     else:
         first, f = d % 2 == 0, d // 2
         partner = d ^ 1
-    other = tl.load(row_ptr + partner, mask=rotary, other=0.0).to(tl.float32)
-    angle = position * tl.load(freq_ptr + f, mask=rotary, other=0.0)
+    other = tl.load(row_ptr + partner, mask=keep & rotary, other=0.0).to(tl.float32)
+    angle = position * tl.load(freq_ptr + f, mask=rotary, other=0.0)        # by dim only: shared by a tile's rows
     turned = value * tl.cos(angle) + tl.where(first, -other, other) * tl.sin(angle)
-    return tl.where(rotary, turned, value)
+    return tl.where(keep & rotary, turned, value)
 
 
 @chained
