@@ -153,17 +153,16 @@ CACHE_MIXES = [("f32", c, c, INT, m, sp, *r) for c in ("f16", "bf16") for m in (
                for r in ROPE_INPUTS]
 BT = 64                # context positions per tile
 PROGRAMS = 512         # enough programs to fill an H200: fewer rows and heads split each row's span more
-_counts: dict = {}     # per device: how many shares of each (row, kv head) have finished; the last resets it
+_counts: dict = {}     # per device: how many shares of each (row, kv head) have finished; the merger resets them
 
 
-def finished_counts(device, n: int) -> torch.Tensor:
-    """Zeroed counters for n (row, kv head) pairs, made once (outside any graph capture: the first run
-    of a plan precedes its capture). Kernels on concurrent streams would share them: the engine runs
-    one step at a time."""
-    counts = _counts.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _counts[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return counts
+def finished_counts(device) -> torch.Tensor:
+    """Zeroed counts for PROGRAMS (row, kv head) pairs: a context splits in shares only for fewer pairs.
+    Made once, outside any graph capture (a plan's first run precedes its capture); kernels on two
+    streams at once would share them, and the engine runs one step at a time."""
+    if device not in _counts:
+        _counts[device] = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+    return _counts[device]
 
 
 @jet("paged_attention", CUDA, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
@@ -189,7 +188,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device, S * KV), out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
+        total, finished_counts(q.device), out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
         float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV, SPLITS=SPLITS,
