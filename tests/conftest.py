@@ -16,6 +16,29 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """Interpreted, every launch of a CUDA kernel is recorded, to be compiled for the GPU at the end."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from soma_runtime.backends.cuda.chain import chained
+    from tests.cuda.sm90 import LAUNCHES, launch_record
+    launcher = chained.__getitem__
+
+    def recording(self, grid):
+        launch = launcher(self, grid)
+
+        def run(*args, **meta):
+            LAUNCHES.add(launch_record(self.kernel, args, meta))
+            return launch(*args, **meta)
+        return run
+    chained.__getitem__ = recording
+
+
+def pytest_collection_modifyitems(items):
+    """The compile check of every launch runs after the tests that launch them."""
+    items.sort(key=lambda item: "test_sm90" in item.nodeid)
+
+
 @pytest.fixture(scope="module")
 def smol():
     """The bundled SmolLM2 through the Python API, loaded once per test module (imported here, after
