@@ -71,7 +71,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
     share's unnormalized output, running max and sum for each query head of the group; the last share
     to finish merges them all (with one share, it stores its own). The span and the first tile's slots
-    and mask load before the wait (inputs: no kernel writes them), each next tile's a tile ahead."""
+    and mask load before the wait (the step's inputs: none of its kernels writes them), each next
+    tile's a tile ahead."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
