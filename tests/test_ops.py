@@ -142,6 +142,20 @@ case("matmul", lambda dt: mk((2, 3, 33), (5, 33), (5,), (2, 3, 5))(dt),
      epilogue="gelu_tanh")
 
 
+def gated(act, y):
+    """A gated epilogue: act over the even columns (gates) times the odd ones (ups)."""
+    return act(y[..., 0::2]) * y[..., 1::2]
+
+
+for epilogue, act in (("swiglu", F.silu), ("geglu_tanh", lambda g: F.gelu(g, approximate="tanh"))):
+    case("matmul", mk((2, 3, 33), (10, 33)), lambda a, b, f=act: gated(f, a @ b.T), id=epilogue, transpose_b=True,
+         epilogue=epilogue)
+    case("matmul", with_norm(mk((1, 64), (10, 64)), 64, (1, 5)), lambda a, b, _, r, w, f=act: gated(f, rms_normalized(a, w) @ b.T) + r,
+         id=f"gemv-norm-{epilogue}-residual", transpose_b=True, epilogue=epilogue)      # a ragged last program
+case("matmul", mk((2, 3, 33), (10, 33), (10,)), lambda a, b, c: gated(F.silu, F.linear(a, b, c)), id="bias-swiglu",
+     transpose_b=True, epilogue="swiglu")
+
+
 def sdpa_ref(causal=False, scale=None, softcap=0.0, window=0):
     def ref(q, k, v, mask=None):
         group = q.shape[1] // k.shape[1]

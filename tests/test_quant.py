@@ -114,6 +114,21 @@ def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, ba
     assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("backend", COMPUTE)
+@pytest.mark.parametrize("rows,cols", [(1, 512), (17, 512), (1, 8192)])       # 8192: one-row programs, widened to a pair
+@pytest.mark.parametrize("name,activations", [("q4_0", "q8"), ("q4_K", "f32")])
+def test_gated_quantized_matmul_gates_the_products_column_pairs(name, activations, rows, cols, backend):
+    """A gated MLP's fused gate/up (rows interleaved) under swiglu: silu of each even column of the
+    product times the odd one after it, as torch computes it from the CPU's plain product."""
+    w = QTensor(random_blocks(name, 40, cols).reshape(-1), name, (40, cols))
+    rng = np.random.default_rng(rows)
+    x, norm = rng.standard_normal((rows, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    y = torch.from_numpy(run_op("matmul", x, w, None, None, norm, backend="cpu", transpose_b=True, activations=activations))
+    want = (torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]).numpy()
+    got = run_op("matmul", x, w, None, None, norm, backend=backend, transpose_b=True, activations=activations, epilogue="swiglu")
+    assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
 @pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (1, 2144), (17, 512), (17, 96)])   # 96: 3 blocks, a ragged step; 2144: 67, two steps
 @pytest.mark.parametrize("activations", ["q8", "f32"])

@@ -63,16 +63,20 @@ def check_shapes(cfg: DecoderConfig, weights: Weights) -> None:
             raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(got)}, the config needs {list(want)}")
 
 
-def stack_rows(tensors: list):
-    """Weights [N_i, K] of one storage type stacked into one [sum N_i, K] (None if types differ)."""
+def stack_rows(tensors: list, interleave: bool = False):
+    """Weights [N_i, K] of one storage type stacked into one [sum N_i, K] (None if types differ); with
+    `interleave`, weights of equal N alternate row by row (row 0 of each, then row 1 of each, ...)."""
+    join = (lambda parts: np.stack(parts, axis=1).reshape(-1, parts[0].shape[-1])) if interleave else np.concatenate
+    if interleave and len({t.shape for t in tensors}) != 1:
+        return None
     if isinstance(tensors[0], QTensor):
         if len({(t.dtype.name, t.shape[1:]) for t in tensors if isinstance(t, QTensor)}) != 1 or \
                 not all(isinstance(t, QTensor) for t in tensors):
             return None
         rows = sum(t.shape[0] for t in tensors)
-        stacked = QTensor(np.concatenate([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
+        stacked = QTensor(join([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
     elif len({(np.asarray(t).dtype, np.shape(t)[1:]) for t in tensors}) == 1:
-        stacked = np.concatenate([np.asarray(t) for t in tensors])
+        stacked = join([np.asarray(t) for t in tensors])
     else:
         return None
     for t in tensors:                                  # the originals are never read again
@@ -80,27 +84,39 @@ def stack_rows(tensors: list):
     return stacked
 
 
+def row_halves(t) -> list:
+    """A weight's first and second halves of rows (phi3's fused gate and up), as views."""
+    half = t.shape[0] // 2
+    if isinstance(t, QTensor):
+        return [QTensor(t.data[rows], t.dtype, (half, *t.shape[1:])) for rows in (slice(0, half), slice(half, None))]
+    return [np.asarray(t)[:half], np.asarray(t)[half:]]
+
+
 def fuse_projections(cfg: DecoderConfig, weights: Weights) -> Weights:
-    """q/k/v as one attn_qkv and gate/up as one ffn_up (phi3's layout) where their storage types agree:
-    one matmul reads the shared input once, one pass quantizes it. The copies replace mmap pages that
-    are then never touched, so resident memory stays the same."""
+    """q/k/v as one attn_qkv, and gate/up as one ffn_up with their rows interleaved (gate row i, then
+    up row i: a gated matmul epilogue's column pairs), where their storage types agree: one matmul
+    reads the shared input once, one pass quantizes it, and it applies the activation itself. Phi3's
+    fused ffn_up (gate rows, then up rows) is interleaved the same way. The copies replace mmap pages
+    that are then never touched, so resident memory stays the same."""
     fused = dict(weights.tensors)
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         parts = [f"{p}.attn_{n}.weight" for n in "qkv"]
         biases = [f"{p}.attn_{n}.bias" for n in "qkv"]
-        if all(n in fused for n in parts) and (stacked := stack_rows([fused[n] for n in parts])) is not None:
-            if all(b in fused for b in biases):
+        with_bias = {b in fused for b in biases}          # all three biases or none
+        if all(n in fused for n in parts) and len(with_bias) == 1 and (stacked := stack_rows([fused[n] for n in parts])) is not None:
+            if True in with_bias:
                 fused[f"{p}.attn_qkv.bias"] = np.concatenate([as_f32(fused.pop(b)) for b in biases])
-            elif any(b in fused for b in biases):
-                continue
             fused[f"{p}.attn_qkv.weight"] = stacked
             for n in parts:
                 del fused[n]
-        gate_up = [f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"]
-        if all(n in fused for n in gate_up) and (stacked := stack_rows([fused[n] for n in gate_up])) is not None:
-            del fused[gate_up[0]]
-            fused[gate_up[1]] = stacked
+        gate, up = f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"
+        if up not in fused:
+            continue
+        parts = [fused[gate], fused[up]] if gate in fused else row_halves(fused[up])
+        if (stacked := stack_rows(parts, interleave=True)) is not None:
+            fused.pop(gate, None)
+            fused[up] = stacked
     return Weights(fused, weights.source)
 
 
@@ -138,12 +154,12 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
             made[name, f32] = g.const(name, as_f32(weights[name]) if f32 else weights[name])
         return made[name, f32]
 
-    def linear(x, name, residual=None, norm=None):
-        """x @ W.T (+ bias) (+ residual); with `norm`, of rmsnorm(x) by that weight (a pre-norm block's input)."""
+    def linear(x, name, residual=None, norm=None, epilogue="none"):
+        """epilogue(x @ W.T (+ bias)) (+ residual); with `norm`, of rmsnorm(x) by that weight (a pre-norm block's input)."""
         bias = const(f"{name}.bias", f32=True) if f"{name}.bias" in weights else None
         norm_weight = None if norm is None else const(f"{norm}.weight", f32=True)
         return g.matmul(x, const(f"{name}.weight"), bias, residual, norm_weight, transpose_b=True, activations=activations,
-                        norm_eps=cfg.rms_norm_eps)
+                        epilogue=epilogue, norm_eps=cfg.rms_norm_eps)
 
     def joined(x, y, name, post_norm):
         """The residual stream x joined by a block's output projection `name` of y: added inside the
@@ -185,12 +201,13 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, positions, freqs, scale=cfg.attn_scale,
                                  softcap=cfg.attn_softcap, rope_style=cfg.rope_style)
         x = joined(x, g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", f"{p}.post_attention_norm")
+        gated = "swiglu" if cfg.activation == "silu" else "geglu_tanh"
         if f"{p}.ffn_gate.weight" in weights:
             h = norm(x, f"{p}.ffn_norm")
             gate, up = linear(h, f"{p}.ffn_gate"), linear(h, f"{p}.ffn_up")
-        else:                                         # gate and up fused in one matrix
-            gate, up = g.split(linear(x, f"{p}.ffn_up", norm=f"{p}.ffn_norm"), sizes=(cfg.intermediate_size,) * 2, axis=-1)
-        act = g.swiglu(gate, up) if cfg.activation == "silu" else g.geglu(gate, up, approximate="tanh")
+            act = g.swiglu(gate, up) if gated == "swiglu" else g.geglu(gate, up, approximate="tanh")
+        else:                                         # gate and up fused in one matrix, rows interleaved (fuse_projections)
+            act = linear(x, f"{p}.ffn_up", norm=f"{p}.ffn_norm", epilogue=gated)
         x = joined(x, act, f"{p}.ffn_down", f"{p}.post_ffw_norm")
     x = g.embedding(x, logit_rows)                    # the rows that sample a token: the head reads only those
     head = "token_embd" if cfg.tie_embeddings or "output.weight" not in weights else "output"

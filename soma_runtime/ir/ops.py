@@ -363,6 +363,9 @@ def matmul_rule(metas, attrs):
     if bias is not None:
         float_dtype(bias, "bias")
         check(bias.ndim == 1 and same_dim(bias.shape[0], n) is not False, f"bias must be [{n}], got {list(bias.shape)}")
+    if attrs["epilogue"] in GATED:
+        check(not isinstance(n, int) or n % 2 == 0, f"a gated epilogue takes (gate, up) column pairs: {n} columns")
+        n = n // 2
     out = batch + (a.shape[-2], n)
     if norm is not None:
         float_dtype(norm, "norm weight")
@@ -375,7 +378,8 @@ def matmul_rule(metas, attrs):
     return [TensorMeta(out, dt)]
 
 
-EPILOGUES = ("none", "gelu", "gelu_tanh")      # elementwise functions a matmul may apply to its result
+EPILOGUES = ("none", "gelu", "gelu_tanh", "swiglu", "geglu_tanh")      # what a matmul may apply to its result
+GATED = ("swiglu", "geglu_tanh")      # gated activations over the result's interleaved (gate, up) column pairs
 
 
 @op("matmul", ["a", "b", "bias?", "residual?", "norm?"], matmul_rule,
@@ -385,7 +389,9 @@ def matmul(A, a, b, bias, residual, norm, transpose_b, activations, epilogue, no
     """epilogue(rmsnorm(a) @ b (+ bias, a linear layer's)) (+ residual, the stream a block's output
     joins): with a `norm` weight, a is rms-normalized first (a pre-norm block's input), and a kernel
     does it all in one pass: the row's 1/rms scales the finished dot products, the epilogue and the
-    residual apply while they are still in registers. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
+    residual apply while they are still in registers. A gated epilogue (swiglu, geglu_tanh) pairs
+    columns 2i (gate) and 2i + 1 (up) into column i: a gated MLP's gate and up weights interleaved by
+    rows, so one matrix-vector program holds both halves of its outputs. `activations="q8"` lets a kernel quantize activations per 32-block before an integer dot with
     block-quantized weights, as llama.cpp does; "bf16" lets it round them to bf16 for a bf16 weight
     (matrix units): precision hints, the formula is the same product."""
     b = dequant_if_needed(A, b)
@@ -395,7 +401,11 @@ def matmul(A, a, b, bias, residual, norm, transpose_b, activations, epilogue, no
         a = rmsnorm(A, a, norm, norm_eps)
     y = matmul_nk(A, a, b)
     y = y if bias is None else A.add(y, bias)
-    y = y if epilogue == "none" else gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
+    if epilogue in GATED:
+        gate, up = (A.read("slice", y, axis=-1, start=start, stop=None, step=2) for start in (0, 1))
+        y = swiglu(A, gate, up) if epilogue == "swiglu" else geglu(A, gate, up, "tanh")
+    elif epilogue != "none":
+        y = gelu_atoms(A, y, "tanh" if epilogue == "gelu_tanh" else "none")
     return y if residual is None else A.add(y, residual)
 
 

@@ -7,11 +7,12 @@ from numba import njit, prange
 
 from soma_runtime.backends.cpu import amx, qdot
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, dense, f32, float_kernel, out_f32
-from soma_runtime.backends.cpu.elementwise import gelu_in_place, rmsnorm
+from soma_runtime.backends.cpu.elementwise import geglu, gelu_in_place, rmsnorm, swiglu
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
 from soma_runtime.backends.cpu.simd import stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
+from soma_runtime.ir.ops import GATED
 
 SMALL_ROWS = 32      # up to this many rows, BLAS's packing of the weight costs more than the product
 
@@ -44,6 +45,11 @@ def _few_rows_matmul(a, w, out):
      + [("f32", q, b, r, n) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32") for n in ("none", "f32")])
 def matmul(a, b, bias=None, residual=None, norm=None, out=None, transpose_b=False, activations="f32", epilogue="none",
            norm_eps=1e-6):
+    if epilogue in GATED:                    # the product as it would run alone, then its column pairs gated
+        y = matmul(a, b, bias, None, norm, transpose_b=transpose_b, activations=activations, norm_eps=norm_eps)
+        gate, up = y[..., 0::2], y[..., 1::2]
+        out = swiglu(gate, up, out=out) if epilogue == "swiglu" else geglu(gate, up, out=out, approximate="tanh")
+        return out if residual is None else deliver(out + f32(residual), dtype_of(a), out)
     if decode_q8(a, b, bias, residual, norm, activations, epilogue):     # one call: norm, q8 dots, residual
         rows, result = a.reshape(-1, a.shape[-1]), out_f32(out, (*a.shape[:-1], b.shape[0]))
         shape = (rows.shape[0], b.shape[0])              # explicit: a step may want no rows

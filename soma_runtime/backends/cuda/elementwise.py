@@ -15,6 +15,7 @@ F = ("f32", "f16", "bf16")
 BLOCK = 1024
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5}
+GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
 
 
 @triton.jit
@@ -33,7 +34,7 @@ def _erf(x):
 
 
 @triton.jit
-def _activate(x, kind: tl.constexpr, slope):
+def activate(x, kind: tl.constexpr, slope):
     if kind == 0:
         y = x * tl.sigmoid(x)
     elif kind == 1:
@@ -77,18 +78,19 @@ def _unary_kernel(x_ptr, out_ptr, n, kind: tl.constexpr, slope, BLOCK: tl.conste
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
-    tl.store(out_ptr + offs, _activate(x, kind, slope).to(out_ptr.dtype.element_ty), mask=keep)
+    tl.store(out_ptr + offs, activate(x, kind, slope).to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @chained
 @triton.jit
-def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, kind: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, step, kind: tl.constexpr, BLOCK: tl.constexpr):
+    """out = act(gate) * up, gate and up read `step` apart (2: a matmul's interleaved column pairs)."""
     after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
-    g = tl.load(gate_ptr + offs, mask=keep).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=keep).to(tl.float32)
-    tl.store(out_ptr + offs, (_activate(g, kind, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
+    g = tl.load(gate_ptr + offs * step, mask=keep).to(tl.float32)
+    u = tl.load(up_ptr + offs * step, mask=keep).to(tl.float32)
+    tl.store(out_ptr + offs, (activate(g, kind, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @chained
@@ -122,7 +124,7 @@ for _name, _op in BINARY.items():
 def unary(x, kind: int, negative_slope=0.01, approximate="none"):
     x = x.contiguous()
     out = torch.empty_like(x)
-    code = 6 if kind == UNARY["gelu"] and approximate == "tanh" else kind
+    code = GELU_TANH if kind == UNARY["gelu"] and approximate == "tanh" else kind
     _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, slope=float(negative_slope), BLOCK=BLOCK)
     return out
 
@@ -140,10 +142,19 @@ def gated_jet(gelu: bool):
     def run(gate, up, approximate="none"):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        kind = (6 if approximate == "tanh" else 5) if gelu else 0
-        _gated_kernel[flat_grid(gate.numel())](gate, up, out, gate.numel(), kind=kind, BLOCK=BLOCK)
+        kind = (GELU_TANH if approximate == "tanh" else UNARY["gelu"]) if gelu else UNARY["silu"]
+        _gated_kernel[flat_grid(gate.numel())](gate, up, out, gate.numel(), 1, kind=kind, BLOCK=BLOCK)
         return out
     return run
+
+
+def gated_pairs(y: torch.Tensor, kind: int) -> torch.Tensor:
+    """act(y[..., 2i]) * y[..., 2i + 1] -> [..., N / 2]: a gated matmul epilogue after the product."""
+    y = y.contiguous()
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    flat = y.reshape(-1)
+    _gated_kernel[flat_grid(out.numel())](flat, flat[1:], out, out.numel(), 2, kind=kind, BLOCK=BLOCK)
+    return out
 
 
 jet("swiglu", CUDA, [(F, F)])(gated_jet(False))

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import INTERPRET, PLANAR_HEADER, DeviceQTensor, device_jet
-from soma_runtime.backends.cuda.elementwise import BINARY, UNARY, binary, normalize, unary
+from soma_runtime.backends.cuda.elementwise import BINARY, GELU_TANH, UNARY, activate, binary, gated_pairs, normalize, unary
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
@@ -29,6 +29,8 @@ SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
 GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
 SKINNY_ROWS = 64       # ... up to this many, against bf16 weights, the decode-batch kernel
 GEMV_TILES = {"short": (8, 512, 2), "long": (8, 1024, 4)}     # dense matrix-vector (BN, BK, warps) by K: < 8192 or more
+GATES = {"swiglu": UNARY["silu"], "geglu_tanh": GELU_TANH}    # a gated epilogue's activation (`activate`'s kind)
+NO_GATE = -1                                                   # ... none: the product as it is
 
 
 @triton.jit
@@ -176,12 +178,12 @@ def _dot4(a, b, acc):
 @chained
 @triton.jit
 def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blocks, row_bytes, FMT: tl.constexpr,
-                  Q8: tl.constexpr, HAS_RES: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+                  Q8: tl.constexpr, HAS_RES: tl.constexpr, GATE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BN weight rows, NB blocks per step: decode reads
     the weights once and keeps many rows in flight (the bandwidth-bound case). The planar 32-block
     formats are read as 32-bit words of quants (16-byte loads), a step ahead: the first step's
     weights load while the kernel before still runs (measured this way only, unlike the dense
-    GEMV, which lost with it). With HAS_RES, the residual stream is added as the result is stored."""
+    GEMV, which lost with it). The result is stored by `_store_row` (gated, the residual added)."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     rows = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes                               # [BN]
@@ -204,7 +206,7 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
             x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
             part = tl.sum(w * tl.expand_dims(x, 0), 2)
         acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
-    _store_row(out_ptr, res_ptr, m * N + n, tl.sum(acc, 1), n < N, HAS_RES)
+    _store_row(out_ptr, res_ptr, m, N, pn, tl.sum(acc, 1), HAS_RES, GATE, BN)
 
 
 @triton.jit
@@ -268,8 +270,19 @@ def _float_dots(low, high, x_ptr, b, FMT: tl.constexpr):
 
 
 @triton.jit
-def _store_row(out_ptr, res_ptr, at, y, keep, HAS_RES: tl.constexpr):
-    """A matrix-vector result stored in the output's dtype, the residual added first if there is one."""
+def _store_row(out_ptr, res_ptr, m, N, pn, y, HAS_RES: tl.constexpr, GATE: tl.constexpr, BN: tl.constexpr):
+    """Program pn's matrix-vector results y (columns pn * BN ..., of N) stored in the output's dtype: with
+    a GATE, each (gate, up) column pair as one activated column; the residual added first if there is one."""
+    if GATE < 0:
+        n = pn * BN + tl.arange(0, BN)
+        width = N
+    else:
+        gate, up = tl.split(tl.reshape(y, (BN // 2, 2)))
+        y = activate(gate, GATE, 0.0) * up
+        n = pn * (BN // 2) + tl.arange(0, BN // 2)
+        width = N // 2
+    keep = n < width
+    at = m * width + n
     if HAS_RES:
         y += tl.load(res_ptr + at, mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
@@ -278,7 +291,7 @@ def _store_row(out_ptr, res_ptr, at, y, keep, HAS_RES: tl.constexpr):
 @chained
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One activation row times BN dense weight rows (any float type, read once, f32 math). With NORM,
     of the row rms-normalized by weight g: the products of x * g, scaled by the row's 1/rms, whose
     squares are summed in the same pass. (Loading each step's weights a step ahead, the first before
@@ -299,7 +312,7 @@ def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NOR
     y = tl.sum(acc, 1)
     if NORM:
         y = y * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(squares, 0) / K + eps))
-    _store_row(out_ptr, res_ptr, m * N + n, y, n < N, HAS_RES)
+    _store_row(out_ptr, res_ptr, m, N, pn, y, HAS_RES, GATE, BN)
 
 
 @chained
@@ -379,6 +392,11 @@ def with_residual(out: torch.Tensor, residual):
     return out if residual is None else binary(out, residual, BINARY["add"])
 
 
+def finished(y: torch.Tensor, gate: int, residual) -> torch.Tensor:
+    """A product outside the matrix-vector kernels, gated (interleaved column pairs) and joined to the residual."""
+    return with_residual(y if gate == NO_GATE else gated_pairs(y, gate), residual)
+
+
 def gemv_residual(residual, like: torch.Tensor) -> torch.Tensor:
     """The residual as the matrix-vector kernels read it: [rows, N], contiguous (else `like`, unread)."""
     return like if residual is None else residual.reshape(like.shape).contiguous()
@@ -389,12 +407,13 @@ def normalized(rows: torch.Tensor, norm) -> torch.Tensor:
     return rows if norm is None else normalize(rows, norm[0], None, norm[1], center=False)
 
 
-def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None, norm=None) -> torch.Tensor:
+def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None, norm=None, gate=NO_GATE) -> torch.Tensor:
     fmt = w.dtype.ggml_id
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = rows.shape
     N, blocks = w.shape[0], K // 32
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    width = N if gate == NO_GATE else N // 2
+    out = torch.empty((M, width), dtype=x.dtype, device=x.device)
     use_q8 = q8 and fmt in INT8_FORMATS
     if use_q8:                                              # the norm folds into the quantization
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
@@ -408,15 +427,18 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
         # program (one per one-warp program for long rows); K-quants: wider programs, and narrow layers
         # more, smaller programs
+        # (a gated product's program takes at least one column pair)
         BN, NB, warps = ((1, 64, 1) if K >= 8192 else (4, 64, 2)) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 8, 4)
+        BN = BN if gate == NO_GATE else max(BN, 2)
         _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, gemv_residual(residual, out), out, N, blocks,
-                                               w.data.shape[1], FMT=fmt, Q8=use_q8, HAS_RES=residual is not None, BN=BN, NB=NB,
-                                               num_warps=warps)
-        return out.reshape(*x.shape[:-1], N)
+                                               w.data.shape[1], FMT=fmt, Q8=use_q8, HAS_RES=residual is not None, GATE=gate,
+                                               BN=BN, NB=NB, num_warps=warps)
+        return out.reshape(*x.shape[:-1], width)
+    full = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BM, BN = 16, 64
-    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
+    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, full, M, N, blocks,
                                                                 w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
-    return with_residual(out.reshape(*x.shape[:-1], N), residual)
+    return finished(full.reshape(*x.shape[:-1], N), gate, residual)
 
 
 def matmul_tiles(M: int, N: int) -> tuple[int, int, int, int]:
@@ -436,7 +458,7 @@ def skinny_tiles(N: int) -> tuple[int, int, int, int, int]:
     return (64, 128, 4, 3, 4) if N <= 2048 else (128, 128, 8, 3, 4)
 
 
-def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
+def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None, gate=NO_GATE) -> torch.Tensor:
     """[M, K] f32 rows @ [N, K]^T bf16, for a decode batch (see _skinny_matmul_kernel)."""
     (M, K), N = rows.shape, w.shape[0]
     BN, BK, warps, stages, split = skinny_tiles(N)
@@ -444,32 +466,34 @@ def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None) -> torch.T
     parts = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=rows.device)
     _skinny_matmul_kernel[(triton.cdiv(N, BN), split)](rows, w, parts, M, N, K, w.stride(0), BN=BN, BM=max(16, triton.next_power_of_2(M)),
                                                       BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
-    if split == 1:
-        return with_residual(out, residual)
-    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, gemv_residual(residual, out), out, M * N, SPLIT=split,
-                                                   HAS_RES=residual is not None, BLOCK=1024)
-    return out
+    join = residual if split > 1 and gate == NO_GATE else None      # added as the K splits sum (a gate comes first)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, gemv_residual(join, out), out, M * N, SPLIT=split,
+                                                       HAS_RES=join is not None, BLOCK=1024)
+    return finished(out, gate, None if join is not None else residual)
 
 
-def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None) -> torch.Tensor:
+def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None, gate=NO_GATE) -> torch.Tensor:
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
     if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
-        out = torch.empty((rows.shape[0], N), dtype=a.dtype, device=a.device)
+        width = N if gate == NO_GATE else N // 2
+        out = torch.empty((rows.shape[0], width), dtype=a.dtype, device=a.device)
         # swept on an H200 (1B and 8B shapes, chained, L2 cold): eight rows per program, 512-wide steps
         # (1024 and four warps for long rows); with the norm folded in, 3.8-4.1 TB/s read on the large layers
         BN, BK, warps = GEMV_TILES["long" if K >= 8192 else "short"]
         _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
                                                           out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
-                                                          NORM=norm is not None, HAS_RES=residual is not None, BN=BN, BK=BK,
-                                                          num_warps=warps)
-        return out.reshape(*a.shape[:-1], N)
+                                                          NORM=norm is not None, HAS_RES=residual is not None, GATE=gate,
+                                                          BN=BN, BK=BK, num_warps=warps)
+        return out.reshape(*a.shape[:-1], width)
     if norm is not None:
         a = normalized(a.contiguous(), norm)
     if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and a.numel() // a.shape[-1] <= SKINNY_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
-        return skinny_matmul(rows, bt, residual).reshape(*a.shape[:-1], bt.shape[0])
+        out = skinny_matmul(rows, bt, residual, gate)
+        return out.reshape(*a.shape[:-1], out.shape[-1])
     batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], bt.shape[-2]
     a3 = a.expand(*batch, M, K).reshape(-1, M, K) if batch else a.reshape(1, M, K)
@@ -479,32 +503,38 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
     _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), a3.shape[0])](
         a3, b3, out, M, N, K, a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         F32=a.dtype == torch.float32, BM=BM, BN=BN, BK=BK, num_warps=warps)
-    return with_residual(out.reshape(*batch, M, N), residual)
+    return finished(out.reshape(*batch, M, N), gate, residual)
 
 
 @jet("matmul", CUDA, [(F, F, b, r, n) for b in ("none", F) for r in ("none", F) for n in ("none", F)]
      + [("f32", q, b, r, n) for q in QUANTIZED for b in ("none", "f32") for r in ("none", "f32") for n in ("none", "f32")])
 @device_jet
 def matmul(a, b, bias=None, residual=None, norm=None, transpose_b=False, activations="f32", epilogue="none", norm_eps=1e-6):
-    plain = bias is None and epilogue == "none"              # a residual alone joins inside the GEMV kernels
-    y = product(a, b, transpose_b, activations, residual if plain else None, None if norm is None else (norm, norm_eps))
+    norm = None if norm is None else (norm, norm_eps)
+    if bias is None and epilogue in ("none", *GATES):        # a gate and the residual join inside the GEMV kernels
+        return product(a, b, transpose_b, activations, residual, norm, GATES.get(epilogue, NO_GATE))
+    y = product(a, b, transpose_b, activations, None, norm)
     y = y if bias is None else binary(y, bias, BINARY["add"])
-    y = y if epilogue == "none" else unary(y, UNARY["gelu"], approximate="tanh" if epilogue == "gelu_tanh" else "none")
-    return y if residual is None or plain else binary(y, residual, BINARY["add"])
+    if epilogue in GATES:
+        y = gated_pairs(y, GATES[epilogue])
+    elif epilogue != "none":
+        y = unary(y, UNARY["gelu"], approximate="tanh" if epilogue == "gelu_tanh" else "none")
+    return with_residual(y, residual)
 
 
-def product(a, b, transpose_b, activations, residual=None, norm=None):
-    """rmsnorm(a) @ b (+ residual): the norm, norm = (weight, eps), and the residual folded into the
-    matrix-vector kernels (decode), applied around the others."""
+def product(a, b, transpose_b, activations, residual=None, norm=None, gate=NO_GATE):
+    """rmsnorm(a) @ b, gated (+ residual): the norm, norm = (weight, eps), the gate (an `activate` kind
+    over interleaved column pairs) and the residual folded into the matrix-vector kernels (decode),
+    applied around the others."""
     if isinstance(b, DeviceQTensor):
-        return quantized_matmul(a, b, activations == "q8", residual, norm)
+        return quantized_matmul(a, b, activations == "q8", residual, norm, gate)
     if a.ndim > 1 and b.ndim > 1:
-        return dense_matmul(a, b, transpose_b, residual, norm)
+        return dense_matmul(a, b, transpose_b, residual, norm, gate)
     # vectors, as numpy: a one-row (or one-column) matrix, squeezed afterwards
     a = normalized(a, norm)
     result = dense_matmul(a.reshape(1, -1) if a.ndim == 1 else a, b.reshape(-1, 1) if b.ndim == 1 else b,
                           transpose_b and b.ndim > 1)
-    return with_residual(result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2), residual)
+    return finished(result.squeeze(-1) if b.ndim == 1 else result.squeeze(-2), gate, residual)
 
 
 @chained
