@@ -2,8 +2,9 @@
 
 Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 512-token prompt,
 128 greedy tokens, median of 3 after a warm-up; the same sampled (llama.cpp's default sampler, on the
-device), and batch-32 decode. Peers: HF eager, and HF with a
-static cache and torch.compile (batch 1). Decode rates exclude the prompt for every engine. Decode
+device), and batch-32 decode; and the bf16 model again with a bf16 KV cache, as HF keeps a bf16
+model's (ours defaults to f32 for HF directories). Peers: HF eager, and HF with a static cache and
+torch.compile (batch 1). Decode rates exclude the prompt for every engine. Decode
 GB/s counts the weight bytes one token reads, against the measured device-to-device copy bandwidth.
 Run (on a GPU machine): python bench/llm_cuda.py [--out DIR] [--shape 1b|8b]; JSON in bench/out/llm_cuda.json.
 """
@@ -69,13 +70,15 @@ def prompt(vocab: int, rows: int = 1) -> np.ndarray:
     return np.random.default_rng(0).integers(100, min(vocab, 300), (rows, PROMPT_TOKENS))
 
 
-def bench_ours(path: str) -> dict:
+def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False) -> dict:
     from soma_runtime.api import Runtime
     from soma_runtime.bench_llm import bench_model
     from soma_runtime.engine.generate import Stream
     from soma_runtime.engine.sampling import greedy_rows
-    model = Runtime("cuda").load(path, n_ctx=1024, progress=False)
+    model = Runtime("cuda").load(path, n_ctx=1024, progress=False, kv_dtype=kv_dtype)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
+    if greedy_only:
+        return result
     result["sampled_decode_tok_s"] = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS, **SAMPLED)["decode_tok_s"]
     engine = model.engine                                  # batched decode: 32 sequences, one forward per step
     streams = [Stream(engine, model.request([int(t) for t in row], NEW_TOKENS, temperature=0)) for row in prompt(1000, BATCH)]
@@ -158,10 +161,12 @@ def main() -> None:
         from soma_runtime.convert import convert_hf_to_gguf
         q4 = convert_hf_to_gguf(hf_dir, os.path.join(tmp, f"llama-{args.shape}.q4_0.gguf"), "q4_0")
         rows = {}
-        for name, path in ((f"{args.shape} bf16 / ours", hf_dir), (f"{args.shape} q4_0 / ours", q4)):
-            rows[name] = r = bench_ours(path)
+        for name, path, kv_dtype in ((f"{args.shape} bf16 / ours", hf_dir, None), (f"{args.shape} q4_0 / ours", q4, None),
+                                     (f"{args.shape} bf16, bf16 KV / ours", hf_dir, "bf16")):
+            rows[name] = r = bench_ours(path, kv_dtype, greedy_only=kv_dtype is not None)
             r["bandwidth_share"] = r["GB/s"] * 1e9 / bandwidth
             report(rows, results, args.out)
+            torch.cuda.empty_cache()
         torch.cuda.empty_cache()
         if not args.skip_hf:
             vocab = SHAPES[args.shape]["vocab_size"]

@@ -232,6 +232,10 @@ def rotary_inputs(rows, rotary):
 for style in ("neox", "interleaved"):        # keys rotated as they are stored; 6 of 8 dims rotary (partial)
     case("kv_append", lambda dt: int_inputs(mk((4, 2, 2, 8), (3, 2, 8)), [5, 0, 6])(dt) + rotary_inputs(3, 6),
          lambda p, n, sl, pos, f, st=style: kv_append_ref(p, rope_ref(st, 6)(n, pos, f), sl), id=f"rope-{style}", style=style)
+case("kv_append", lambda dt: int_inputs(mk((4, 2, 2, 8), (3, 2, 8)), [5, 0, 6])(dt) + rotary_inputs(3, 6)
+     + mk((4, 2, 2, 8), (3, 2, 8), seed=5)(dt),       # a layer's keys (rotated) and values, one kernel
+     lambda p, n, sl, pos, f, vp, vn: (kv_append_ref(p, rope_ref("neox", 6)(n, pos, f), sl), kv_append_ref(vp, vn, sl)),
+     id="keys-and-values")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -194,9 +194,8 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         if "rope_freqs.weight" in weights:            # llama-3 GGUF: scaling stored as per-dim factors
             inv_freq = inv_freq / as_f32(weights["rope_freqs.weight"])
         freqs = g.const(f"{p}.inv_freq", inv_freq.astype(np.float32))
-        # rope rides along: keys are rotated as they are stored, queries as attention loads them
-        k_pages = g.kv_append(k_pages, k, slots, positions, freqs, style=cfg.rope_style)
-        v_pages = g.kv_append(v_pages, v, slots)
+        # rope rides along: keys are rotated as they are stored (values beside them), queries as attention loads them
+        k_pages, v_pages = g.kv_append(k_pages, k, slots, positions, freqs, v_pages, v, style=cfg.rope_style)
         pages_out += [k_pages, v_pages]
         attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, positions, freqs, scale=cfg.attn_scale,
                                  softcap=cfg.attn_softcap, rope_style=cfg.rope_style)

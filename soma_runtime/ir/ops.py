@@ -37,9 +37,14 @@ class OpDef:
     attrs: dict = field(default_factory=dict)
     struct: dict = field(default_factory=dict)   # attr -> representative values (formula variants)
     stateful: bool = False                       # carries state across calls (kv cache)
-    view: bool = False                           # outputs alias input 0's memory
+    view: bool = False                           # outputs alias input 0's memory ...
+    aliases: tuple = ()                          # ... or output i input aliases[i]'s
     tol: float = 1.0                             # tolerance multiplier for accumulating ops
     ranks: tuple = ()                            # input ranks for tracing the formula (default 2)
+
+    def aliased(self, output: int) -> int:
+        """The input a view op's output aliases."""
+        return self.aliases[output] if self.aliases else 0
 
     @property
     def variadic(self) -> bool:
@@ -521,22 +526,37 @@ def rope_inputs_rule(x, positions, inv_freq, what):
 
 def kv_append_rule(metas, attrs):
     pages, new, slots = metas[:3]
-    rope_inputs_rule(new, *(list(metas[3:5]) + [None] * (5 - len(metas))), "kv_append")
-    float_dtype(pages, "pages")
-    float_dtype(new)
-    check(pages.ndim == 4 and new.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
-    check(all(same_dim(a, b) is not False for a, b in zip(pages.shape[2:], new.shape[-2:])), "head shape differs from the cache's")
+    positions, inv_freq, v_pages, v_new = list(metas[3:7]) + [None] * (7 - len(metas))
+    rope_inputs_rule(new, positions, inv_freq, "kv_append")
     check(slots.dtype in ("i32", "i64"), "slots must be integer")
-    return [pages]
+    check((v_pages is None) == (v_new is None), "kv_append: v_pages and v_new come together")
+    check(v_pages is None or all(same_dim(a, b) is not False for a, b in zip(v_pages.shape, pages.shape)),
+          "kv_append: value pages must have the key pages' shape")
+    pairs = [(pages, new)] + ([(v_pages, v_new)] if v_pages is not None else [])
+    for cache, rows in pairs:
+        float_dtype(cache, "pages")
+        float_dtype(rows)
+        check(cache.ndim == 4 and rows.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
+        check(all(same_dim(a, b) is not False for a, b in zip(cache.shape[2:], rows.shape[-2:])), "head shape differs from the cache's")
+        check(all(same_dim(a, b) is not False for a, b in zip(rows.shape[:-2], new.shape[:-2])), "values and keys differ in rows")
+    return [cache for cache, _ in pairs]
 
 
-@op("kv_append", ["pages", "new", "slots", "positions?", "inv_freq?"], kv_append_rule, attrs={"style": "neox"},
-    struct={"style": ("neox", "interleaved")}, stateful=True, view=True, ranks=(4, 3, 1, 1, 1))
-def kv_append(A, pages, new, slots, positions=None, inv_freq=None, style="neox"):
+@op("kv_append", ["pages", "new", "slots", "positions?", "inv_freq?", "v_pages?", "v_new?"], kv_append_rule,
+    attrs={"style": "neox"}, struct={"style": ("neox", "interleaved")}, stateful=True, view=True, aliases=(0, 5),
+    ranks=(4, 3, 1, 1, 1, 4, 3))
+def kv_append(A, pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
     """Rows of `new` [..., H, D] into the cache slots; with positions and inv_freq, rotated first (rope:
-    a key is stored rotated, in one pass)."""
+    a key is stored rotated, in one pass). With v_pages and v_new, a layer's values go into the same
+    slots of their own pages as well (unrotated): one kernel writes both."""
     if positions is not None and inv_freq is not None:
         new = Ref(rope(A, new, positions, inv_freq, style).index, new.shape, new.dtype)
+    written = scattered(A, pages, new, slots)
+    return written if v_pages is None or v_new is None else (written, scattered(A, v_pages, v_new, slots))
+
+
+def scattered(A, pages, new, slots):
+    """The pages with rows of `new` written into their slots, in the cache's dtype."""
     P, block, H, D = pages.shape
     flat = A.read("reshape", pages, shape=(P * block, H, D))
     rows = A.read("reshape", new, shape=(-1, H, D))

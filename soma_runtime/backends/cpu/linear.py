@@ -173,10 +173,15 @@ def _append_rotated(cache, new, slots, positions, inv_freq, neox):
                 cache[slots[r], h, d] = stored(rotated[r, h, d], cache[0, 0, 0])
 
 
-@jet("kv_append", CPU, [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in HALF for r in ROPE_INPUTS])
-def kv_append(pages, new, slots, positions=None, inv_freq=None, out=None, style="neox"):
-    """Write new rows into their slots in place (rotated first, given rope's inputs); the returned
-    tensor is the cache itself."""
+KV_APPENDS = [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in HALF for r in ROPE_INPUTS]
+
+
+@jet("kv_append", CPU, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])])
+def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, out=None, style="neox"):
+    """Write new rows into their slots in place (rotated first, given rope's inputs), and values into
+    theirs if given; the returned tensors are the caches themselves."""
+    if v_pages is not None:
+        return kv_append(pages, new, slots, positions, inv_freq, style=style), kv_append(v_pages, v_new, slots)
     flat = pages.reshape(-1, *pages.shape[2:])
     if positions is not None and all_f32(new) and new.ndim == 3 and positions.shape == new.shape[:1]:
         cache = flat.view(np.uint16) if flat.dtype == np.float16 else flat      # numba has no float16: its bits

@@ -612,36 +612,48 @@ def rope(x, positions, inv_freq, style="neox"):
     return out
 
 
-@chained
 @triton.jit
-def _kv_append_kernel(pages_ptr, new_ptr, slots_ptr, pos_ptr, freq_ptr, width, dim, half, ROPE: tl.constexpr,
-                      NEOX: tl.constexpr, BLOCK: tl.constexpr):
-    after_prior()
-    r, part = tl.program_id(0), tl.program_id(1)
-    i = part * BLOCK + tl.arange(0, BLOCK)
+def _append_rows(pages_ptr, new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE: tl.constexpr, NEOX: tl.constexpr):
+    """Columns i of row r of `new` into its cache slot (rotated first with ROPE: a key)."""
     keep = i < width
-    slot = tl.load(slots_ptr + r).to(tl.int64)
     value = tl.load(new_ptr + r * width + i, mask=keep).to(tl.float32)
-    if ROPE:                                   # a key, rotated as it is stored
+    if ROPE:
         position = tl.load(pos_ptr + r).to(tl.float32)
         value = rotated(new_ptr + r * width + (i - i % dim), i % dim, value, keep, position, freq_ptr, half, NEOX)
     tl.store(pages_ptr + slot * width + i, value.to(pages_ptr.dtype.element_ty), mask=keep)
 
 
+@chained
+@triton.jit
+def _kv_append_kernel(pages_ptr, new_ptr, v_pages_ptr, v_new_ptr, slots_ptr, pos_ptr, freq_ptr, width, dim, half,
+                      ROPE: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, part, which): columns part*BLOCK.. of row r, of the keys (which 0) or the values (1)."""
+    after_prior()
+    r, part = tl.program_id(0), tl.program_id(1)
+    i = part * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    if tl.program_id(2) == 0:
+        _append_rows(pages_ptr, new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE, NEOX)
+    else:
+        _append_rows(v_pages_ptr, v_new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, False, NEOX)
+
+
 ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positions and inv_freq, or neither
+KV_APPENDS = [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in ("f16", "bf16") for r in ROPE_INPUTS]
 
 
-@jet("kv_append", CUDA, [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in ("f16", "bf16") for r in ROPE_INPUTS])
+@jet("kv_append", CUDA, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])])
 @device_jet
-def kv_append(pages, new, slots, positions=None, inv_freq=None, style="neox"):
-    """Rows of `new` into their cache slots, in place (rotated first, given rope's inputs); the cache
-    itself is the result."""
+def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
+    """Rows of `new` into their cache slots, in place (rotated first, given rope's inputs), and the
+    values' rows into theirs in the same launch if given; the caches themselves are the result."""
     width = pages.shape[2] * pages.shape[3]
     flat_slots = slots.reshape(-1).contiguous()
     rows = new.reshape(-1, width).contiguous()
+    values = rows if v_new is None else v_new.reshape(-1, width).contiguous()
     rope = positions is not None
-    _kv_append_kernel[(rows.shape[0], triton.cdiv(width, 256))](
-        pages, rows, flat_slots, positions.expand(new.shape[:-2]).contiguous() if rope else flat_slots,
-        inv_freq.contiguous() if rope else rows, width, pages.shape[3], inv_freq.shape[0] if rope else 0, ROPE=rope,
-        NEOX=style == "neox", BLOCK=256)
-    return pages
+    _kv_append_kernel[(rows.shape[0], triton.cdiv(width, 256), 1 if v_pages is None else 2)](
+        pages, rows, pages if v_pages is None else v_pages, values, flat_slots,
+        positions.expand(new.shape[:-2]).contiguous() if rope else flat_slots, inv_freq.contiguous() if rope else rows, width,
+        pages.shape[3], inv_freq.shape[0] if rope else 0, ROPE=rope, NEOX=style == "neox", BLOCK=256)
+    return pages if v_pages is None else (pages, v_pages)

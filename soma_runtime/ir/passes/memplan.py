@@ -38,8 +38,9 @@ def plan_memory(graph: Graph, metas: dict[str, TensorMeta]) -> MemoryPlan:
                 last_use[root.get(i, i)] = step
         opdef = OPS[node.op]
         if opdef.view:
-            for o in node.outputs:
-                root[o] = root.get(node.inputs[0], node.inputs[0])
+            for j, o in enumerate(node.outputs):
+                source = node.inputs[opdef.aliased(j)]
+                root[o] = root.get(source, source)
         elif len(node.outputs) == 1 and node.outputs[0] not in graph.outputs and not dtype(metas[node.outputs[0]].dtype).quantized:
             planned.append((step, node.outputs[0]))
     for o in graph.outputs:            # graph outputs (and what they alias) live to the end
