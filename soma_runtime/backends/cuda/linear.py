@@ -411,8 +411,6 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = rows.shape
     N, blocks = w.shape[0], K // 32
-    width = N if gate == NO_GATE else N // 2
-    out = torch.empty((M, width), dtype=x.dtype, device=x.device)
     use_q8 = q8 and fmt in INT8_FORMATS
     if use_q8:                                              # the norm folds into the quantization
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
@@ -425,19 +423,19 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     if M <= GEMV_ROWS:
         # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
         # program (one per one-warp program for long rows); K-quants: wider programs, and narrow layers
-        # more, smaller programs
-        # (a gated product's program takes at least one column pair)
+        # more, smaller programs; a gated product's program takes at least one (gate, up) pair
         BN, NB, warps = ((1, 64, 1) if K >= 8192 else (4, 64, 2)) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 8, 4)
         BN = BN if gate == NO_GATE else max(BN, 2)
+        out = torch.empty((M, N if gate == NO_GATE else N // 2), dtype=x.dtype, device=x.device)
         _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, gemv_residual(residual, out), out, N, blocks,
                                                w.data.shape[1], FMT=fmt, Q8=use_q8, HAS_RES=residual is not None, GATE=gate,
                                                BN=BN, NB=NB, num_warps=warps)
-        return out.reshape(*x.shape[:-1], width)
-    full = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        return out.reshape(*x.shape[:-1], out.shape[1])
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BM, BN = 16, 64
-    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, full, M, N, blocks,
+    _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
                                                                 w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
-    return finished(full.reshape(*x.shape[:-1], N), gate, residual)
+    return finished(out.reshape(*x.shape[:-1], N), gate, residual)
 
 
 def matmul_tiles(M: int, N: int) -> tuple[int, int, int, int]:
