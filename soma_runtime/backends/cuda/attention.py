@@ -185,7 +185,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         triton.next_power_of_2(splits)
     # 16-bit caches hold values exact in tf32: their products need two passes, not three. Eight warps for
     # a decode's shares (H200, alone, f16 cache: 6.5 us vs 8.6 at 64 dims) and for wide heads (four
-    # spill registers at 128 dims); a prompt's rows at 64 dims keep four
+    # spill registers at 128 dims); a prompt's rows at 64 dims, and narrower heads (eight spilled), keep four
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
@@ -193,5 +193,5 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV, SPLITS=SPLITS,
-        CHUNK=max(1, min(SPLITS, 4096 // (G * BV))), num_warps=8 if splits > 1 or max(D, Dv) >= 128 else 4)
+        CHUNK=max(1, min(SPLITS, 4096 // (G * BV))), num_warps=8 if (splits > 1 and max(D, Dv) >= 64) or max(D, Dv) >= 128 else 4)
     return out

@@ -432,7 +432,7 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
                                                BN=BN, NB=NB, num_warps=warps)
         return out.reshape(*x.shape[:-1], out.shape[1])
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    BM, BN = 16, 64
+    BM, BN = 16, 32 if fmt in INT8_FORMATS and not use_q8 else 64      # (q4_1, q8_0 blocks decoded to f32 spilled at 64)
     _qmatmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](rows, xq, xd, xs, w.data, out, M, N, blocks,
                                                                 w.data.shape[1], FMT=fmt, Q8=use_q8, BM=BM, BN=BN)
     return finished(out.reshape(*x.shape[:-1], N), gate, residual)
