@@ -19,6 +19,7 @@ from tqdm import tqdm
 from soma_runtime import loaders, schedule
 from soma_runtime.backends import BACKENDS, detect_all, gpu_available
 from soma_runtime.backends.cpu import amx, physical_cores
+from soma_runtime.dtypes import FLOATS, dtype_of
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
 from soma_runtime.engine.sampling import SamplingParams
@@ -27,6 +28,13 @@ from soma_runtime.text.chat import ChatTemplate
 
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
+
+
+def checkpoint_dtype(weights) -> str:
+    """The float dtype a checkpoint is stored in (its embedding table's), as transformers' dtype="auto"
+    reads it; f32 for anything else."""
+    stored = dtype_of(weights["token_embd.weight"])
+    return stored if stored in FLOATS else "f32"
 
 
 class Model:
@@ -179,7 +187,8 @@ class Runtime:
              autotune: bool | None = None, model_id: str | None = None) -> Model | EncoderModel:
         """Load a model. Precision follows each format's reference engine unless set: GGUF models run
         like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
-        transformers (f32 throughout). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
+        transformers (the KV cache in the checkpoint's dtype: f32, or a 16-bit model's own; f32
+        activations). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
         `activations="bf16"` rounds matmul inputs to bf16 (an encoder also stores its projections in
         bf16), which runs bf16 weights on the CPU's matrix units (AMX) where it has them; encoders
         default to it on such CPUs (embeddings within 1e-4 cosine of f32), to f32 elsewhere.
@@ -198,7 +207,7 @@ class Runtime:
             bar.set_postfix_str("graph")
             gguf = loaded.format == "gguf"
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,
-                            kv_dtype or ("f16" if gguf else "f32"), activations or ("q8" if gguf else "f32"))
+                            kv_dtype or ("f16" if gguf else checkpoint_dtype(loaded.weights)), activations or ("q8" if gguf else "f32"))
             bar.update()
             bar.set_postfix_str("kernels")
             engine.plan(1)                        # compile the decode plan (numba caches on disk)

@@ -51,3 +51,17 @@ def test_greedy_tokens_match_hf(family):
     got = [t.id for t in ours.generate(ids, max_tokens=32, temperature=0)]
     assert clear >= 8, f"{name}: the random model has a near-tie at step {clear}; rescale its weights"
     assert got[:clear] == want[:clear], f"{name}: greedy tokens differ within the first {clear} (clear-gap) steps"
+
+
+def test_bf16_checkpoint_caches_in_bf16(tmp_path):
+    """A bf16 checkpoint's KV cache is bf16, as transformers keeps it; logits stay within bf16's rounding
+    of HF's f32 run on the same (bf16-valued) weights."""
+    hf_model, tok = build_model("llama", str(tmp_path), dtype=torch.bfloat16)
+    ours = Runtime().load(str(tmp_path), progress=False)
+    assert ours.engine.kv_dtype == "bf16"
+    ids = tok.encode(PROMPT).ids
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits[0].numpy()
+    got = ours.logits(ids)
+    scale = float(np.abs(want).max())
+    assert np.max(np.abs(got - want)) <= 5e-3 * scale, f"max logit error {np.max(np.abs(got - want)):.3g} of {scale:.3g}"
