@@ -143,6 +143,24 @@ def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend)
     assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+@pytest.mark.parametrize("cols", [256, 768, 2304, 8192])     # chunks of 64 (q4_K) or 128: ragged last steps, and many
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("name", ["q4_K", "q6_K"])
+def test_k_quant_decode_under_q8_activations_is_the_q8_rounded_product(name, cols, normed):
+    """On cuda, decode's K-quant rows meet q8 activations in integer dots (as llama.cpp's CUDA kernels do;
+    the CPU keeps K-quant activations f32): the exact product of the q8-rounded (normalized) row."""
+    from soma_runtime.backends.cpu.qdot import q8_rounded
+    w = QTensor(random_blocks(name, 40, cols).reshape(-1), name, (40, cols))
+    rng = np.random.default_rng(cols)
+    x, g = rng.standard_normal((1, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    norm = g if normed else None
+    rows = run_op("rmsnorm", x, g, backend="cpu", eps=1e-6) if normed else x
+    want = torch.from_numpy(q8_rounded(rows)).double() @ torch.from_numpy(w.dequantize()).double().T
+    got = run_op("matmul", x, w, None, None, norm, backend="cuda", transpose_b=True, activations="q8", norm_eps=1e-6)
+    assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
 @pytest.mark.parametrize("name,rel_error", [("q8_0", 0.01), ("q4_0", 0.15), ("q4_1", 0.12)])
 def test_quantized_matmul_stays_within_format_error(name, rel_error):
     rng = np.random.default_rng(7)

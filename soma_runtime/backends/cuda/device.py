@@ -1,10 +1,11 @@
 """Device memory for the CUDA backend: host arrays <-> torch tensors on the GPU, block-quantized
 weights kept in their format, and the wrapper every CUDA jet goes through.
 
-The 32-weight formats (q4_0, q4_1, q8_0) are stored *planar* on the device: each row's quants
-first, then its f16 scales (then q4_1's mins), the row padded to 16 bytes. These are the GGUF
-blocks' bytes regrouped: GGUF's 18-byte blocks are only 2-byte aligned, and the kernels want
-16-byte loads of quants. The K-quants keep their GGUF bytes.
+The 32-weight formats (q4_0, q4_1, q8_0) and q6_K are stored *planar* on the device: each field of
+the row's blocks in a plane of its own (quants first, then f16 scales, then q4_1's mins; q6_K's low
+bits, high bits, scales, then d), the row padded to 16 bytes. These are the GGUF blocks' bytes
+regrouped: GGUF's 18- and 210-byte blocks are only 2-byte aligned, and the kernels want 16-byte
+loads of quants. q4_K's 144-byte blocks are aligned already and keep their GGUF bytes.
 
 Without a GPU, `TRITON_INTERPRET=1` runs the same Triton kernels on the CPU (numpy underneath) on
 torch CPU tensors: that is how CI runs the cross-backend op test on these jets.
@@ -29,8 +30,9 @@ def device() -> torch.device:
     return torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
 
 
-# GGML ids of the formats stored planar -> bytes of a block's header (d, or d and m)
-PLANAR_HEADER = {2: 2, 3: 4, 8: 2}
+# GGML ids of the formats stored planar -> the byte ranges of a block that become planes, in plane order
+PLANES = {2: ((2, 18), (0, 2)), 3: ((4, 20), (0, 2), (2, 4)), 8: ((2, 34), (0, 2)),
+          14: ((0, 128), (128, 192), (192, 208), (208, 210))}
 
 
 class DeviceQTensor:
@@ -57,7 +59,7 @@ def place(value):
         return value
     if isinstance(value, QTensor):
         data = place(value.data)
-        return DeviceQTensor(planar(data, value.dtype) if value.dtype.ggml_id in PLANAR_HEADER else data, value.dtype,
+        return DeviceQTensor(planar(data, value.dtype) if value.dtype.ggml_id in PLANES else data, value.dtype,
                              value.shape)
     array = np.ascontiguousarray(value)
     bf16 = array.dtype.name == "bfloat16"                  # ml_dtypes' bf16: move the bits
@@ -70,7 +72,7 @@ def place(value):
 def fetch(value):
     """A device value back on the host: numpy (bf16 as ml_dtypes' bfloat16), or a QTensor."""
     if isinstance(value, DeviceQTensor):
-        planar_rows = value.dtype.ggml_id in PLANAR_HEADER
+        planar_rows = value.dtype.ggml_id in PLANES
         data = blocked(value.data, value.dtype, value.shape[-1]) if planar_rows else value.data
         return QTensor(data.cpu().numpy(), value.dtype, value.shape)
     if not isinstance(value, torch.Tensor):
@@ -94,21 +96,19 @@ def fetch_soon(value):
 
 
 def planar(rows: torch.Tensor, kind) -> torch.Tensor:
-    """GGUF rows of 32-weight blocks -> planar rows: quants, then scales (then mins), 16-byte padded."""
-    header = PLANAR_HEADER[kind.ggml_id]
+    """GGUF rows of blocks -> planar rows: each of the format's PLANES in turn, 16-byte padded."""
     blocks = rows.reshape(rows.shape[0], -1, kind.type_size)
-    parts = [blocks[:, :, header:], blocks[:, :, 0:2]] + ([blocks[:, :, 2:4]] if header == 4 else [])
-    parts.append(rows.new_zeros((rows.shape[0], -rows.shape[1] % 16)))
-    return torch.cat([p.reshape(rows.shape[0], -1) for p in parts], dim=1)
+    parts = [blocks[:, :, start:end].reshape(rows.shape[0], -1) for start, end in PLANES[kind.ggml_id]]
+    return torch.cat([*parts, rows.new_zeros((rows.shape[0], -rows.shape[1] % 16))], dim=1)
 
 
 def blocked(rows: torch.Tensor, kind, n: int) -> torch.Tensor:
     """`planar`'s inverse: the GGUF rows of n weights each."""
-    header, count = PLANAR_HEADER[kind.ggml_id], n // 32
-    quant_bytes = count * (kind.type_size - header)
-    quants = rows[:, :quant_bytes].reshape(rows.shape[0], count, -1)
-    fields = rows[:, quant_bytes:quant_bytes + count * header].reshape(rows.shape[0], header // 2, count, 2)
-    return torch.cat([fields.transpose(1, 2).reshape(rows.shape[0], count, header), quants], dim=2).reshape(rows.shape[0], -1)
+    count, at, fields = n // kind.block_size, 0, {}
+    for start, end in PLANES[kind.ggml_id]:
+        fields[start] = rows[:, at:at + count * (end - start)].reshape(rows.shape[0], count, end - start)
+        at += count * (end - start)
+    return torch.cat([fields[start] for start in sorted(fields)], dim=2).reshape(rows.shape[0], -1)
 
 
 def zeros(shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:

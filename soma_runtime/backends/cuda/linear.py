@@ -4,8 +4,10 @@ Quantized weights stay in their format on the device (the 32-weight ones planar:
 and are decoded inside the kernels, 32 weights (one block, or one sub-block of a 256-weight K-quant
 block) at a time. With `activations="q8"` (llama.cpp's scheme, as on CPU) q8_0/q4_0/q4_1 weights
 meet q8-quantized activations in exact integer dots (int8 tensor cores, or dp4a for one row), one
-scale multiply-add per block; otherwise blocks are decoded to f32 and multiplied in f32 ("ieee": no
-tf32 rounding).
+scale multiply-add per block; so do q4_K/q6_K weights in decode's matrix-vector kernel, as in
+llama.cpp's CUDA kernels (the CPU keeps their activations f32: 1B q4_K decode on an H200 went from
+597 to 1459 tok/s). Otherwise blocks are decoded to f32 and multiplied in f32 ("ieee": no tf32
+rounding).
 """
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
-from soma_runtime.backends.cuda.device import INTERPRET, PLANAR_HEADER, DeviceQTensor, device_jet
+from soma_runtime.backends.cuda.device import INTERPRET, DeviceQTensor, device_jet
 from soma_runtime.backends.cuda.elementwise import BINARY, GELU_TANH, UNARY, activate, binary, gated_pairs, normalize, unary
 from soma_runtime.ir.jets import jet
 
 CUDA = "cuda"
 F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
-INT8_FORMATS = tuple(PLANAR_HEADER)   # GGUF ids of the 32-weight formats (q4_0 2, q4_1 3, q8_0 8): planar, int8 dots
+INT8_FORMATS = (2, 3, 8)               # GGUF ids of the 32-weight formats (q4_0, q4_1, q8_0): planar, int8 dots
+GEMV_Q8_FORMATS = (12, 14)             # ... and q4_K's and q6_K's, in the matrix-vector kernel only (decode)
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 BF16_DOT = tl.constexpr(not INTERPRET)
@@ -73,15 +76,16 @@ def _decode_f32(rows, b, blocks, FMT: tl.constexpr):
         byte = tl.load(tl.expand_dims(base + 16 + (sub // 2) * 32, -1) + j)
         q = ((byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15).to(tl.float32)
         return tl.expand_dims(_f16_at(base) * sc, -1) * q - tl.expand_dims(_f16_at(base + 2) * mn, -1)
-    elif FMT == 14:                                         # q6_K: 128 ql, 64 qh, 16 int8 scales, d
-        base = rows + (b // 8) * 210
-        sub = b % 8
+    elif FMT == 14:                                         # planar q6_K: planes of 128 ql, 64 qh, 16 int8 scales, d
+        superblock, sub, superblocks = b // 8, b % 8, blocks // 8
         half, quarter = sub // 4, sub % 4
-        low = tl.load(tl.expand_dims(base + 64 * half + 32 * (quarter % 2), -1) + j)
-        high = tl.load(tl.expand_dims(base + 128 + 32 * half, -1) + j)
+        low = tl.load(tl.expand_dims(rows + superblock * 128 + 64 * half + 32 * (quarter % 2), -1) + j)
+        high = tl.load(tl.expand_dims(rows + superblocks * 128 + superblock * 64 + 32 * half, -1) + j)
         q = ((low >> tl.expand_dims(4 * (quarter // 2), -1)) & 15) | (((high >> tl.expand_dims(2 * quarter, -1)) & 3) << 4)
-        scale = tl.load(tl.expand_dims(base + 192 + 8 * half + 2 * quarter, -1) + j // 16).to(tl.int8, bitcast=True)
-        return tl.expand_dims(_f16_at(base + 208), -1) * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
+        scales = rows + superblocks * 192 + superblock * 16 + 8 * half + 2 * quarter
+        scale = tl.load(tl.expand_dims(scales, -1) + j // 16).to(tl.int8, bitcast=True)
+        d = _f16_at(rows + superblocks * 208 + superblock * 2)
+        return tl.expand_dims(d, -1) * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
     else:
         q, d, m = _decode_int8(rows, b, blocks, FMT)
         return tl.expand_dims(d, -1) * q.to(tl.float32) + tl.expand_dims(m, -1)
@@ -183,28 +187,44 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
     the weights once and keeps many rows in flight (the bandwidth-bound case). The planar 32-block
     formats are read as 32-bit words of quants (16-byte loads), a step ahead: the first step's
     weights load while the kernel before still runs (measured this way only, unlike the dense
-    GEMV, which lost with it). With a GATE, the rows come in (gate, up) pairs: BN / 2 activated results
-    (one kernel fewer per layer: 1B q4_0 decode +4% on an H200)."""
+    GEMV, which lost with it); so are q4_K's and q6_K's under q8 activations, NB chunks (of 64 / 128
+    weights) a step. With a GATE, the rows come in (gate, up) pairs: BN / 2 activated results (one
+    kernel fewer per layer: 1B q4_0 decode +4% on an H200)."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     rows = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes                               # [BN]
     PLANAR: tl.constexpr = FMT == 2 or FMT == 3 or FMT == 8
+    Q4K: tl.constexpr = Q8 and FMT == 12                    # K-quants under q8 activations: chunks of 64 / 128 weights
+    Q6K: tl.constexpr = Q8 and FMT == 14
+    PER: tl.constexpr = 2 if Q4K else (4 if Q6K else 1)     # 32-blocks a chunk (else a block a step's unit)
     if PLANAR:
         words, d, mn = _planar_blocks(rows, 0, blocks, FMT, NB)
+    elif Q4K:
+        words, head, s0, s1, s2 = _q4k_chunks(rows, 0, blocks, NB)
+    elif Q6K:
+        low, high, bits, s0, s1, d = _q6k_chunks(rows, 0, blocks, NB)
     after_prior()
     acc = tl.zeros((BN, NB), tl.float32)
-    for b0 in tl.range(0, blocks, NB):
-        b = b0 + tl.arange(0, NB)
-        b_ok = b < blocks
+    x_row, xq_row, xd_row = x_ptr + m * blocks * 32, xq_ptr + m * blocks * 32, xd_ptr + m * blocks
+    for b0 in tl.range(0, blocks, PER * NB):
+        b = b0 // PER + tl.arange(0, NB)
+        b_ok = b < blocks // PER
         b = tl.where(b_ok, b, 0)
         if PLANAR:
             ahead = _planar_blocks(rows, b0 + NB, blocks, FMT, NB)
-            part = _planar_dots(words, d, mn, b, x_ptr + m * blocks * 32, xq_ptr + m * blocks * 32, xd_ptr + m * blocks,
-                                xs_ptr + m * blocks, FMT, Q8)
+            part = _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_ptr + m * blocks, FMT, Q8)
             words, d, mn = ahead
+        elif Q4K:
+            ahead = _q4k_chunks(rows, b0 // 2 + NB, blocks, NB)
+            part = _q4k_dots(words, head, s0, s1, s2, b, xq_row, xd_row)
+            words, head, s0, s1, s2 = ahead
+        elif Q6K:
+            ahead = _q6k_chunks(rows, b0 // 4 + NB, blocks, NB)
+            part = _q6k_dots(low, high, bits, s0, s1, d, b, xq_row, xd_row)
+            low, high, bits, s0, s1, d = ahead
         else:
             w = _decode_f32(tl.expand_dims(rows, 1), tl.expand_dims(b, 0), blocks, FMT)              # [BN, NB, 32]
-            x = tl.load(x_ptr + m * blocks * 32 + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
+            x = tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
             part = tl.sum(w * tl.expand_dims(x, 0), 2)
         acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
     y = tl.sum(acc, 1)
@@ -260,6 +280,93 @@ def _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_row, FMT: tl.constex
         if FMT == 3:
             part += mn * tl.expand_dims(tl.sum(tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)), 1), 0)
     return part
+
+
+@triton.jit
+def _q4k_chunks(rows, c0, blocks, NB: tl.constexpr):
+    """Chunks c0 .. c0+NB-1 of q4_K rows [BN] (64 weights each, a quarter of a 144-byte superblock; none
+    past the last), as 32-bit words (superblocks are 16-byte aligned): quants [BN, NB, 8], and the
+    chunk's superblock's (d, dmin) word and three words of 6-bit scales and mins [BN, NB]."""
+    c = c0 + tl.arange(0, NB)
+    ok = tl.expand_dims(c < blocks // 2, 0)
+    base = tl.expand_dims(rows, 1) + tl.expand_dims((c // 4) * 144, 0)                              # superblocks [BN, NB]
+    quants = (base + 16 + 32 * tl.expand_dims(c % 4, 0)).to(tl.pointer_type(tl.int32))
+    words = tl.load(quants[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
+    head = base.to(tl.pointer_type(tl.int32))
+    return (words, tl.load(head, mask=ok, other=0), tl.load(head + 1, mask=ok, other=0), tl.load(head + 2, mask=ok, other=0),
+            tl.load(head + 3, mask=ok, other=0))
+
+
+@triton.jit
+def _q8_words(xq_row, xd_row, block):
+    """q8 activation blocks `block` [NB]: their quants as words [NB, 8], the sums of each word's four
+    bytes [NB, 8], and their scales [NB]."""
+    xw = tl.load(xq_row.to(tl.pointer_type(tl.int32)) + tl.expand_dims(block, 1) * 8 + tl.arange(0, 8))
+    sums = _dot4(xw, tl.full(xw.shape, 0x01010101, tl.int32), tl.zeros(xw.shape, tl.int32))
+    return xw, sums, tl.load(xd_row + block)
+
+
+@triton.jit
+def _q4k_dots(words, head, s0, s1, s2, c, xq_row, xd_row):
+    """Chunks c [NB] of q4_K rows (`_q4k_chunks`' words) dotted with q8 activations -> [BN, NB]. A chunk's
+    word l holds weights 4l..4l+3 of its first 32-weight sub-block in low nibbles, of its second in high
+    ones; a sub-block's weights are d * scale * q - dmin * min, so its dot is d * scale * xd * sum(q xq)
+    - dmin * min * xd * sum(xq), both sums exact integer dots (dp4a): the product of the q8-rounded row."""
+    d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    total = tl.zeros(head.shape, tl.float32)
+    for h in tl.static_range(2):
+        sub = tl.expand_dims(2 * (c % 4) + h, 0)                                                     # [1, NB]: 0..7
+        shift = 8 * (sub % 4)
+        b0, b1, b2 = (s0 >> shift) & 255, (s1 >> shift) & 255, (s2 >> shift) & 255
+        scale = tl.where(sub < 4, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)).to(tl.float32)
+        low = tl.where(sub < 4, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
+        xw, sums, xd = _q8_words(xq_row, xd_row, 2 * c + h)
+        dots = tl.sum(_dot4((words >> (4 * h)) & 0x0F0F0F0F, tl.expand_dims(xw, 0), tl.zeros(words.shape, tl.int32)), 2)
+        total += d * scale * (dots.to(tl.float32) * tl.expand_dims(xd, 0)) - dmin * low * tl.expand_dims(tl.sum(sums, 1).to(tl.float32) * xd, 0)
+    return total
+
+
+@triton.jit
+def _q6k_chunks(rows, c0, blocks, NB: tl.constexpr):
+    """Chunks c0 .. c0+NB-1 of planar q6_K rows [BN] (128 weights each, half a superblock; none past the
+    last) as 32-bit words: low-bit quants of its sub-blocks 0 and 2, then 1 and 3 [BN, NB, 8] each, the
+    high bits [BN, NB, 8], two words of int8 scales, and d [BN, NB]."""
+    c = c0 + tl.arange(0, NB)
+    ok = tl.expand_dims(c < blocks // 4, 0)
+    superblocks = blocks // 8
+    start = tl.expand_dims(rows, 1)
+    low = (start + tl.expand_dims(c * 64, 0)).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 8)[None, None, :]
+    high = (start + superblocks * 128 + tl.expand_dims(c * 32, 0)).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 8)[None, None, :]
+    scales = (start + superblocks * 192 + tl.expand_dims(c * 8, 0)).to(tl.pointer_type(tl.int32))
+    d = (start + superblocks * 208 + tl.expand_dims((c // 2) * 2, 0)).to(tl.pointer_type(tl.float16))
+    return (tl.load(low, mask=ok[:, :, None], other=0), tl.load(low + 8, mask=ok[:, :, None], other=0),
+            tl.load(high, mask=ok[:, :, None], other=0), tl.load(scales, mask=ok, other=0), tl.load(scales + 1, mask=ok, other=0),
+            tl.load(d, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _q6k_dots(low02, low13, high, s0, s1, d, c, xq_row, xd_row):
+    """Chunks c [NB] of q6_K rows (`_q6k_chunks`' words) dotted with q8 activations -> [BN, NB]. Sub-block
+    j's weights are d * scale * (q - 32), q 6 bits (4 low, 2 high), a scale for each 16: per word of four
+    weights, scale * (dp4a(q, xq) - 32 * sum(xq)), all in exact integers until d * xd."""
+    m = tl.arange(0, 8)
+    total = tl.zeros(d.shape, tl.float32)
+    for j in tl.static_range(4):
+        if j % 2 == 0:
+            low = low02
+        else:
+            low = low13
+        q = ((low >> (4 * (j // 2))) & 0x0F0F0F0F) | (((high >> (2 * j)) & 0x03030303) << 4)          # [BN, NB, 8]
+        if j // 2 == 0:
+            words = s0
+        else:
+            words = s1
+        scale = _byte(tl.expand_dims(words, 2) >> (8 * (2 * (j % 2) + m // 4)), 0)                      # [BN, NB, 8]
+        xw, sums, xd = _q8_words(xq_row, xd_row, 4 * c + j)
+        v = _dot4(q, tl.expand_dims(xw, 0), tl.zeros(q.shape, tl.int32)) - 32 * tl.expand_dims(sums, 0)
+        total += d * tl.expand_dims(xd, 0) * tl.sum(v * scale, 2).to(tl.float32)
+    return total
 
 
 @triton.jit
@@ -411,7 +518,7 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = rows.shape
     N, blocks = w.shape[0], K // 32
-    use_q8 = q8 and fmt in INT8_FORMATS
+    use_q8 = q8 and (fmt in INT8_FORMATS or fmt in GEMV_Q8_FORMATS and M <= GEMV_ROWS)
     if use_q8:                                              # the norm folds into the quantization
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
         xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
@@ -422,9 +529,16 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
         # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
-        # program (one per one-warp program for long rows); K-quants: wider programs, and narrow layers
-        # more, smaller programs; a gated product's program takes at least one (gate, up) pair
-        BN, NB, warps = ((1, 64, 1) if K >= 8192 else (4, 64, 2)) if fmt in INT8_FORMATS else (16 if N >= 8192 else 4, 8, 4)
+        # program (one per one-warp program for long rows); K-quants under q8, 16 chunks a step, four rows
+        # per program, one warp for q4_K, four for q6_K (long rows: one row, one warp, 32 / 16 chunks); in
+        # f32, wider programs, and narrow layers more, smaller programs; a gated product's program takes at
+        # least one (gate, up) pair
+        if fmt in INT8_FORMATS:
+            BN, NB, warps = (1, 64, 1) if K >= 8192 else (4, 64, 2)
+        elif use_q8:
+            BN, NB, warps = ((1, 32, 1) if K >= 8192 else (4, 16, 1)) if fmt == 12 else ((1, 16, 1) if K >= 8192 else (4, 16, 4))
+        else:
+            BN, NB, warps = 16 if N >= 8192 else 4, 8, 4
         BN = BN if gate == NO_GATE else max(BN, 2)
         out = torch.empty((M, N if gate == NO_GATE else N // 2), dtype=x.dtype, device=x.device)
         _qgemv_kernel[(triton.cdiv(N, BN), M)](rows, xq, xd, xs, w.data, gemv_residual(residual, out), out, N, blocks,
