@@ -144,16 +144,16 @@ def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend)
 
 
 @pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
-@pytest.mark.parametrize("cols", [256, 768, 2304, 8192])     # chunks of 64 (q4_K) or 128: ragged last steps, and many
-@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 256), (1, 768), (1, 2304), (1, 8192), (17, 768)])   # decode's chunks (of 64 or
+@pytest.mark.parametrize("normed", [False, True])                                                 # 128) ragged and many; a prompt
 @pytest.mark.parametrize("name", ["q4_K", "q6_K"])
-def test_k_quant_decode_under_q8_activations_is_the_q8_rounded_product(name, cols, normed):
-    """On cuda, decode's K-quant rows meet q8 activations in integer dots (as llama.cpp's CUDA kernels do;
-    the CPU keeps K-quant activations f32): the exact product of the q8-rounded (normalized) row."""
+def test_k_quant_matmul_under_q8_activations_is_the_q8_rounded_product(name, rows, cols, normed):
+    """On cuda, K-quant weights meet q8 activations in integer dots (as llama.cpp's CUDA kernels do; the
+    CPU keeps K-quant activations f32): the exact product of the q8-rounded (normalized) rows."""
     from soma_runtime.backends.cpu.qdot import q8_rounded
     w = QTensor(random_blocks(name, 40, cols).reshape(-1), name, (40, cols))
     rng = np.random.default_rng(cols)
-    x, g = rng.standard_normal((1, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    x, g = rng.standard_normal((rows, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
     norm = g if normed else None
     rows = run_op("rmsnorm", x, g, backend="cpu", eps=1e-6) if normed else x
     want = torch.from_numpy(q8_rounded(rows)).double() @ torch.from_numpy(w.dequantize()).double().T

@@ -4,10 +4,9 @@ Quantized weights stay in their format on the device (the 32-weight ones planar:
 and are decoded inside the kernels, 32 weights (one block, or one sub-block of a 256-weight K-quant
 block) at a time. With `activations="q8"` (llama.cpp's scheme, as on CPU) q8_0/q4_0/q4_1 weights
 meet q8-quantized activations in exact integer dots (int8 tensor cores, or dp4a for one row), one
-scale multiply-add per block; so do q4_K/q6_K weights in decode's matrix-vector kernel, as in
-llama.cpp's CUDA kernels (the CPU keeps their activations f32: 1B q4_K decode on an H200 went from
-597 to 1459 tok/s). Otherwise blocks are decoded to f32 and multiplied in f32 ("ieee": no tf32
-rounding).
+scale multiply-add per block; so do q4_K/q6_K weights, as in llama.cpp's CUDA kernels (the CPU keeps
+their activations f32: 1B q4_K decode on an H200 went from 597 to 1459 tok/s). Otherwise blocks are
+decoded to f32 and multiplied in f32 ("ieee": no tf32 rounding).
 """
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ from soma_runtime.ir.jets import jet
 CUDA = "cuda"
 F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
-INT8_FORMATS = (2, 3, 8)               # GGUF ids of the 32-weight formats (q4_0, q4_1, q8_0): planar, int8 dots
-GEMV_Q8_FORMATS = (12, 14)             # ... and q4_K's and q6_K's, in the matrix-vector kernel only (decode)
+INT8_FORMATS = (2, 3, 8)               # GGUF ids of the 32-weight formats (q4_0, q4_1, q8_0): planar
+Q8_FORMATS = (*INT8_FORMATS, 12, 14)   # ... and of q4_K and q6_K: weights that meet q8 activations in integer dots
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 BF16_DOT = tl.constexpr(not INTERPRET)
@@ -45,9 +44,21 @@ def _f16_at(ptr):
 
 @triton.jit
 def _decode_int8(rows, b, blocks, FMT: tl.constexpr):
-    """Block b of each planar row (`rows`: byte pointers to row starts; rows and b broadcast to a shape S)
-    -> (q [S..., 32] int8, scale [S...], min [S...]): a weight is scale * q (+ min for q4_1)."""
+    """Block b of each row (`rows`: byte pointers to row starts; rows and b broadcast to a shape S; the
+    32-weight formats planar, q4_K as GGUF stores it) -> (q [S..., 32] int8, scale [S...], min [S...]):
+    a weight is scale * q (+ min for q4_1 and q4_K)."""
     j = tl.arange(0, 32)
+    if FMT == 12:                                           # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
+        base = rows + (b // 8) * 144
+        sub = b % 8
+        low_sc, low_mn = tl.load(base + 4 + sub) & 63, tl.load(base + 8 + sub) & 63
+        high_sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
+        high_mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
+        sc = tl.where(sub < 4, low_sc, high_sc).to(tl.float32)
+        mn = tl.where(sub < 4, low_mn, high_mn).to(tl.float32)
+        byte = tl.load(tl.expand_dims(base + 16 + (sub // 2) * 32, -1) + j)
+        q = ((byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15).to(tl.int8)
+        return q, _f16_at(base) * sc, -(_f16_at(base + 2) * mn)
     quant_bytes: tl.constexpr = 32 if FMT == 8 else 16
     scales = rows + blocks * quant_bytes + 2 * b
     d = _f16_at(scales)
@@ -62,33 +73,28 @@ def _decode_int8(rows, b, blocks, FMT: tl.constexpr):
 
 
 @triton.jit
+def _q6k_int8(rows, b, blocks):
+    """Block b of planar q6_K rows (planes of 128 ql, 64 qh, 16 int8 scales, d per superblock; shapes as
+    `_decode_int8`) -> (q - 32 [S..., 32] int8, the scale of weights 0..15, of 16..31 [S...])."""
+    j = tl.arange(0, 32)
+    superblock, sub, superblocks = b // 8, b % 8, blocks // 8
+    half, quarter = sub // 4, sub % 4
+    low = tl.load(tl.expand_dims(rows + superblock * 128 + 64 * half + 32 * (quarter % 2), -1) + j)
+    high = tl.load(tl.expand_dims(rows + superblocks * 128 + superblock * 64 + 32 * half, -1) + j)
+    q = ((low >> tl.expand_dims(4 * (quarter // 2), -1)) & 15) | (((high >> tl.expand_dims(2 * quarter, -1)) & 3) << 4)
+    scales = (rows + superblocks * 192 + superblock * 16 + 8 * half + 2 * quarter).to(tl.pointer_type(tl.int8))
+    d = _f16_at(rows + superblocks * 208 + superblock * 2)
+    return (q.to(tl.int8) - 32, d * tl.load(scales).to(tl.float32), d * tl.load(scales + 1).to(tl.float32))
+
+
+@triton.jit
 def _decode_f32(rows, b, blocks, FMT: tl.constexpr):
     """Weights b*32 .. b*32+31 of each row, decoded to f32 [S..., 32] (shapes as `_decode_int8`)."""
-    j = tl.arange(0, 32)
-    if FMT == 12:                                           # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
-        base = rows + (b // 8) * 144
-        sub = b % 8
-        low_sc, low_mn = tl.load(base + 4 + sub) & 63, tl.load(base + 8 + sub) & 63
-        high_sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
-        high_mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
-        sc = tl.where(sub < 4, low_sc, high_sc).to(tl.float32)
-        mn = tl.where(sub < 4, low_mn, high_mn).to(tl.float32)
-        byte = tl.load(tl.expand_dims(base + 16 + (sub // 2) * 32, -1) + j)
-        q = ((byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15).to(tl.float32)
-        return tl.expand_dims(_f16_at(base) * sc, -1) * q - tl.expand_dims(_f16_at(base + 2) * mn, -1)
-    elif FMT == 14:                                         # planar q6_K: planes of 128 ql, 64 qh, 16 int8 scales, d
-        superblock, sub, superblocks = b // 8, b % 8, blocks // 8
-        half, quarter = sub // 4, sub % 4
-        low = tl.load(tl.expand_dims(rows + superblock * 128 + 64 * half + 32 * (quarter % 2), -1) + j)
-        high = tl.load(tl.expand_dims(rows + superblocks * 128 + superblock * 64 + 32 * half, -1) + j)
-        q = ((low >> tl.expand_dims(4 * (quarter // 2), -1)) & 15) | (((high >> tl.expand_dims(2 * quarter, -1)) & 3) << 4)
-        scales = rows + superblocks * 192 + superblock * 16 + 8 * half + 2 * quarter
-        scale = tl.load(tl.expand_dims(scales, -1) + j // 16).to(tl.int8, bitcast=True)
-        d = _f16_at(rows + superblocks * 208 + superblock * 2)
-        return tl.expand_dims(d, -1) * scale.to(tl.float32) * (q.to(tl.float32) - 32.0)
-    else:
-        q, d, m = _decode_int8(rows, b, blocks, FMT)
-        return tl.expand_dims(d, -1) * q.to(tl.float32) + tl.expand_dims(m, -1)
+    if FMT == 14:
+        q, first, second = _q6k_int8(rows, b, blocks)
+        return tl.where(tl.arange(0, 32) < 16, tl.expand_dims(first, -1), tl.expand_dims(second, -1)) * q.to(tl.float32)
+    q, d, m = _decode_int8(rows, b, blocks, FMT)
+    return tl.expand_dims(d, -1) * q.to(tl.float32) + tl.expand_dims(m, -1)
 
 
 @triton.jit
@@ -145,13 +151,21 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
     acc = tl.zeros((BM, BN), tl.float32)
     for b in tl.range(0, blocks):
         if Q8:
-            wq, wd, wm = _decode_int8(rows_ptr, b, blocks, FMT)
             xq = tl.load(xq_ptr + m[:, None] * blocks * 32 + b * 32 + j[None, :], mask=m_ok[:, None], other=0)
-            dot = tl.dot(xq, tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
             xd = tl.load(xd_ptr + m * blocks + b, mask=m_ok, other=0.0)
-            acc += dot * (xd[:, None] * wd[None, :])
-            if FMT == 3:
-                acc += tl.load(xs_ptr + m * blocks + b, mask=m_ok, other=0.0)[:, None] * wm[None, :]
+            if FMT == 14:                                   # q6_K: a scale per 16 weights, so a dot per half
+                wq, first, second = _q6k_int8(rows_ptr, b, blocks)
+                lead = tl.dot(tl.where(j[None, :] < 16, xq, 0), tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
+                tail = tl.dot(tl.where(j[None, :] >= 16, xq, 0), tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
+                acc += xd[:, None] * (lead * first[None, :] + tail * second[None, :])
+            else:
+                wq, wd, wm = _decode_int8(rows_ptr, b, blocks, FMT)
+                dot = tl.dot(xq, tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
+                acc += dot * (xd[:, None] * wd[None, :])
+                if FMT == 3:
+                    acc += tl.load(xs_ptr + m * blocks + b, mask=m_ok, other=0.0)[:, None] * wm[None, :]
+                elif FMT == 12:                             # q4_K's min times the block's exact sum
+                    acc += (xd * tl.sum(xq.to(tl.int32), 1).to(tl.float32))[:, None] * wm[None, :]
         else:
             w = _decode_f32(rows_ptr, b, blocks, FMT)
             x = tl.load(x_ptr + m[:, None] * blocks * 32 + b * 32 + j[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
@@ -518,7 +532,7 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = rows.shape
     N, blocks = w.shape[0], K // 32
-    use_q8 = q8 and (fmt in INT8_FORMATS or fmt in GEMV_Q8_FORMATS and M <= GEMV_ROWS)
+    use_q8 = q8 and fmt in Q8_FORMATS
     if use_q8:                                              # the norm folds into the quantization
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
         xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
