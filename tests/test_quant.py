@@ -146,7 +146,7 @@ def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend)
 @pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 @pytest.mark.parametrize("rows,cols", [(1, 256), (1, 768), (1, 2304), (1, 8192), (17, 768)])   # decode's chunks (of 64 or
 @pytest.mark.parametrize("normed", [False, True])                                                 # 128) ragged and many; a prompt
-@pytest.mark.parametrize("name", ["q4_K", "q6_K"])
+@pytest.mark.parametrize("name", ["q4_K", "q5_K", "q6_K"])
 def test_k_quant_matmul_under_q8_activations_is_the_q8_rounded_product(name, rows, cols, normed):
     """On cuda, K-quant weights meet q8 activations in integer dots (as llama.cpp's CUDA kernels do; the
     CPU keeps K-quant activations f32): the exact product of the q8-rounded (normalized) rows."""
@@ -190,7 +190,7 @@ def test_half_weight_matmul_matches_torch(backend, name, shape):
 
 @pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 @pytest.mark.parametrize("cols", [96, 256])
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_K", "q6_K"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K"])
 def test_device_weights_come_back_byte_identical(name, cols):
     """The device's layout of a quantized weight (planar for the 32-weight formats) is a regrouping:
     fetched back, the GGUF bytes are the same."""

@@ -4,7 +4,7 @@ Quantized weights stay in their format on the device (the 32-weight ones planar:
 and are decoded inside the kernels, 32 weights (one block, or one sub-block of a 256-weight K-quant
 block) at a time. With `activations="q8"` (llama.cpp's scheme, as on CPU) q8_0/q4_0/q4_1 weights
 meet q8-quantized activations in exact integer dots (int8 tensor cores, or dp4a for one row), one
-scale multiply-add per block; so do q4_K/q6_K weights, as in llama.cpp's CUDA kernels (the CPU keeps
+scale multiply-add per block; so do q4_K/q5_K/q6_K weights, as in llama.cpp's CUDA kernels (the CPU keeps
 their activations f32: 1B q4_K decode on an H200 went from 597 to 1459 tok/s). Otherwise blocks are
 decoded to f32 and multiplied in f32 ("ieee": no tf32 rounding).
 """
@@ -23,8 +23,8 @@ CUDA = "cuda"
 F = ("f32", "f16", "bf16")
 INT = ("i32", "i64")
 INT8_FORMATS = (2, 3, 8)               # GGUF ids of the 32-weight formats (q4_0, q4_1, q8_0): planar
-Q8_FORMATS = (*INT8_FORMATS, 12, 14)   # ... and of q4_K and q6_K: weights that meet q8 activations in integer dots
-QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+Q8_FORMATS = (*INT8_FORMATS, 12, 13, 14)   # ... and of q4_K, q5_K, q6_K: weights that meet q8 activations in integer dots
+QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K")
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 BF16_DOT = tl.constexpr(not INTERPRET)
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
@@ -48,17 +48,19 @@ def _decode_int8(rows, b, blocks, FMT: tl.constexpr):
     32-weight formats planar, q4_K as GGUF stores it) -> (q [S..., 32] int8, scale [S...], min [S...]):
     a weight is scale * q (+ min for q4_1 and q4_K)."""
     j = tl.arange(0, 32)
-    if FMT == 12:                                           # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
-        base = rows + (b // 8) * 144
+    if FMT == 12 or FMT == 13:                              # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
+        base = rows + (b // 8) * (144 if FMT == 12 else 176)   # q5_K: 32 bytes of high bits before the qs
         sub = b % 8
         low_sc, low_mn = tl.load(base + 4 + sub) & 63, tl.load(base + 8 + sub) & 63
         high_sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
         high_mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
         sc = tl.where(sub < 4, low_sc, high_sc).to(tl.float32)
         mn = tl.where(sub < 4, low_mn, high_mn).to(tl.float32)
-        byte = tl.load(tl.expand_dims(base + 16 + (sub // 2) * 32, -1) + j)
-        q = ((byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15).to(tl.int8)
-        return q, _f16_at(base) * sc, -(_f16_at(base + 2) * mn)
+        byte = tl.load(tl.expand_dims(base + (16 if FMT == 12 else 48) + (sub // 2) * 32, -1) + j)
+        q = (byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15
+        if FMT == 13:                                       # bit `sub` of high byte j: weight j's fifth bit
+            q |= ((tl.load(tl.expand_dims(base + 16, -1) + j) >> tl.expand_dims(sub, -1)) & 1) << 4
+        return q.to(tl.int8), _f16_at(base) * sc, -(_f16_at(base + 2) * mn)
     quant_bytes: tl.constexpr = 32 if FMT == 8 else 16
     scales = rows + blocks * quant_bytes + 2 * b
     d = _f16_at(scales)
@@ -164,7 +166,7 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
                 acc += dot * (xd[:, None] * wd[None, :])
                 if FMT == 3:
                     acc += tl.load(xs_ptr + m * blocks + b, mask=m_ok, other=0.0)[:, None] * wm[None, :]
-                elif FMT == 12:                             # q4_K's min times the block's exact sum
+                elif FMT == 12 or FMT == 13:                # q4_K's and q5_K's min times the block's exact sum
                     acc += (xd * tl.sum(xq.to(tl.int32), 1).to(tl.float32))[:, None] * wm[None, :]
         else:
             w = _decode_f32(rows_ptr, b, blocks, FMT)
@@ -201,20 +203,20 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
     the weights once and keeps many rows in flight (the bandwidth-bound case). The planar 32-block
     formats are read as 32-bit words of quants (16-byte loads), a step ahead: the first step's
     weights load while the kernel before still runs (measured this way only, unlike the dense
-    GEMV, which lost with it); so are q4_K's and q6_K's under q8 activations, NB chunks (of 64 / 128
+    GEMV, which lost with it); so are the K-quants' under q8 activations, NB chunks (of 64 / 128
     weights) a step. With a GATE, the rows come in (gate, up) pairs: BN / 2 activated results (one
     kernel fewer per layer: 1B q4_0 decode +4% on an H200)."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     rows = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes                               # [BN]
     PLANAR: tl.constexpr = FMT == 2 or FMT == 3 or FMT == 8
-    Q4K: tl.constexpr = Q8 and FMT == 12                    # K-quants under q8 activations: chunks of 64 / 128 weights
+    Q45K: tl.constexpr = Q8 and (FMT == 12 or FMT == 13)    # K-quants under q8 activations: chunks of 64 / 128 weights
     Q6K: tl.constexpr = Q8 and FMT == 14
-    PER: tl.constexpr = 2 if Q4K else (4 if Q6K else 1)     # 32-blocks a chunk (else a block a step's unit)
+    PER: tl.constexpr = 2 if Q45K else (4 if Q6K else 1)    # 32-blocks a chunk (else a block a step's unit)
     if PLANAR:
         words, d, mn = _planar_blocks(rows, 0, blocks, FMT, NB)
-    elif Q4K:
-        words, head, s0, s1, s2 = _q4k_chunks(rows, 0, blocks, NB)
+    elif Q45K:
+        words, high, head, s0, s1, s2 = _k_chunks(rows, 0, blocks, FMT, NB)
     elif Q6K:
         low, high, bits, s0, s1, d = _q6k_chunks(rows, 0, blocks, NB)
     after_prior()
@@ -228,10 +230,10 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
             ahead = _planar_blocks(rows, b0 + NB, blocks, FMT, NB)
             part = _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_ptr + m * blocks, FMT, Q8)
             words, d, mn = ahead
-        elif Q4K:
-            ahead = _q4k_chunks(rows, b0 // 2 + NB, blocks, NB)
-            part = _q4k_dots(words, head, s0, s1, s2, b, xq_row, xd_row)
-            words, head, s0, s1, s2 = ahead
+        elif Q45K:
+            ahead = _k_chunks(rows, b0 // 2 + NB, blocks, FMT, NB)
+            part = _k_dots(words, high, head, s0, s1, s2, b, xq_row, xd_row, FMT)
+            words, high, head, s0, s1, s2 = ahead
         elif Q6K:
             ahead = _q6k_chunks(rows, b0 // 4 + NB, blocks, NB)
             part = _q6k_dots(low, high, bits, s0, s1, d, b, xq_row, xd_row)
@@ -297,18 +299,22 @@ def _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_row, FMT: tl.constex
 
 
 @triton.jit
-def _q4k_chunks(rows, c0, blocks, NB: tl.constexpr):
-    """Chunks c0 .. c0+NB-1 of q4_K rows [BN] (64 weights each, a quarter of a 144-byte superblock; none
-    past the last), as 32-bit words (superblocks are 16-byte aligned): quants [BN, NB, 8], and the
-    chunk's superblock's (d, dmin) word and three words of 6-bit scales and mins [BN, NB]."""
+def _k_chunks(rows, c0, blocks, FMT: tl.constexpr, NB: tl.constexpr):
+    """Chunks c0 .. c0+NB-1 of q4_K / q5_K rows [BN] (64 weights each, a quarter of a 144- / 176-byte
+    superblock; none past the last), as 32-bit words (superblocks are 16-byte aligned): quants
+    [BN, NB, 8], q5_K's high bits [BN, NB, 8] (else the quants again), and the chunk's superblock's
+    (d, dmin) word and three words of 6-bit scales and mins [BN, NB]."""
     c = c0 + tl.arange(0, NB)
     ok = tl.expand_dims(c < blocks // 2, 0)
-    base = tl.expand_dims(rows, 1) + tl.expand_dims((c // 4) * 144, 0)                              # superblocks [BN, NB]
-    quants = (base + 16 + 32 * tl.expand_dims(c % 4, 0)).to(tl.pointer_type(tl.int32))
+    base = tl.expand_dims(rows, 1) + tl.expand_dims((c // 4) * (144 if FMT == 12 else 176), 0)       # superblocks [BN, NB]
+    quants = (base + (16 if FMT == 12 else 48) + 32 * tl.expand_dims(c % 4, 0)).to(tl.pointer_type(tl.int32))
     words = tl.load(quants[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
     head = base.to(tl.pointer_type(tl.int32))
-    return (words, tl.load(head, mask=ok, other=0), tl.load(head + 1, mask=ok, other=0), tl.load(head + 2, mask=ok, other=0),
-            tl.load(head + 3, mask=ok, other=0))
+    high = words
+    if FMT == 13:
+        high = tl.load((head + 4)[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
+    return (words, high, tl.load(head, mask=ok, other=0), tl.load(head + 1, mask=ok, other=0),
+            tl.load(head + 2, mask=ok, other=0), tl.load(head + 3, mask=ok, other=0))
 
 
 @triton.jit
@@ -321,11 +327,12 @@ def _q8_words(xq_row, xd_row, block):
 
 
 @triton.jit
-def _q4k_dots(words, head, s0, s1, s2, c, xq_row, xd_row):
-    """Chunks c [NB] of q4_K rows (`_q4k_chunks`' words) dotted with q8 activations -> [BN, NB]. A chunk's
-    word l holds weights 4l..4l+3 of its first 32-weight sub-block in low nibbles, of its second in high
-    ones; a sub-block's weights are d * scale * q - dmin * min, so its dot is d * scale * xd * sum(q xq)
-    - dmin * min * xd * sum(xq), both sums exact integer dots (dp4a): the product of the q8-rounded row."""
+def _k_dots(words, high, head, s0, s1, s2, c, xq_row, xd_row, FMT: tl.constexpr):
+    """Chunks c [NB] of q4_K / q5_K rows (`_k_chunks`' words) dotted with q8 activations -> [BN, NB]. A
+    chunk's word l holds weights 4l..4l+3 of its first 32-weight sub-block in low nibbles, of its second
+    in high ones (q5_K: their fifth bits are bits 2 (c % 4) and 2 (c % 4) + 1 of high word l's bytes); a
+    sub-block's weights are d * scale * q - dmin * min, so its dot is d * scale * xd * sum(q xq) - dmin
+    * min * xd * sum(xq), both sums exact integer dots (dp4a): the product of the q8-rounded row."""
     d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     total = tl.zeros(head.shape, tl.float32)
@@ -336,7 +343,10 @@ def _q4k_dots(words, head, s0, s1, s2, c, xq_row, xd_row):
         scale = tl.where(sub < 4, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)).to(tl.float32)
         low = tl.where(sub < 4, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
         xw, sums, xd = _q8_words(xq_row, xd_row, 2 * c + h)
-        dots = tl.sum(_dot4((words >> (4 * h)) & 0x0F0F0F0F, tl.expand_dims(xw, 0), tl.zeros(words.shape, tl.int32)), 2)
+        q = (words >> (4 * h)) & 0x0F0F0F0F
+        if FMT == 13:
+            q |= ((high >> tl.expand_dims(sub, 2)) & 0x01010101) << 4
+        dots = tl.sum(_dot4(q, tl.expand_dims(xw, 0), tl.zeros(words.shape, tl.int32)), 2)
         total += d * scale * (dots.to(tl.float32) * tl.expand_dims(xd, 0)) - dmin * low * tl.expand_dims(tl.sum(sums, 1).to(tl.float32) * xd, 0)
     return total
 
@@ -544,13 +554,14 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     if M <= GEMV_ROWS:
         # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
         # program (one per one-warp program for long rows); K-quants under q8, 16 chunks a step, four rows
-        # per program, one warp for q4_K, four for q6_K (long rows: one row, one warp, 32 / 16 chunks); in
+        # per program, one warp for q4_K (q5_K untimed, alike), four for q6_K (long rows: one row, one warp,
+        # 32 / 16 chunks); in
         # f32, wider programs, and narrow layers more, smaller programs; a gated product's program takes at
         # least one (gate, up) pair
         if fmt in INT8_FORMATS:
             BN, NB, warps = (1, 64, 1) if K >= 8192 else (4, 64, 2)
         elif use_q8:
-            BN, NB, warps = ((1, 32, 1) if K >= 8192 else (4, 16, 1)) if fmt == 12 else ((1, 16, 1) if K >= 8192 else (4, 16, 4))
+            BN, NB, warps = ((1, 32, 1) if K >= 8192 else (4, 16, 1)) if fmt != 14 else ((1, 16, 1) if K >= 8192 else (4, 16, 4))
         else:
             BN, NB, warps = 16 if N >= 8192 else 4, 8, 4
         BN = BN if gate == NO_GATE else max(BN, 2)
