@@ -5,7 +5,8 @@ The 32-weight formats (q4_0, q4_1, q8_0) and q6_K are stored *planar* on the dev
 the row's blocks in a plane of its own (quants first, then f16 scales, then q4_1's mins; q6_K's low
 bits, high bits, scales, then d), the row padded to 16 bytes. These are the GGUF blocks' bytes
 regrouped: GGUF's 18- and 210-byte blocks are only 2-byte aligned, and the kernels want 16-byte
-loads of quants. q4_K's 144-byte blocks are aligned already and keep their GGUF bytes.
+loads of quants. q4_K's and q5_K's 144- and 176-byte blocks are aligned already and keep their GGUF
+bytes.
 
 Without a GPU, `TRITON_INTERPRET=1` runs the same Triton kernels on the CPU (numpy underneath) on
 torch CPU tensors: that is how CI runs the cross-backend op test on these jets.
