@@ -147,7 +147,7 @@ def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend)
 @pytest.mark.parametrize("rows,cols", [(1, 256), (1, 768), (1, 2304), (1, 8192), (17, 768)])   # decode's chunks (of 64 or
 @pytest.mark.parametrize("normed", [False, True])                                                 # 128) ragged and many; a prompt
 @pytest.mark.parametrize("name", ["q4_K", "q5_K", "q6_K"])
-def test_k_quant_matmul_under_q8_activations_is_the_q8_rounded_product(name, rows, cols, normed):
+def test_k_quant_matmul_on_cuda_under_q8_activations_is_the_q8_rounded_product(name, rows, cols, normed):
     """On cuda, K-quant weights meet q8 activations in integer dots (as llama.cpp's CUDA kernels do; the
     CPU keeps K-quant activations f32): the exact product of the q8-rounded (normalized) rows."""
     from soma_runtime.backends.cpu.qdot import q8_rounded
