@@ -4,7 +4,7 @@ Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 51
 128 greedy tokens, median of 3 after a warm-up; the same sampled (llama.cpp's default sampler, on the
 device), and batch-32 decode (median of 3 runs of 32 steps); the bf16 model again with an f32 KV
 cache (ours, as HF, keeps a bf16 model's cache in bf16 by default); and a Q4_K_M-mixed GGUF of random
-K-quant blocks (greedy only). Peers: HF eager, and HF
+K-quant blocks (greedy only; tests/llm/kquant.py). Peers: HF eager, and HF
 with a static cache and torch.compile (batch 1). Decode rates exclude the prompt for every engine.
 Decode GB/s counts the weight bytes one token reads, against the measured device-to-device copy
 bandwidth.
@@ -66,39 +66,6 @@ def write_model(shape: str, directory: str):
                 p.fill_(1.0)
     model.save_pretrained(directory)
     return model
-
-
-def k_quant_gguf(source: str, path: str) -> str:
-    """The q4_0 GGUF at `source` with its matrices as random K-quant blocks, mixed as llama.cpp's Q4_K_M
-    mixes them (q6_K for the output and every other layer's attn_v / ffn_down, q4_K elsewhere): soma
-    has no K-quant encoder, and decode's speed does not depend on the values (scales are kept small)."""
-    import gguf
-    rng = np.random.default_rng(0)
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(path, str(reader.fields["general.architecture"].contents()))
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            writer.add_key_value(name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_0:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-            continue
-        rows, cols = int(t.shape[1]), int(t.shape[0])
-        six = t.name == "output.weight" or (t.name.endswith(("attn_v.weight", "ffn_down.weight")) and int(t.name.split(".")[1]) % 2 == 0)
-        blocks = rng.integers(0, 256, (rows * cols // 256, 210 if six else 144), dtype=np.uint8)
-        scale = np.full(len(blocks), 2e-5, np.float16).view(np.uint8).reshape(-1, 2)
-        if six:                                        # ql, qh, int8 scales, d
-            blocks[:, 192:208] = rng.integers(-20, 21, (len(blocks), 16)).astype(np.int8).view(np.uint8)
-            blocks[:, 208:210] = scale
-        else:                                          # d, dmin, scales, qs
-            blocks[:, 0:2], blocks[:, 2:4] = scale, scale
-        kind = gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K
-        writer.add_tensor(t.name, blocks.reshape(rows, -1), raw_shape=blocks.reshape(rows, -1).shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def prompt(vocab: int, rows: int = 1) -> np.ndarray:
@@ -196,9 +163,10 @@ def main() -> None:
         hf_dir = os.path.join(tmp, f"llama-{args.shape}-bf16")
         hf_model = write_model(args.shape, hf_dir).eval()
         from soma_runtime.convert import convert_hf_to_gguf
+        from tests.llm.kquant import k_quant_gguf
         q4 = convert_hf_to_gguf(hf_dir, os.path.join(tmp, f"llama-{args.shape}.q4_0.gguf"), "q4_0")
         rows = {}
-        k_mix = k_quant_gguf(q4, os.path.join(tmp, f"llama-{args.shape}.q4_K_M.gguf"))
+        k_mix = k_quant_gguf(q4, os.path.join(tmp, f"llama-{args.shape}.q4_K_M.gguf"), encode=False)
         for name, path, kv_dtype in ((f"{args.shape} bf16 / ours", hf_dir, None), (f"{args.shape} q4_0 / ours", q4, None),
                                      (f"{args.shape} bf16, f32 KV / ours", hf_dir, "f32"), (f"{args.shape} q4_K_M / ours", k_mix, None)):
             rows[name] = r = bench_ours(path, kv_dtype, greedy_only=kv_dtype is not None or path == k_mix)

@@ -57,6 +57,27 @@ def test_smollm2_gguf_same_greedy_tokens():
     assert [t.id for t in cuda.generate(ids, **greedy)][:first_unclear] == tokens[:first_unclear]
 
 
+def test_k_quant_gguf_runs_on_cuda_within_q8_rounding_of_the_cpu(tmp_path):
+    """A GGUF of K-quants (layers of q4_K and of q5_K; q6_K for the output and half the value and down
+    projections), under llama.cpp's q8 activations, which the CPU keeps f32 for K-quants: logits
+    within q8's rounding, and the CPU's top-1 wherever its choice is clear, over the prompt and over
+    decode steps fed the CPU's greedy tokens."""
+    from soma_runtime.convert import convert_hf_to_gguf
+    from tests.llm.kquant import Q4_K, Q5_K, k_quant_gguf
+    build_model("llama", str(tmp_path / "hf"), hidden_size=256, intermediate_size=256, head_dim=64)
+    q4 = convert_hf_to_gguf(str(tmp_path / "hf"), str(tmp_path / "q4_0.gguf"), "q4_0")
+    path = k_quant_gguf(q4, str(tmp_path / "k_quants.gguf"), mains=(Q4_K, Q5_K))
+    cpu, cuda = (Runtime(b).load(path, kv_dtype="f32", progress=False) for b in ("cpu", "cuda"))
+    ids = cpu.tokenize(PROMPT)[:16]
+    want, got = cpu.logits(ids), cuda.logits(ids)
+    assert np.max(np.abs(got - want)) <= 0.03 * float(np.abs(want).max())
+    clear = margins(want) > 0.1
+    assert clear.sum() > len(ids) // 4 and (got.argmax(-1) == want.argmax(-1))[clear].all()
+    tokens = [t.id for t in cpu.generate(ids, max_tokens=4, temperature=0)]
+    clear = margins(cpu.logits(ids + tokens)[len(ids) - 1:-1]) > 0.1
+    assert clear.any() and (decode_steps(cuda, ids, tokens) == np.array(tokens))[clear].all()
+
+
 def margins(logits: np.ndarray) -> np.ndarray:
     top2 = np.sort(logits, axis=-1)[:, -2:]
     return top2[:, 1] - top2[:, 0]

@@ -62,12 +62,13 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 0.35) -> None:
                 p.copy_(noise * scale * (3.0 / fan_in) ** 0.5 * (4 if "embed" in name else 1))
 
 
-def build_model(family: str, directory: str, seed: int = 0, dtype=torch.float32):
-    """Save a tiny random `family` model (and tokenizer) to `directory`; returns the HF model (eval, eager)."""
+def build_model(family: str, directory: str, seed: int = 0, dtype=torch.float32, **config):
+    """Save a tiny random `family` model (and tokenizer) to `directory`, `config` overriding its sizes;
+    returns the HF model (eval, eager)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     os.makedirs(directory, exist_ok=True)
     tok = build_tokenizer(directory)
-    overrides = {**BASE, **FAMILIES[family], "vocab_size": tok.get_vocab_size(),
+    overrides = {**BASE, **FAMILIES[family], **config, "vocab_size": tok.get_vocab_size(),
                  "bos_token_id": tok.token_to_id("<|im_start|>"), "eos_token_id": tok.token_to_id("<|im_end|>"),
                  "pad_token_id": tok.token_to_id("<|endoftext|>")}
     config = AutoConfig.for_model(family, **overrides)
