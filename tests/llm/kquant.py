@@ -8,7 +8,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from soma_runtime.dtypes import dequantize, QTensor
+from soma_runtime.dtypes import QTensor, dequantize
 
 Q4_K, Q5_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K
 
