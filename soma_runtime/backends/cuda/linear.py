@@ -218,7 +218,7 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
     elif Q45K:
         words, high, head, s0, s1, s2 = _k_chunks(rows, 0, blocks, FMT, NB)
     elif Q6K:
-        low, high, bits, s0, s1, d = _q6k_chunks(rows, 0, blocks, NB)
+        low02, low13, high, s0, s1, d = _q6k_chunks(rows, 0, blocks, NB)
     after_prior()
     acc = tl.zeros((BN, NB), tl.float32)
     x_row, xq_row, xd_row = x_ptr + m * blocks * 32, xq_ptr + m * blocks * 32, xd_ptr + m * blocks
@@ -236,8 +236,8 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
             words, high, head, s0, s1, s2 = ahead
         elif Q6K:
             ahead = _q6k_chunks(rows, b0 // 4 + NB, blocks, NB)
-            part = _q6k_dots(low, high, bits, s0, s1, d, b, xq_row, xd_row)
-            low, high, bits, s0, s1, d = ahead
+            part = _q6k_dots(low02, low13, high, s0, s1, d, b, xq_row, xd_row)
+            low02, low13, high, s0, s1, d = ahead
         else:
             w = _decode_f32(tl.expand_dims(rows, 1), tl.expand_dims(b, 0), blocks, FMT)              # [BN, NB, 32]
             x = tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
