@@ -43,6 +43,15 @@ def _f16_at(ptr):
 
 
 @triton.jit
+def _scale_min(b0, b1, b2, sub):
+    """Sub-block `sub`'s 6-bit scale and min (as f32) in a q4_K / q5_K superblock, from bytes u, 4 + u and
+    8 + u of its 12 scale bytes, u = sub % 4 (ggml's get_scale_min_k4)."""
+    scale = tl.where(sub < 4, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
+    low = tl.where(sub < 4, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+    return scale.to(tl.float32), low.to(tl.float32)
+
+
+@triton.jit
 def _decode_int8(rows, b, blocks, FMT: tl.constexpr):
     """Block b of each row (`rows`: byte pointers to row starts; rows and b broadcast to a shape S; the
     32-weight formats planar, q4_K as GGUF stores it) -> (q [S..., 32] int8, scale [S...], min [S...]):
@@ -51,11 +60,7 @@ def _decode_int8(rows, b, blocks, FMT: tl.constexpr):
     if FMT == 12 or FMT == 13:                              # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
         base = rows + (b // 8) * (144 if FMT == 12 else 176)   # q5_K: 32 bytes of high bits before the qs
         sub = b % 8
-        low_sc, low_mn = tl.load(base + 4 + sub) & 63, tl.load(base + 8 + sub) & 63
-        high_sc = (tl.load(base + 8 + sub) & 15) | ((tl.load(base + sub) >> 6) << 4)
-        high_mn = (tl.load(base + 8 + sub) >> 4) | ((tl.load(base + 4 + sub) >> 6) << 4)
-        sc = tl.where(sub < 4, low_sc, high_sc).to(tl.float32)
-        mn = tl.where(sub < 4, low_mn, high_mn).to(tl.float32)
+        sc, mn = _scale_min(tl.load(base + 4 + sub % 4), tl.load(base + 8 + sub % 4), tl.load(base + 12 + sub % 4), sub)
         byte = tl.load(tl.expand_dims(base + (16 if FMT == 12 else 48) + (sub // 2) * 32, -1) + j)
         q = (byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15
         if FMT == 13:                                       # bit `sub` of high byte j: weight j's fifth bit
@@ -339,9 +344,7 @@ def _k_dots(words, high, head, s0, s1, s2, c, xq_row, xd_row, FMT: tl.constexpr)
     for h in tl.static_range(2):
         sub = tl.expand_dims(2 * (c % 4) + h, 0)                                                     # [1, NB]: 0..7
         shift = 8 * (sub % 4)
-        b0, b1, b2 = (s0 >> shift) & 255, (s1 >> shift) & 255, (s2 >> shift) & 255
-        scale = tl.where(sub < 4, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)).to(tl.float32)
-        low = tl.where(sub < 4, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
+        scale, low = _scale_min((s0 >> shift) & 255, (s1 >> shift) & 255, (s2 >> shift) & 255, sub)
         xw, sums, xd = _q8_words(xq_row, xd_row, 2 * c + h)
         q = (words >> (4 * h)) & 0x0F0F0F0F
         if FMT == 13:
