@@ -248,12 +248,7 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
             x = tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)).to(tl.float32)
             part = tl.sum(w * tl.expand_dims(x, 0), 2)
         acc += tl.where(tl.expand_dims(b_ok, 0), part, 0.0)
-    y = tl.sum(acc, 1)
-    PAIRS: tl.constexpr = 1 if GATE < 0 else 2          # gated: rows (and results) in (gate, up) pairs
-    if GATE >= 0:
-        gate, up = tl.split(tl.reshape(y, (BN // 2, 2)))
-        y = activate(gate, GATE, 0.0) * up
-    _store_row(out_ptr, res_ptr, m, N // PAIRS, pn * (BN // PAIRS) + tl.arange(0, BN // PAIRS), y, HAS_RES)
+    _store_products(out_ptr, res_ptr, m, N, pn, tl.sum(acc, 1), HAS_RES, GATE, BN)
 
 
 @triton.jit
@@ -410,6 +405,17 @@ def _float_dots(low, high, x_ptr, b, FMT: tl.constexpr):
 
 
 @triton.jit
+def _store_products(out_ptr, res_ptr, m, N, pn, y, HAS_RES: tl.constexpr, GATE: tl.constexpr, BN: tl.constexpr):
+    """Program pn's BN products y of activation row m (of N) stored; with a GATE, rows (and products)
+    come in (gate, up) pairs: BN / 2 activated results, of N / 2."""
+    PAIRS: tl.constexpr = 1 if GATE < 0 else 2
+    if GATE >= 0:
+        gate, up = tl.split(tl.reshape(y, (BN // 2, 2)))
+        y = activate(gate, GATE, 0.0) * up
+    _store_row(out_ptr, res_ptr, m, N // PAIRS, pn * (BN // PAIRS) + tl.arange(0, BN // PAIRS), y, HAS_RES)
+
+
+@triton.jit
 def _store_row(out_ptr, res_ptr, m, width, n, y, HAS_RES: tl.constexpr):
     """Matrix-vector results y, columns n of row m (of `width`), stored in the output's dtype, the
     residual added first if there is one."""
@@ -423,12 +429,13 @@ def _store_row(out_ptr, res_ptr, m, width, n, y, HAS_RES: tl.constexpr):
 @chained
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One activation row times BN dense weight rows (any float type, read once, f32 math). With NORM,
     of the row rms-normalized by weight g: the products of x * g, scaled by the row's 1/rms, whose
-    squares are summed in the same pass. (Loading each step's weights a step ahead, the first before
-    the wait, cost 3% at 1B and 8% at 8B, measured on an H200. So did a gate applied here, though alone
-    it beat the pairs kernel after: 1B bf16 decode 972 vs 998 tok/s.)"""
+    squares are summed in the same pass; with a GATE, over (gate, up) row pairs (8B bf16 decode on an
+    H200: 222.6 -> 227.0 tok/s). (Loading each step's weights a step ahead, the first before the wait,
+    cost 3% at 1B and 8% at 8B; so did a bulk L2 prefetch of a program's rows before the wait, 14% and
+    21%.)"""
     after_prior()
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
@@ -445,7 +452,7 @@ def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NOR
     y = tl.sum(acc, 1)
     if NORM:
         y = y * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(squares, 0) / K + eps))
-    _store_row(out_ptr, res_ptr, m, N, n, y, HAS_RES)
+    _store_products(out_ptr, res_ptr, m, N, pn, y, HAS_RES, GATE, BN)
 
 
 @chained
@@ -617,17 +624,15 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
     if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
-        out = torch.empty((rows.shape[0], N), dtype=a.dtype, device=a.device)
+        out = torch.empty((rows.shape[0], N if gate == NO_GATE else N // 2), dtype=a.dtype, device=a.device)
         # swept on an H200 (1B and 8B shapes, chained, L2 cold): eight rows per program, 512-wide steps
         # (1024 and four warps for long rows); with the norm folded in, 3.8-4.1 TB/s read on the large layers
         BN, BK, warps = GEMV_TILES["long" if K >= 8192 else "short"]
-        join = residual if gate == NO_GATE else None             # a gated product takes it after the gate
-        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(join, out),
+        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
                                                           out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
-                                                          NORM=norm is not None, HAS_RES=join is not None, BN=BN, BK=BK,
+                                                          NORM=norm is not None, HAS_RES=residual is not None, GATE=gate, BN=BN, BK=BK,
                                                           num_warps=warps)
-        out = out.reshape(*a.shape[:-1], N)
-        return out if gate == NO_GATE else finished(out, gate, residual)
+        return out.reshape(*a.shape[:-1], out.shape[1])
     if norm is not None:
         a = normalized(a.contiguous(), norm)
     if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and a.numel() // a.shape[-1] <= SKINNY_ROWS:
@@ -651,7 +656,7 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
 @device_jet
 def matmul(a, b, bias=None, residual=None, norm=None, transpose_b=False, activations="f32", epilogue="none", norm_eps=1e-6):
     norm = None if norm is None else (norm, norm_eps)
-    if bias is None and epilogue in ("none", *GATES):        # the residual joins inside the GEMV kernels (a gate: the quantized ones)
+    if bias is None and epilogue in ("none", *GATES):        # the residual and a gate join inside the GEMV kernels
         return product(a, b, transpose_b, activations, residual, norm, GATES.get(epilogue, NO_GATE))
     y = product(a, b, transpose_b, activations, None, norm)
     y = y if bias is None else binary(y, bias, BINARY["add"])
@@ -663,9 +668,9 @@ def matmul(a, b, bias=None, residual=None, norm=None, transpose_b=False, activat
 
 
 def product(a, b, transpose_b, activations, residual=None, norm=None, gate=NO_GATE):
-    """rmsnorm(a) @ b, gated (+ residual): the norm, norm = (weight, eps), and the residual folded into
-    the matrix-vector kernels (decode), the gate (an `activate` kind over interleaved column pairs) into
-    the quantized ones; applied around the others."""
+    """rmsnorm(a) @ b, gated (+ residual): the norm, norm = (weight, eps), the gate (an `activate` kind
+    over interleaved column pairs) and the residual folded into the matrix-vector kernels (decode) and
+    the gate into the quantized ones; applied around the others."""
     if isinstance(b, DeviceQTensor):
         return quantized_matmul(a, b, activations == "q8", residual, norm, gate)
     if a.ndim > 1 and b.ndim > 1:
