@@ -299,9 +299,9 @@ def spanned_attention_ref(q, k_pages, v_pages, slots, mask, spans):
 
 
 def long_decode_inputs(dt):
-    """One decode row over 600 cached slots, three query heads per kv head, 128-wide heads: a kernel
+    """One decode row over 600 cached slots, eight query heads per kv head, 128-wide heads: a kernel
     that splits the context in shares merges many of them, more than it holds at once."""
-    q, k_pages, v_pages = mk((1, 6, 128), (40, 16, 2, 128), (40, 16, 2, 128), seed=3)(dt)
+    q, k_pages, v_pages = mk((1, 16, 128), (40, 16, 2, 128), (40, 16, 2, 128), seed=3)(dt)
     slots = np.random.default_rng(4).permutation(640)[:600].astype(np.int64)
     return [q, k_pages, v_pages, slots, np.zeros((1, 1, 1, 600), NP[dt])]
 

@@ -67,7 +67,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
                             count_ptr, out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
                             HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr,
                             EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                            BV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                            BV: tl.constexpr, CHUNK: tl.constexpr):
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
     share's unnormalized output, running max and sum for each query head of the group; the last share
     to finish merges them all (with one share, it stores its own). The span and the first tile's slots
@@ -116,23 +116,20 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         tl.debug_barrier()                        # every thread's stores precede the count's release
         if tl.atomic_add(count_ptr + s * kv_heads + kvh, 1, sem="acq_rel") == splits - 1:
             tl.debug_barrier()
-            _merge(part_ptr, top_ptr, total_ptr, out_ptr, s * heads + kvh * group, group, splits, dv, G, SPLITS, CHUNK, BV)
+            _merge(part_ptr, top_ptr, total_ptr, out_ptr, s * heads + kvh * group, group, splits, dv, G, CHUNK, BV)
             tl.store(count_ptr + s * kv_heads + kvh, 0)            # ready for the next launch
 
 
 @triton.jit
-def _merge(part_ptr, top_ptr, total_ptr, out_ptr, h0, group, splits, dv, G: tl.constexpr, SPLITS: tl.constexpr,
-           CHUNK: tl.constexpr, BV: tl.constexpr):
-    """Heads h0 .. h0+group-1: the shares' partial results, rescaled to their common max and normalized,
-    CHUNK shares at a time (read past L1: other programs wrote them)."""
+def _merge(part_ptr, top_ptr, total_ptr, out_ptr, h0, group, splits, dv, G: tl.constexpr, CHUNK: tl.constexpr, BV: tl.constexpr):
+    """Heads h0 .. h0+group-1: the shares' partial results, rescaled to a running common max and
+    normalized, CHUNK shares at a time (read past L1: other programs wrote them). A decode's shares
+    come in one chunk: every load in flight at once, where a pass for the max first, then each chunk's
+    outputs read after its maxima, took up to five rounds of dependent loads."""
     h = h0 + tl.arange(0, G)
     h_ok = h < h0 + group
     e = tl.arange(0, BV)
-    every = tl.arange(0, SPLITS)
-    tops = tl.load(top_ptr + h[:, None] * splits + every[None, :], mask=h_ok[:, None] & (every < splits)[None, :],
-                   other=-float("inf"), cache_modifier=".cg")
-    best = tl.max(tops, 1)
-    best = tl.where(best == -float("inf"), 0.0, best)
+    best = tl.full((G,), -float("inf"), tl.float32)
     total = tl.zeros((G,), tl.float32)
     result = tl.zeros((G, BV), tl.float32)
     for c0 in tl.range(0, splits, CHUNK):
@@ -140,12 +137,15 @@ def _merge(part_ptr, top_ptr, total_ptr, out_ptr, h0, group, splits, dv, G: tl.c
         ok = h_ok[:, None] & (c < splits)[None, :]
         at = h[:, None] * splits + c[None, :]                                              # [G, CHUNK]
         top = tl.load(top_ptr + at, mask=ok, other=-float("inf"), cache_modifier=".cg")
-        weight = tl.where(top == -float("inf"), 0.0, tl.exp(top - best[:, None]))
-        total += tl.sum(tl.load(total_ptr + at, mask=ok, other=0.0, cache_modifier=".cg") * weight, 1)
-        read = ok & (top != -float("inf"))                                                 # an empty share's output is zeros
-        parts = tl.load(part_ptr + at[:, :, None] * dv + e[None, None, :], mask=read[:, :, None] & (e < dv)[None, None, :],
-                        other=0.0, cache_modifier=".cg")
-        result += tl.sum(parts * weight[:, :, None], 1)
+        totals = tl.load(total_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+        parts = tl.load(part_ptr + at[:, :, None] * dv + e[None, None, :], mask=ok[:, :, None] & (e < dv)[None, None, :],
+                        other=0.0, cache_modifier=".cg")                                   # an empty share's are zeros
+        new_best = tl.maximum(best, tl.max(top, 1))
+        safe = tl.where(new_best == -float("inf"), 0.0, new_best)
+        weight, alpha = tl.exp(top - safe[:, None]), tl.exp(best - safe)                    # 0 for empty shares, a first chunk
+        total = total * alpha + tl.sum(totals * weight, 1)
+        result = result * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
+        best = new_best
     tl.store(out_ptr + h[:, None] * dv + e[None, :], (result / total[:, None]).to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & (e < dv)[None, :])
 
@@ -192,6 +192,6 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         total, finished_counts(q.device), out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
         float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
-        EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV, SPLITS=SPLITS,
-        CHUNK=max(1, min(SPLITS, 4096 // (G * BV))), num_warps=8 if (splits > 1 and max(D, Dv) >= 64) or max(D, Dv) >= 128 else 4)
+        EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
+        CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=8 if (splits > 1 and max(D, Dv) >= 64) or max(D, Dv) >= 128 else 4)
     return out
