@@ -298,12 +298,14 @@ def spanned_attention_ref(q, k_pages, v_pages, slots, mask, spans):
     return paged_attention_ref()(q, k_pages, v_pages, slots, mask.masked_fill(~inside, -torch.inf))
 
 
-def long_decode_inputs(dt):
-    """One decode row over 600 cached slots, eight query heads per kv head, 128-wide heads: a kernel
+def long_decode_inputs(heads=16, kv_heads=2, dim=128):
+    """One decode row over 600 cached slots (by default eight query heads per kv head, 128-wide): a kernel
     that splits the context in shares merges many of them, more than it holds at once."""
-    q, k_pages, v_pages = mk((1, 16, 128), (40, 16, 2, 128), (40, 16, 2, 128), seed=3)(dt)
-    slots = np.random.default_rng(4).permutation(640)[:600].astype(np.int64)
-    return [q, k_pages, v_pages, slots, np.zeros((1, 1, 1, 600), NP[dt])]
+    def make(dt):
+        q, k_pages, v_pages = mk((1, heads, dim), (40, 16, kv_heads, dim), (40, 16, kv_heads, dim), seed=3)(dt)
+        slots = np.random.default_rng(4).permutation(640)[:600].astype(np.int64)
+        return [q, k_pages, v_pages, slots, np.zeros((1, 1, 1, 600), NP[dt])]
+    return make
 
 
 CONTEXT = [9, 10, 11, 12, 0, 1, 2, 3, 14, 4, 5]
@@ -312,7 +314,9 @@ case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_atte
      id="rows-scale-softcap", scale=0.2, softcap=1.5)
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
 case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
-case("paged_attention", long_decode_inputs, paged_attention_ref(), id="long-decode")
+case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-decode")
+for heads, dim in ((32, 64), (32, 128)):     # Llama-3.2-1B's and -8B's heads: the sm_90 check sees their decode launches
+    case("paged_attention", long_decode_inputs(heads, 8, dim), paged_attention_ref(), id=f"long-decode-{heads}x{dim}")
 for style in ("neox", "interleaved"):        # queries rotated as they are loaded
     case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
          lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),

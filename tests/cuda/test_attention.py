@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or T
 
 def test_consecutive_launches_each_merge_their_shares():
     """A count left over from one launch would make the next merge early, late or never."""
-    first = long_decode_inputs("f32")
+    first = long_decode_inputs()("f32")
     second = [first[0][:, ::-1].copy(), *first[1:]]                 # other queries, same cache
     for inputs in (first, second, first):
         want = paged_attention_ref()(*[torch.from_numpy(x) for x in inputs]).numpy()
