@@ -13,7 +13,7 @@ NAME = "cuda"
 FALLBACK = "cpu"           # where ops without a CUDA jet run
 HOST_ARENA = False         # intermediates live in torch's caching allocator, not a planned host arena
 
-from soma_runtime.backends.cuda import attention, elementwise, layout, linear, sampling  # noqa: F401  (registers jets)
+from soma_runtime.backends.cuda import attention, blocks, elementwise, layout, linear, rope, sampling  # noqa: F401  (registers jets)
 from soma_runtime.backends.cuda.graphs import graphed as _graphed
 
 # decode steps replay as CUDA graphs on a GPU (the interpreter has none)

@@ -15,13 +15,9 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
-from soma_runtime.backends.cuda.device import device_jet
-from soma_runtime.backends.cuda.linear import ROPE_INPUTS, rotated
+from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet
+from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated
 from soma_runtime.ir.jets import jet
-
-CUDA = "cuda"
-F = ("f32", "f16", "bf16")
-INT = ("i32", "i64")
 
 
 @triton.jit

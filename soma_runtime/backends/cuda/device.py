@@ -23,6 +23,9 @@ import torch
 from soma_runtime.dtypes import QTensor, dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = "cuda"                           # the backend's name, as jets register under it
+F = ("f32", "f16", "bf16")              # the dtype groups jet signatures name
+INT = ("i32", "i64")
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64,
          "bool": torch.bool, "u8": torch.uint8, "i8": torch.int8}
 

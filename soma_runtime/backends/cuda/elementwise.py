@@ -7,11 +7,9 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
-from soma_runtime.backends.cuda.device import TORCH, device_jet
+from soma_runtime.backends.cuda.device import CUDA, TORCH, F, device_jet
 from soma_runtime.ir.jets import jet
 
-CUDA = "cuda"
-F = ("f32", "f16", "bf16")
 BLOCK = 1024
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5}

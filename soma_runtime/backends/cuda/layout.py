@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from soma_runtime.backends.cuda.device import device_jet
+from soma_runtime.backends.cuda.device import CUDA, device_jet
 from soma_runtime.ir.jets import jet
 
-CUDA = "cuda"
 ANY = "*"
 
 

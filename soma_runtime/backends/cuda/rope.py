@@ -1,0 +1,102 @@
+"""Rotary position embedding: the rope jet, the rotation other kernels apply to values they have loaded
+(`rotated`: attention's queries), and the KV-cache write, which rotates keys as it stores them."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from soma_runtime.backends.cuda.chain import after_prior, chained
+from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet
+from soma_runtime.ir.jets import jet
+
+
+@triton.jit
+def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexpr):
+    """Rope on values already loaded from one head's row (`d`: their dims): each rotary dim meets its
+    pair partner (i + half under neox, else the neighbour), loaded here; dims past 2 * half pass."""
+    rotary = d < 2 * half
+    if NEOX:
+        first, f = d < half, d % half
+        partner = tl.where(first, d + half, d - half)
+    else:
+        first, f = d % 2 == 0, d // 2
+        partner = d ^ 1
+    other = tl.load(row_ptr + partner, mask=keep & rotary, other=0.0).to(tl.float32)
+    angle = position * tl.load(freq_ptr + f, mask=rotary, other=0.0)        # by dim only: shared by a tile's rows
+    turned = value * tl.cos(angle) + tl.where(first, -other, other) * tl.sin(angle)
+    return tl.where(keep & rotary, turned, value)
+
+
+@chained
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """One (position, head) row of x [rows, heads, dim], rotated (see `rotated`)."""
+    after_prior()
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK)
+    keep = d < dim
+    value = tl.load(x_ptr + row * dim + d, mask=keep, other=0.0).to(tl.float32)
+    position = tl.load(pos_ptr + row // heads).to(tl.float32)
+    turned = rotated(x_ptr + row * dim, d, value, keep, position, freq_ptr, half, NEOX)
+    tl.store(out_ptr + row * dim + d, turned.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("rope", CUDA, [(F, INT, "f32")])
+@device_jet
+def rope(x, positions, inv_freq, style="neox"):
+    x = x.contiguous()
+    heads, dim = x.shape[-2], x.shape[-1]
+    positions = positions.expand(x.shape[:-2]).contiguous()
+    out = torch.empty_like(x)
+    half = inv_freq.shape[0]
+    _rope_kernel[(x.numel() // dim,)](x, positions, inv_freq.contiguous(), out, heads, dim, half, NEOX=style == "neox",
+                                      BLOCK=triton.next_power_of_2(dim))
+    return out
+
+
+@triton.jit
+def _append_rows(pages_ptr, new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE: tl.constexpr, NEOX: tl.constexpr):
+    """Columns i of row r of `new` into its cache slot (rotated first with ROPE: a key)."""
+    keep = i < width
+    value = tl.load(new_ptr + r * width + i, mask=keep).to(tl.float32)
+    if ROPE:
+        position = tl.load(pos_ptr + r).to(tl.float32)
+        value = rotated(new_ptr + r * width + (i - i % dim), i % dim, value, keep, position, freq_ptr, half, NEOX)
+    tl.store(pages_ptr + slot * width + i, value.to(pages_ptr.dtype.element_ty), mask=keep)
+
+
+@chained
+@triton.jit
+def _kv_append_kernel(pages_ptr, new_ptr, v_pages_ptr, v_new_ptr, slots_ptr, pos_ptr, freq_ptr, width, dim, half,
+                      ROPE: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, part, which): columns part*BLOCK.. of row r, of the keys (which 0) or the values (1)."""
+    after_prior()
+    r, part = tl.program_id(0), tl.program_id(1)
+    i = part * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    if tl.program_id(2) == 0:
+        _append_rows(pages_ptr, new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE, NEOX)
+    else:
+        _append_rows(v_pages_ptr, v_new_ptr, r, i, slot, pos_ptr, freq_ptr, width, dim, half, False, NEOX)
+
+
+ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positions and inv_freq, or neither
+KV_APPENDS = [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in ("f16", "bf16") for r in ROPE_INPUTS]
+
+
+@jet("kv_append", CUDA, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])])
+@device_jet
+def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
+    """Rows of `new` into their cache slots, in place (rotated first, given rope's inputs), and the
+    values' rows into theirs in the same launch if given; the caches themselves are the result."""
+    width = pages.shape[2] * pages.shape[3]
+    flat_slots = slots.reshape(-1).contiguous()
+    rows = new.reshape(-1, width).contiguous()
+    values = rows if v_new is None else v_new.reshape(-1, width).contiguous()
+    rope = positions is not None
+    _kv_append_kernel[(rows.shape[0], triton.cdiv(width, 256), 1 if v_pages is None else 2)](
+        pages, rows, pages if v_pages is None else v_pages, values, flat_slots,
+        positions.expand(new.shape[:-2]).contiguous() if rope else flat_slots, inv_freq.contiguous() if rope else rows, width,
+        pages.shape[3], inv_freq.shape[0] if rope else 0, ROPE=rope, NEOX=style == "neox", BLOCK=256)
+    return pages if v_pages is None else (pages, v_pages)
