@@ -315,8 +315,9 @@ case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_atte
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
 case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
 case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-decode")
-for heads, dim in ((32, 64), (32, 128)):     # Llama-3.2-1B's and -8B's heads: the sm_90 check sees their decode launches
-    case("paged_attention", long_decode_inputs(heads, 8, dim), paged_attention_ref(), id=f"long-decode-{heads}x{dim}")
+# the decode launches of real heads, for the sm_90 check: Llama-3.2-1B's and -8B's (GQA), Gemma-2B's (MQA, 256 wide)
+for heads, kv_heads, dim in ((32, 8, 64), (32, 8, 128), (8, 1, 256)):
+    case("paged_attention", long_decode_inputs(heads, kv_heads, dim), paged_attention_ref(), id=f"long-decode-{heads}x{kv_heads}x{dim}")
 for style in ("neox", "interleaved"):        # queries rotated as they are loaded
     case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
          lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),
