@@ -7,11 +7,11 @@ import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.convert import convert_hf_to_gguf
+from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
 from tests.llm.tiny import build_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "phi3"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
-NEAR_TIE = 0.25       # as in test_smollm2: llama.cpp and we round differently inside near-ties
 
 
 def greedy(model, ids, n=32):
@@ -44,17 +44,6 @@ def test_q8_0_gguf_matches_llama_cpp(converted):
     from llama_cpp import Llama
     family, _, ids, files = converted
     llama = Llama(model_path=files["q8_0"], n_ctx=256, n_threads=2, verbose=False, logits_all=True)
-    want = []
-    for t in llama.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, top_p=1.0, min_p=0.0):
-        want.append(t)
-        if len(want) == 32:
-            break
-    llama.reset()
-    llama.eval(ids + want)
-    logits = np.array(llama.scores[len(ids) - 1: len(ids) + len(want) - 1])
-    top2 = np.sort(logits, axis=1)[:, -2:]
-    gaps = top2[:, 1] - top2[:, 0]
-    got = greedy(Runtime().load(files["q8_0"], progress=False), ids)
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    print(f"{family}: {len(want) if first is None else first} of {len(want)} q8_0 greedy tokens identical to llama.cpp")
-    assert first is None or gaps[first] < NEAR_TIE, f"{family}: differs at {first}, llama.cpp's gap there {gaps[first]:.3f}"
+    want = llama_greedy(llama, ids, 32)
+    got = greedy(Runtime().load(files["q8_0"], progress=False), ids, len(want.tokens))
+    check_greedy(f"{family} q8_0", got, want, near_tie([want]))
