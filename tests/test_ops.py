@@ -137,6 +137,8 @@ case("matmul", with_norm(mk((1, 64), (7, 64)), 64, (1, 7)), lambda a, b, _, r, w
      id="gemv-norm-residual", transpose_b=True)
 case("matmul", with_norm(mk((2, 2100), (7, 2100)), 2100, (2, 7)), lambda a, b, _, r, w: rms_normalized(a, w) @ b.T + r,
      id="gemv-norm-residual-long", transpose_b=True)      # K in three steps, the last ragged
+case("matmul", lambda dt: mk((1, 8200), (7, 8200))(dt) + [None] + mk((1, 7), seed=3)(dt), lambda a, b, _, r: a @ b.T + r,
+     id="gemv-residual-8k", transpose_b=True)            # rows of 8192 or more: the long-row tiles (an 8B's down projection)
 case("matmul", lambda dt: mk((2, 3, 33), (5, 33), (5,), (2, 3, 5))(dt),
      lambda a, b, c, r: F.gelu(F.linear(a, b, c), approximate="tanh") + r, id="bias-gelu-residual", transpose_b=True,
      epilogue="gelu_tanh")
