@@ -31,15 +31,20 @@ def _round_half_even(v):
 
 @chained
 @triton.jit
-def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM: tl.constexpr):
+def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM: tl.constexpr, ROW: tl.constexpr):
     """One 32-block of one row: d = f16(amax / 127), q = rint(x * 127 / amax), s = f16(amax / 127 * sum q),
-    as the CPU kernels (and ggml's x86 code) compute them; with NORM, of the rms-normalized row."""
-    after_prior()
+    as the CPU kernels (and ggml's x86 code) compute them; with NORM, of the rms-normalized row, read
+    ROW values a round of loads (the whole row, up to 8192; in 1024-value rounds, 1B q4_0 decode on an
+    H200 ran 1608 tok/s, at once 1675)."""
     row, b = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, 32)
+    g = tl.full((32,), 1.0, tl.float32)
+    if NORM:                                                # a weight: loaded before the wait
+        g = tl.load(norm_ptr + b * 32 + j).to(tl.float32)
+    after_prior()
     x = tl.load(x_ptr + row * blocks * 32 + b * 32 + j).to(tl.float32)
     if NORM:
-        x = x * _inverse_rms(x_ptr + row * blocks * 32, blocks * 32, eps) * tl.load(norm_ptr + b * 32 + j).to(tl.float32)
+        x = x * _inverse_rms(x_ptr + row * blocks * 32, blocks * 32, eps, ROW) * g
     amax = tl.max(tl.abs(x), 0)
     inv = tl.where(amax != 0, 127.0 / amax, 0.0)
     q = _round_half_even(x * inv)
@@ -50,12 +55,12 @@ def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM:
 
 
 @triton.jit
-def _inverse_rms(row_ptr, n, eps):
-    """1 / sqrt(mean(x^2) + eps) of the n values at row_ptr, rounded as the CPU's rmsnorm (squares in
-    f32 summed in f64, the rest correctly rounded in f32): the same values meet the q8 rounding."""
-    i = tl.arange(0, 1024)
-    total = tl.zeros((1024,), tl.float64)
-    for start in tl.range(0, n, 1024):
+def _inverse_rms(row_ptr, n, eps, ROW: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the n values at row_ptr, ROW at a time, rounded as the CPU's rmsnorm
+    (squares in f32 summed in f64, the rest correctly rounded in f32): the same values meet the q8 rounding."""
+    i = tl.arange(0, ROW)
+    total = tl.zeros((ROW,), tl.float64)
+    for start in tl.range(0, n, ROW):
         x = tl.load(row_ptr + start + i, mask=start + i < n, other=0.0).to(tl.float32)
         total += (x * x).to(tl.float64)
     mean = (tl.sum(total, 0) / n).to(tl.float32)
@@ -333,7 +338,8 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
         xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
         _quantize_q8_kernel[(M, blocks)](rows, rows if norm is None else norm[0], xq, xd, xs, blocks,
-                                         0.0 if norm is None else float(norm[1]), NORM=norm is not None)
+                                         0.0 if norm is None else float(norm[1]), NORM=norm is not None,
+                                         ROW=min(8192, triton.next_power_of_2(K)))
     else:
         rows = normalized(rows, norm)
         xq = xd = xs = rows
