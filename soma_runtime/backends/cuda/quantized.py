@@ -339,7 +339,7 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
         _quantize_q8_kernel[(M, blocks)](rows, rows if norm is None else norm[0], xq, xd, xs, blocks,
                                          0.0 if norm is None else float(norm[1]), NORM=norm is not None,
-                                         ROW=min(8192, triton.next_power_of_2(K)))
+                                         ROW=1 if norm is None else min(8192, triton.next_power_of_2(K)))
     else:
         rows = normalized(rows, norm)
         xq = xd = xs = rows
