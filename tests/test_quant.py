@@ -101,14 +101,14 @@ def test_quantized_matmul_adds_the_residual(name, rows, backend):
 
 
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
-@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("rows,cols", [(1, 512), (17, 512), (1, 8448)])    # 8448: a row too long for one program's quantization
 @pytest.mark.parametrize("name,activations", [("q4_0", "q8"), ("q8_0", "q8"), ("q4_0", "f32"), ("q4_K", "f32")])
-def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, backend):
+def test_normalized_quantized_matmul_agrees_with_cpu(name, activations, rows, cols, backend):
     """rmsnorm folded into the product (into the activations' quantization under q8) gives the CPU's
     numbers, which normalize first."""
-    w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
+    w = QTensor(random_blocks(name, 40, cols).reshape(-1), name, (40, cols))
     rng = np.random.default_rng(rows)
-    x, norm = rng.standard_normal((rows, 512)).astype(np.float32), rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    x, norm = rng.standard_normal((rows, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
     want = run_op("matmul", x, w, None, None, norm, backend="cpu", transpose_b=True, activations=activations)
     got = run_op("matmul", x, w, None, None, norm, backend=backend, transpose_b=True, activations=activations)
     assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, float(np.abs(want).max()))
