@@ -21,6 +21,7 @@ Q8_FORMATS = (*INT8_FORMATS, 12, 13, 14)   # ... and of q4_K, q5_K, q6_K: weight
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
 GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
+ROW_READ = 8192        # a normed row up to this wide is quantized by one program; longer ones are read this much a round
 
 
 @triton.jit
@@ -49,10 +50,10 @@ def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM:
     x = tl.load(x_ptr + row * blocks * 32 + at, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         if WHOLE:                                           # the whole row is here
-            mean = (tl.sum(tl.sum((x * x).to(tl.float64), 1), 0) / (blocks * 32)).to(tl.float32)
-            x = x * tl.div_rn(1.0, tl.sqrt_rn(mean + eps)) * g
+            squares = tl.sum(tl.sum((x * x).to(tl.float64), 1), 0)
         else:
-            x = x * _inverse_rms(x_ptr + row * blocks * 32, blocks * 32, eps, ROW) * g
+            squares = _row_squares(x_ptr + row * blocks * 32, blocks * 32, ROW)
+        x = x * _inverse_rms(squares, blocks * 32, eps) * g
     amax = tl.max(tl.abs(x), 1)
     inv = tl.where(amax != 0, 127.0 / amax, 0.0)
     q = _round_half_even(x * inv[:, None])
@@ -63,16 +64,21 @@ def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM:
 
 
 @triton.jit
-def _inverse_rms(row_ptr, n, eps, ROW: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the n values at row_ptr, ROW at a time, rounded as the CPU's rmsnorm
-    (squares in f32 summed in f64, the rest correctly rounded in f32): the same values meet the q8 rounding."""
+def _row_squares(row_ptr, n, ROW: tl.constexpr):
+    """The sum of the squares of the n values at row_ptr, ROW at a time: squares in f32, summed in f64."""
     i = tl.arange(0, ROW)
     total = tl.zeros((ROW,), tl.float64)
     for start in tl.range(0, n, ROW):
         x = tl.load(row_ptr + start + i, mask=start + i < n, other=0.0).to(tl.float32)
         total += (x * x).to(tl.float64)
-    mean = (tl.sum(total, 0) / n).to(tl.float32)
-    return tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    return tl.sum(total, 0)
+
+
+@triton.jit
+def _inverse_rms(squares, n, eps):
+    """1 / sqrt(mean(x^2) + eps) from the f64 sum of n f32 squares, rounded as the CPU's rmsnorm (the rest
+    correctly rounded in f32): the same values meet the q8 rounding."""
+    return tl.div_rn(1.0, tl.sqrt_rn((squares / n).to(tl.float32) + eps))
 
 
 @chained
@@ -345,12 +351,12 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
     if use_q8:                                              # the norm folds into the quantization
         xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
         xd, xs = (torch.empty((M, blocks), dtype=torch.float32, device=x.device) for _ in range(2))
-        bpp = triton.next_power_of_2(blocks) if norm is not None and K <= 8192 else 1
-        warps = max(4, min(16, bpp // 8)) if bpp > 1 else 4         # (two warps spilled at 512 values)
+        whole = norm is not None and K <= ROW_READ               # the norm's row held by one program
+        bpp = triton.next_power_of_2(blocks) if whole else 1
         _quantize_q8_kernel[(M, triton.cdiv(blocks, bpp))](rows, rows if norm is None else norm[0], xq, xd, xs, blocks,
                                                            0.0 if norm is None else float(norm[1]), NORM=norm is not None,
-                                                           ROW=1 if norm is None else min(8192, triton.next_power_of_2(K)),
-                                                           BPP=bpp, WHOLE=bpp >= blocks, num_warps=warps)
+                                                           ROW=ROW_READ if norm is not None and not whole else 1, BPP=bpp,
+                                                           WHOLE=whole, num_warps=max(4, min(16, bpp // 8)))   # (two warps spilled at 512 values)
     else:
         rows = normalized(rows, norm)
         xq = xd = xs = rows
