@@ -361,14 +361,14 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         rows = normalized(rows, norm)
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
-        # swept on an H200 (1B and 8B shapes, L2 cold): 32-blocks, 64 blocks a step, four rows per two-warp
-        # program (one per one-warp program for long rows); K-quants under q8, 16 chunks a step, four rows
-        # per program, one warp for q4_K (q5_K untimed, alike), four for q6_K (long rows: one row, one warp,
-        # 32 / 16 chunks); in
-        # f32, wider programs, and narrow layers more, smaller programs; a gated product's program takes at
-        # least one (gate, up) pair
+        # swept on an H200 (1B and 8B shapes, L2 cold, graphed and chained): 32-blocks, 32 blocks a step, two
+        # rows per two-warp program at 4096 columns (an 8B layer 3.3 us faster than four rows of 64 blocks),
+        # four per one-warp program at fewer, one row of 64 blocks a step for long rows; K-quants under q8,
+        # 16 chunks a step, four rows per program, one warp for q4_K (q5_K untimed, alike), four for q6_K (long
+        # rows: one row, one warp, 32 / 16 chunks); in f32, wider programs, and narrow layers more, smaller
+        # programs; a gated product's program takes at least one (gate, up) pair
         if fmt in INT8_FORMATS:
-            BN, NB, warps = (1, 64, 1) if K >= 8192 else (4, 64, 2)
+            BN, NB, warps = (1, 64, 1) if K >= 8192 else ((2, 32, 2) if K >= 4096 else (4, 32, 1))
         elif use_q8:
             BN, NB, warps = ((1, 32, 1) if K >= 8192 else (4, 16, 1)) if fmt != 14 else ((1, 16, 1) if K >= 8192 else (4, 16, 4))
         else:
