@@ -152,11 +152,19 @@ PROGRAMS = 512         # enough programs to fill an H200: fewer rows and heads s
 _counts: dict = {}     # per device: how many shares of each (row, kv head) have finished; the merger resets them
 
 
-def tiling(width: int) -> tuple[int, int]:
-    """Context positions per tile and the loop's pipeline stages: 64 and 3, or for heads wider than
-    128 (Gemma's 256) 32 and 2; their 64-slot tiles spill 0.5-1.6 KB of registers on sm_90, and three
-    stages of 32 spill with an f32 cache."""
-    return (64, 3) if width <= 128 else (32, 2)
+def tiling(width: int, shares: bool) -> tuple[int, int, int]:
+    """(context positions per tile, pipeline stages, warps) for heads `width` wide, where a row's context
+    is split in shares (a decode) or not (a prompt's rows). 64 slots, three stages, as a rule; for heads
+    wider than 128 (Gemma's 256) 32 and two (their 64-slot tiles spill 0.5-1.6 KB of registers on sm_90,
+    and three stages of 32 spill with an f32 cache). Eight warps for wide heads (four spill at 128 dims)
+    and a decode's 64-dim shares; four and 32-slot shares for those are faster still (1B decode on an H200,
+    graphed: 6.0 -> 5.4 us a layer); a prompt's rows at 64 dims, and narrower heads (eight spilled), keep
+    four."""
+    if width > 128:
+        return 32, 2, 8
+    if shares and width <= 64:
+        return 32, 3, 4
+    return 64, 3, 8 if width >= 128 or (shares and width >= 64) else 4
 
 
 def finished_counts(device) -> torch.Tensor:
@@ -179,16 +187,14 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     rope = None if positions is None else (positions.expand(S).contiguous(), inv_freq.contiguous())
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
-    BT, stages = tiling(max(D, Dv))
+    BT, stages, warps = tiling(max(D, Dv), S * KV < PROGRAMS)
     splits = max(1, min(triton.cdiv(PROGRAMS, S * KV), triton.cdiv(T, BT)))
     part = torch.empty((S * H * splits, Dv), dtype=torch.float32, device=q.device)
     top, total = (torch.empty(S * H * splits, dtype=torch.float32, device=q.device) for _ in range(2))
     out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
     BD, BV, G, SPLITS = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv)), triton.next_power_of_2(H // KV), \
         triton.next_power_of_2(splits)
-    # 16-bit caches hold values exact in tf32: their products need two passes, not three. Eight warps for
-    # a decode's shares (H200, alone, f16 cache: 6.5 us vs 8.6 at 64 dims) and for wide heads (four
-    # spill registers at 128 dims); a prompt's rows at 64 dims, and narrower heads (eight spilled), keep four
+    # 16-bit caches hold values exact in tf32: their products need two passes, not three
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
@@ -196,6 +202,5 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
-        CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=8 if (splits > 1 and max(D, Dv) >= 64) or max(D, Dv) >= 128 else 4,
-        num_stages=stages)
+        CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=warps, num_stages=stages)
     return out
