@@ -1,5 +1,6 @@
 """Where a decode step's GPU time goes: the kernels of graphed decode steps (batch 1 and batch 32) on a
-random-weight Llama shape, by total time, with launches per step and the step's wall time.
+random-weight Llama shape, by the time each adds to the step (`timeline`), with their summed durations,
+launches per step, the GPU's idle time and the step's wall time.
 
 Run (on a GPU machine): python bench/profile_cuda.py [--shape 1b|8b] [--formats bf16,q4_0] [--host]
 """
@@ -41,6 +42,23 @@ def host_profile(step) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
+def timeline(events) -> tuple[dict, float]:
+    """Per kernel name: (launches, summed durations, time added to the step), and the GPU's idle time.
+    Under PDL a kernel starts early and waits for the one before, so durations overlap and their sum
+    overstates a step: a kernel adds its end past the later of its start and every earlier kernel's end."""
+    kernels = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    idle, last = 0.0, spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        idle += max(0.0, start - last)
+        kernel = kernels[name]
+        kernel[0] += 1
+        kernel[1] += end - start
+        kernel[2] += max(0.0, end - max(start, last))
+        last = max(last, end)
+    return kernels, idle
+
+
 def report(model, rows: int, host: bool) -> None:
     step, release = decode_steps(model, rows)
     for _ in range(3):
@@ -57,16 +75,13 @@ def report(model, rows: int, host: bool) -> None:
         for _ in range(STEPS):
             step()
         torch.cuda.synchronize()
-    kernels = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name][0] += 1
-            kernels[e.name][1] += e.device_time
-    total = sum(t for _, t in kernels.values())
-    print(f"\nbatch {rows}: step {wall * 1e3:.3f} ms wall ({rows / wall:.0f} tok/s), GPU busy {total / STEPS / 1e3:.3f} ms, "
-          f"{sum(n for n, _ in kernels.values()) / STEPS:.0f} kernels per step")
-    for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:16]:
-        print(f"  {t / STEPS:9.1f} us  {n / STEPS:5.0f}x  {name[:90]}")
+    kernels, idle = timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+    busy = sum(k[2] for k in kernels.values())
+    print(f"\nbatch {rows}: step {wall * 1e3:.3f} ms wall ({rows / wall:.0f} tok/s), GPU adds {busy / STEPS / 1e3:.3f} ms, "
+          f"idle {idle / STEPS:.1f} us, {sum(k[0] for k in kernels.values()) / STEPS:.0f} kernels per step")
+    print(f"  {'adds us':>9s}  {'runs us':>9s}  {'count':>5s}")
+    for name, (n, duration, adds) in sorted(kernels.items(), key=lambda kv: -kv[1][2])[:16]:
+        print(f"  {adds / STEPS:9.1f}  {duration / STEPS:9.1f}  {n / STEPS:5.0f}x  {name[:80]}")
     release()
 
 
