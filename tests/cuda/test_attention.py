@@ -20,3 +20,28 @@ def test_consecutive_launches_each_merge_their_shares():
         want = paged_attention_ref()(*[torch.from_numpy(x) for x in inputs]).numpy()
         err, scale = max_error(run_op("paged_attention", *inputs, backend="cuda"), want)
         assert err <= 1e-5 * scale
+
+
+def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
+    """A batch's q, k and v are column ranges of one qkv product (rows 3 * width apart): the kernels
+    read them where they lie, and get what contiguous copies give (rows read as if packed would not)."""
+    from soma_runtime.backends.cuda.attention import paged_attention
+    from soma_runtime.backends.cuda.device import device
+    from soma_runtime.backends.cuda.rope import kv_append
+    rows, heads, kv_heads, dim = 3, 4, 2, 8
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=generator).to(device())
+    q, k, v = (t.reshape(rows, n, dim) for t, n in zip(torch.split(qkv, [heads * dim, kv_heads * dim, kv_heads * dim], dim=1),
+                                                       (heads, kv_heads, kv_heads)))
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    pages = torch.randn((2, 4, 4, kv_heads, dim), generator=generator).to(device())          # keys, values: 16 slots
+    slots, positions = torch.tensor([5, 0, 6], device=device()), torch.tensor([7, 8, 9], device=device())
+    inv_freq = torch.rand(dim // 2, generator=generator).to(device())
+    ctx = torch.tensor([9, 10, 11, 5, 0, 1, 2, 3, 6], device=device())
+    results = []
+    for q_in, k_in, v_in in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        k_pages, v_pages = kv_append(pages[0].clone(), k_in, slots, positions, inv_freq, pages[1].clone(), v_in)
+        out = paged_attention(q_in, k_pages, v_pages, ctx, None, None, positions, inv_freq)
+        results.append((k_pages, v_pages, out))
+    for strided, packed in zip(*results):
+        assert torch.equal(strided, packed)

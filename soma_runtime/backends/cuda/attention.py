@@ -16,7 +16,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet
-from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated
+from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, strided_rows
 from soma_runtime.ir.jets import jet
 
 
@@ -60,7 +60,7 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
+                            count_ptr, out_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
                             HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr,
                             EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                             BV: tl.constexpr, CHUNK: tl.constexpr):
@@ -88,7 +88,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, BV), tl.float32)
     if begin < end:
-        q_rows = q_ptr + (s * heads + kvh * group + g)[:, None] * dim
+        q_rows = q_ptr + s * q_stride + (kvh * group + g)[:, None] * dim
         q_ok = g_ok[:, None] & (d[None, :] < dim)
         q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
         if ROPE:                                  # the queries rotated as they are loaded
@@ -183,7 +183,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
                     rope_style="neox"):
     S, H, D = q.shape
     KV, Dv, T = k_pages.shape[2], v_pages.shape[3], ctx_slots.shape[0]
-    q = q.contiguous()
+    q = strided_rows(q, H * D)
     rope = None if positions is None else (positions.expand(S).contiguous(), inv_freq.contiguous())
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
@@ -198,7 +198,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
+        total, finished_counts(q.device), out, q.stride(0), T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
         float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
