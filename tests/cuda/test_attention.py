@@ -7,7 +7,7 @@ import torch
 
 from soma_runtime.ir.jets import max_error, run_op
 from tests.backends import BACKENDS
-from tests.test_ops import long_decode_inputs, paged_attention_ref
+from tests.test_ops import kv_append_ref, long_decode_inputs, paged_attention_ref, rope_ref
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 
@@ -23,8 +23,9 @@ def test_consecutive_launches_each_merge_their_shares():
 
 
 def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
-    """A batch's q, k and v are column ranges of one qkv product (rows 3 * width apart): the kernels
-    read them where they lie, and get what contiguous copies give (rows read as if packed would not)."""
+    """A batch's q, k and v are column ranges of one qkv product (its rows, not theirs, set the stride):
+    the kernels read them where they lie, and get PyTorch's cache and attention, exactly what contiguous
+    copies give (rows read as if packed would not)."""
     from soma_runtime.backends.cuda.attention import paged_attention
     from soma_runtime.backends.cuda.device import device
     from soma_runtime.backends.cuda.rope import kv_append
@@ -45,3 +46,9 @@ def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
         results.append((k_pages, v_pages, out))
     for strided, packed in zip(*results):
         assert torch.equal(strided, packed)
+    keys = rope_ref("neox", dim)(k, positions, inv_freq)
+    want_k, want_v = kv_append_ref(pages[0], keys, slots), kv_append_ref(pages[1], v, slots)
+    want = paged_attention_ref()(rope_ref("neox", dim)(q, positions, inv_freq), want_k, want_v, ctx, torch.zeros((1, 1, rows, 9), device=device()))
+    for got, expected in zip(results[0], (want_k, want_v, want)):
+        err, scale = max_error(got.cpu(), expected.cpu())
+        assert err <= 1e-5 * scale

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
-from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet
-from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, strided_rows
+from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
+from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated
 from soma_runtime.ir.jets import jet
 
 
@@ -156,15 +156,14 @@ def tiling(width: int, shares: bool) -> tuple[int, int, int]:
     """(context positions per tile, pipeline stages, warps) for heads `width` wide, where a row's context
     is split in shares (a decode) or not (a prompt's rows). 64 slots, three stages, as a rule; for heads
     wider than 128 (Gemma's 256) 32 and two (their 64-slot tiles spill 0.5-1.6 KB of registers on sm_90,
-    and three stages of 32 spill with an f32 cache). Eight warps for wide heads (four spill at 128 dims)
-    and a decode's 64-dim shares; four and 32-slot shares for those are faster still (1B decode on an H200,
-    graphed: 6.0 -> 5.4 us a layer); a prompt's rows at 64 dims, and narrower heads (eight spilled), keep
-    four."""
+    and three stages of 32 spill with an f32 cache). Eight warps for heads 128 wide (four spill) and a
+    decode's shares; at 64 dims and fewer, its shares take 32 slots and four warps (1B decode on an H200,
+    graphed: 6.0 -> 5.4 us a layer); a prompt's rows narrower than 128 keep four (eight spilled)."""
     if width > 128:
         return 32, 2, 8
     if shares and width <= 64:
         return 32, 3, 4
-    return 64, 3, 8 if width >= 128 or (shares and width >= 64) else 4
+    return 64, 3, 8 if width >= 128 or shares else 4
 
 
 def finished_counts(device) -> torch.Tensor:
