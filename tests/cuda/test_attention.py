@@ -46,9 +46,10 @@ def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
         results.append((k_pages, v_pages, out))
     for strided, packed in zip(*results):
         assert torch.equal(strided, packed)
-    keys = rope_ref("neox", dim)(k, positions, inv_freq)
+    q, k, v, pages, slots, positions, inv_freq, ctx = (t.cpu() for t in (q, k, v, pages, slots, positions, inv_freq, ctx))
+    keys = rope_ref("neox", dim)(k, positions, inv_freq)                                    # the references on the host
     want_k, want_v = kv_append_ref(pages[0], keys, slots), kv_append_ref(pages[1], v, slots)
-    want = paged_attention_ref()(rope_ref("neox", dim)(q, positions, inv_freq), want_k, want_v, ctx, torch.zeros((1, 1, rows, 9), device=device()))
+    want = paged_attention_ref()(rope_ref("neox", dim)(q, positions, inv_freq), want_k, want_v, ctx, torch.zeros((1, 1, rows, 9)))
     for got, expected in zip(results[0], (want_k, want_v, want)):
-        err, scale = max_error(got.cpu(), expected.cpu())
+        err, scale = max_error(got.cpu(), expected)
         assert err <= 1e-5 * scale
