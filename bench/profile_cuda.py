@@ -45,7 +45,9 @@ def host_profile(step) -> None:
 def timeline(events) -> tuple[dict, float]:
     """Per kernel name: (launches, summed durations, time added to the step), and the GPU's idle time.
     Under PDL a kernel starts early and waits for the one before, so durations overlap and their sum
-    overstates a step: a kernel adds its end past the later of its start and every earlier kernel's end."""
+    overstates a step: a kernel adds its end past the later of its start and every earlier kernel's end.
+    That is not what leaving a kernel out would save: the 1B decode's kv_append adds 23.8 us a step, yet
+    left out of steps whose attention kernel did its work too, it saved nothing (H200: 1082.5 vs 1082.8 tok/s)."""
     kernels = collections.defaultdict(lambda: [0, 0.0, 0.0])
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
     idle, last = 0.0, spans[0][0] if spans else 0.0
