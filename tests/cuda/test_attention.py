@@ -31,24 +31,24 @@ def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
     from soma_runtime.backends.cuda.rope import kv_append
     rows, heads, kv_heads, dim = 3, 4, 2, 8
     generator = torch.Generator().manual_seed(0)
-    qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=generator).to(device())
-    q, k, v = (t.reshape(rows, n, dim) for t, n in zip(torch.split(qkv, [heads * dim, kv_heads * dim, kv_heads * dim], dim=1),
-                                                       (heads, kv_heads, kv_heads)))
+    qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=generator)          # on the host, as the references run
+    views = lambda x: [t.reshape(rows, n, dim) for t, n in zip(torch.split(x, [heads * dim, kv_heads * dim, kv_heads * dim], dim=1),
+                                                               (heads, kv_heads, kv_heads))]
+    pages = torch.randn((2, 4, 4, kv_heads, dim), generator=generator)                     # keys, values: 16 slots
+    slots, positions, inv_freq = torch.tensor([5, 0, 6]), torch.tensor([7, 8, 9]), torch.rand(dim // 2, generator=generator)
+    ctx = torch.tensor([9, 10, 11, 5, 0, 1, 2, 3, 6])
+    q, k, v = views(qkv.to(device()))
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    pages = torch.randn((2, 4, 4, kv_heads, dim), generator=generator).to(device())          # keys, values: 16 slots
-    slots, positions = torch.tensor([5, 0, 6], device=device()), torch.tensor([7, 8, 9], device=device())
-    inv_freq = torch.rand(dim // 2, generator=generator).to(device())
-    ctx = torch.tensor([9, 10, 11, 5, 0, 1, 2, 3, 6], device=device())
+    at = [t.to(device()) for t in (slots, positions, inv_freq, ctx)]
     results = []
     for q_in, k_in, v_in in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
-        k_pages, v_pages = kv_append(pages[0].clone(), k_in, slots, positions, inv_freq, pages[1].clone(), v_in)
-        out = paged_attention(q_in, k_pages, v_pages, ctx, None, None, positions, inv_freq)
+        k_pages, v_pages = kv_append(pages[0].to(device(), copy=True), k_in, *at[:3], pages[1].to(device(), copy=True), v_in)
+        out = paged_attention(q_in, k_pages, v_pages, at[3], None, None, at[1], at[2])
         results.append((k_pages, v_pages, out))
     for strided, packed in zip(*results):
         assert torch.equal(strided, packed)
-    q, k, v, pages, slots, positions, inv_freq, ctx = (t.cpu() for t in (q, k, v, pages, slots, positions, inv_freq, ctx))
-    keys = rope_ref("neox", dim)(k, positions, inv_freq)                                    # the references on the host
-    want_k, want_v = kv_append_ref(pages[0], keys, slots), kv_append_ref(pages[1], v, slots)
+    q, k, v = views(qkv)
+    want_k, want_v = kv_append_ref(pages[0], rope_ref("neox", dim)(k, positions, inv_freq), slots), kv_append_ref(pages[1], v, slots)
     want = paged_attention_ref()(rope_ref("neox", dim)(q, positions, inv_freq), want_k, want_v, ctx, torch.zeros((1, 1, rows, 9)))
     for got, expected in zip(results[0], (want_k, want_v, want)):
         err, scale = max_error(got.cpu(), expected)
