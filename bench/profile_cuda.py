@@ -61,6 +61,37 @@ def timeline(events) -> tuple[dict, float]:
     return kernels, idle
 
 
+def layer_block(names: list[str], layers: int) -> tuple[int, int]:
+    """(kernels before the layers, kernels a layer) in one step's launch order: the first split whose
+    `layers` blocks repeat one another."""
+    for size in range(1, len(names) // layers + 1):
+        for before in range(len(names) - layers * size + 1):
+            if all(names[before + i] == names[before + i + size] for i in range((layers - 1) * size)):
+                return before, size
+    return len(names), 0
+
+
+def in_order(events, steps: int, layers: int) -> list[tuple[str, float]]:
+    """One step's kernels in launch order, each layer's as one block: (where and name, us added, averaged
+    over steps and layers). The products are told apart here, where the table by name lumps them."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    per_step = len(spans) // steps
+    added, last = [], spans[0][0] if spans else 0.0
+    for start, end, _ in spans:
+        added.append(max(0.0, end - max(start, last)))
+        last = max(last, end)
+    names = [name for _, _, name in spans[:per_step]]
+    before, size = layer_block(names, layers)
+    rows = []
+    for i, name in enumerate(names[:before + size] + names[before + layers * size:]):
+        where = "before" if i < before else "layer" if i < before + size else "after"
+        at = [i] if where == "before" else [before + layer * size + i - before for layer in range(layers)] if where == "layer" \
+            else [i + (layers - 1) * size]
+        total = sum(added[step * per_step + j] for step in range(steps) for j in at)
+        rows.append((f"{where:6s} {name[:60]}", total / steps / len(at)))
+    return rows
+
+
 def report(model, rows: int, host: bool) -> None:
     step, release = decode_steps(model, rows)
     for _ in range(3):
@@ -77,13 +108,17 @@ def report(model, rows: int, host: bool) -> None:
         for _ in range(STEPS):
             step()
         torch.cuda.synchronize()
-    kernels, idle = timeline([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels, idle = timeline(events)
     busy = sum(k[2] for k in kernels.values())
     print(f"\nbatch {rows}: step {wall * 1e3:.3f} ms wall ({rows / wall:.0f} tok/s), GPU adds {busy / STEPS / 1e3:.3f} ms, "
           f"idle {idle / STEPS:.1f} us, {sum(k[0] for k in kernels.values()) / STEPS:.0f} kernels per step")
     print(f"  {'adds us':>9s}  {'runs us':>9s}  {'count':>5s}")
     for name, (n, duration, adds) in sorted(kernels.items(), key=lambda kv: -kv[1][2])[:16]:
         print(f"  {adds / STEPS:9.1f}  {duration / STEPS:9.1f}  {n / STEPS:5.0f}x  {name[:80]}")
+    print(f"  one step in launch order, a layer's kernels averaged over its {model.loaded.config.num_layers} layers (us added):")
+    for where, adds in in_order(events, STEPS, model.loaded.config.num_layers):
+        print(f"  {adds:9.2f}  {where}")
     release()
 
 

@@ -139,6 +139,8 @@ case("matmul", with_norm(mk((2, 2100), (7, 2100)), 2100, (2, 7)), lambda a, b, _
      id="gemv-norm-residual-long", transpose_b=True)      # K in three steps, the last ragged
 case("matmul", lambda dt: mk((1, 8200), (7, 8200))(dt) + [None] + mk((1, 7), seed=3)(dt), lambda a, b, _, r: a @ b.T + r,
      id="gemv-residual-8k", transpose_b=True)            # rows of 8192 or more: the long-row tiles (an 8B's down projection)
+case("matmul", with_norm(mk((1, 1500), (9, 1500)), 1500, (1, 9)), lambda a, b, _, r, w: rms_normalized(a, w) @ b.T + r,
+     id="gemv-norm-residual-wide", transpose_b=True)     # rows of 1025-2048, few of them: the o projection's tiles
 case("matmul", lambda dt: mk((2, 3, 33), (5, 33), (5,), (2, 3, 5))(dt),
      lambda a, b, c, r: F.gelu(F.linear(a, b, c), approximate="tanh") + r, id="bias-gelu-residual", transpose_b=True,
      epilogue="gelu_tanh")
@@ -154,6 +156,8 @@ for epilogue, act in (("swiglu", F.silu), ("geglu_tanh", lambda g: F.gelu(g, app
          epilogue=epilogue)
     case("matmul", with_norm(mk((1, 64), (10, 64)), 64, (1, 5)), lambda a, b, _, r, w, f=act: gated(f, rms_normalized(a, w) @ b.T) + r,
          id=f"gemv-norm-{epilogue}-residual", transpose_b=True, epilogue=epilogue)      # a ragged last program
+case("matmul", with_norm(mk((1, 16), (8192, 16)), 16), lambda a, b, _, r, w: gated(F.silu, rms_normalized(a, w) @ b.T),
+     dtypes=("f16",), id="gemv-norm-swiglu-wide", transpose_b=True, epilogue="swiglu")   # 8192+ rows: a gate_up's tiles
 case("matmul", mk((2, 3, 33), (10, 33), (10,)), lambda a, b, c: gated(F.silu, F.linear(a, b, c)), id="bias-swiglu",
      transpose_b=True, epilogue="swiglu")
 

@@ -18,8 +18,14 @@ from soma_runtime.ir.jets import jet
 
 BF16_DOT = tl.constexpr(not INTERPRET)
 SKINNY_ROWS = 64       # up to this many activation rows, against bf16 weights, the decode-batch kernel
-# dense matrix-vector (BN, BK, warps) for rows up to K long (the first that holds), as timed on an H200
-GEMV_TILES = ((2048, (4, 1024, 2)), (8191, (8, 512, 2)), (8192, (4, 2048, 4)), (None, (8, 1024, 4)))
+# dense matrix-vector (BN, BK, warps) for N rows up to K long: the first (longest K, most N) that holds, as swept on an
+# H200, graphed and chained, L2 cold; the 1B decode's products, each in its place in a step (us):
+GEMV_TILES = ((1024, None, (4, 1024, 2)),
+              (2048, 2048, (4, 2048, 4)),      # the o projection, after attention: 4.47 -> 3.91
+              (2048, 8191, (4, 1024, 2)),      # qkv (with 2048-wide steps and four warps: 1.5% slower decode)
+              (2048, 65535, (8, 512, 2)),      # gate_up: 19.5 -> 19.1
+              (2048, None, (8, 1024, 4)),      # a vocabulary head: 127.0 -> 121.1 (4.34 TB/s)
+              (8191, None, (8, 512, 2)), (8192, None, (4, 2048, 4)), (None, None, (8, 1024, 4)))
 
 
 @chained
@@ -162,11 +168,9 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N if gate == NO_GATE else N // 2), dtype=a.dtype, device=a.device)
-        # swept on an H200 (graphed and chained, L2 cold): at 1B shapes four rows per program, 1024-wide
-        # steps, and 2048 with four warps for the 8192-long rows (a layer 2.7 us faster than eight rows of 512
-        # and of 1024 with four warps, which 8B shapes keep: its decode lost 2% with the 1B tiles); 3.8-4.1
-        # TB/s read on the large layers
-        BN, BK, warps = next(tiles for longest, tiles in GEMV_TILES if longest is None or K <= longest)
+        # 8B shapes keep eight rows of 512 (and of 1024 with four warps past 8192): their decode lost 2% with the 1B tiles
+        BN, BK, warps = next(tiles for longest, most, tiles in GEMV_TILES if (longest is None or K <= longest)
+                             and (most is None or N <= most))
         _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
                                                           out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
                                                           NORM=norm is not None, HAS_RES=residual is not None, GATE=gate, BN=BN, BK=BK,
