@@ -25,7 +25,7 @@ GEMV_TILES = ((1024, None, (4, 1024, 2)),
               (2048, 8191, (4, 1024, 2)),      # qkv (with 2048-wide steps and four warps: 1.5% slower decode)
               (2048, 65535, (8, 512, 2)),      # gate_up: 19.5 -> 19.1
               (2048, None, (8, 1024, 4)),      # a vocabulary head: 127.0 -> 121.1 (4.34 TB/s)
-              (8191, None, (8, 512, 2)), (8192, None, (4, 2048, 4)), (None, None, (8, 1024, 4)))
+              (8191, None, (8, 512, 2)), (8192, None, (4, 2048, 4)), (None, None, (8, 1024, 4)))   # 8B shapes: 1B tiles lost 2%
 
 
 @chained
@@ -163,15 +163,18 @@ def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None, gate=NO_GA
     return finished(out, gate, None if join is not None else residual)
 
 
+def gemv_tiles(N: int, K: int) -> tuple[int, int, int]:
+    """(BN, BK, warps) for N dense rows K long: GEMV_TILES' first rule that holds (bench/sweep_cuda.py tries others)."""
+    return next(tiles for longest, most, tiles in GEMV_TILES if (longest is None or K <= longest) and (most is None or N <= most))
+
+
 def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None, gate=NO_GATE) -> torch.Tensor:
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
     if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N if gate == NO_GATE else N // 2), dtype=a.dtype, device=a.device)
-        # 8B shapes keep eight rows of 512 (and of 1024 with four warps past 8192): their decode lost 2% with the 1B tiles
-        BN, BK, warps = next(tiles for longest, most, tiles in GEMV_TILES if (longest is None or K <= longest)
-                             and (most is None or N <= most))
+        BN, BK, warps = gemv_tiles(N, K)
         _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
                                                           out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
                                                           NORM=norm is not None, HAS_RES=residual is not None, GATE=gate, BN=BN, BK=BK,
