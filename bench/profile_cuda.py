@@ -42,22 +42,31 @@ def host_profile(step) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
+def launches(events) -> list[tuple[str, float, float, float]]:
+    """Kernels in launch order: (name, duration, time added to the step, idle time before it). Under PDL a
+    kernel starts early and waits for the one before, so durations overlap and their sum overstates a
+    step: a kernel adds its end past the later of its start and every earlier kernel's end."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    result, last = [], spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        result.append((name, end - start, max(0.0, end - max(start, last)), max(0.0, start - last)))
+        last = max(last, end)
+    return result
+
+
 def timeline(events) -> tuple[dict, float]:
     """Per kernel name: (launches, summed durations, time added to the step), and the GPU's idle time.
-    Under PDL a kernel starts early and waits for the one before, so durations overlap and their sum
-    overstates a step: a kernel adds its end past the later of its start and every earlier kernel's end.
-    That is not what leaving a kernel out would save: the 1B decode's kv_append adds 23.8 us a step, yet
-    left out of steps whose attention kernel did its work too, it saved nothing (H200: 1082.5 vs 1082.8 tok/s)."""
+    A kernel's added time is not what leaving it out would save: the 1B decode's kv_append adds 23.8 us a
+    step, yet left out of steps whose attention kernel did its work too, it saved nothing (H200: 1082.5
+    vs 1082.8 tok/s)."""
     kernels = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
-    idle, last = 0.0, spans[0][0] if spans else 0.0
-    for start, end, name in spans:
-        idle += max(0.0, start - last)
+    idle = 0.0
+    for name, duration, adds, gap in launches(events):
+        idle += gap
         kernel = kernels[name]
         kernel[0] += 1
-        kernel[1] += end - start
-        kernel[2] += max(0.0, end - max(start, last))
-        last = max(last, end)
+        kernel[1] += duration
+        kernel[2] += adds
     return kernels, idle
 
 
@@ -74,20 +83,19 @@ def layer_block(names: list[str], layers: int) -> tuple[int, int]:
 def in_order(events, steps: int, layers: int) -> list[tuple[str, float]]:
     """One step's kernels in launch order, each layer's as one block: (where and name, us added, averaged
     over steps and layers). The products are told apart here, where the table by name lumps them."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
-    per_step = len(spans) // steps
-    added, last = [], spans[0][0] if spans else 0.0
-    for start, end, _ in spans:
-        added.append(max(0.0, end - max(start, last)))
-        last = max(last, end)
-    names = [name for _, _, name in spans[:per_step]]
+    kernels = launches(events)
+    per_step = len(kernels) // steps
+    names = [name for name, *_ in kernels[:per_step]]
     before, size = layer_block(names, layers)
     rows = []
     for i, name in enumerate(names[:before + size] + names[before + layers * size:]):
-        where = "before" if i < before else "layer" if i < before + size else "after"
-        at = [i] if where == "before" else [before + layer * size + i - before for layer in range(layers)] if where == "layer" \
-            else [i + (layers - 1) * size]
-        total = sum(added[step * per_step + j] for step in range(steps) for j in at)
+        if i < before:
+            where, at = "before", [i]
+        elif i < before + size:
+            where, at = "layer", [i + layer * size for layer in range(layers)]
+        else:
+            where, at = "after", [i + (layers - 1) * size]
+        total = sum(kernels[step * per_step + j][2] for step in range(steps) for j in at)
         rows.append((f"{where:6s} {name[:60]}", total / steps / len(at)))
     return rows
 
