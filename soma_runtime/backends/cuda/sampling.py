@@ -1,6 +1,7 @@
 """On-device token choice, the `sample` op: each part of a row's vocabulary gives its `width` largest
-logits, one program per row merges them, and temperature, top-k, top-p, min-p and the draw with the
-row's uniform run over those candidates alone. One id per row crosses to the host, never the logits."""
+logits, groups of parts merge theirs in rounds until few are left, one program per row takes the
+last, and temperature, top-k, top-p, min-p and the draw with the row's uniform run over those
+candidates alone. One id per row crosses to the host, never the logits."""
 from __future__ import annotations
 
 import torch
@@ -11,9 +12,12 @@ from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import INTERPRET, device_jet
 from soma_runtime.ir.jets import jet
 
-# vocabulary columns one program reduces, and the two kernels' warps: one row wants wide programs,
-# many rows narrow ones (swept on the H200 at a 128k vocabulary); the interpreter sorts slowly
-TILES = {"one row": (4096, 8, 16), "rows": (2048, 2, 8), "interpreted": (256, 4, 4)}
+# (vocabulary columns a part, its warps; parts a merge takes, its warps; candidates the last program
+# takes, its warps). A sort is a chain of dependent steps, so many one-warp parts merged in rounds beat
+# a few wide ones: sampled 1B decode on an H200 (128k vocabulary) against 4096-column parts of eight
+# warps all into one program: 1111 -> 1133 tok/s (bench/results/h200-llm_cuda.json). The interpreter
+# sorts slowly.
+TILES = {"one row": (256, 1, 16, 4, 512, 4), "rows": (2048, 2, 16, 4, 4096, 8), "interpreted": (256, 4, 2, 4, 128, 4)}
 
 
 @triton.jit
@@ -40,12 +44,25 @@ def _candidates_kernel(x_ptr, params_ptr, keys_ptr, n, PART: tl.constexpr, W: tl
     r, p, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     cols = p * PART + tl.arange(0, PART)
     x = tl.load(x_ptr + r.to(tl.int64) * n + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
-    keys = _keys(x, cols, n)
+    tl.store(keys_ptr + (r * parts + p) * W + tl.arange(0, W), _best(_keys(x, cols, n), params_ptr, r, W))
+
+
+@chained
+@triton.jit
+def _merge_kernel(keys_ptr, params_ptr, out_ptr, G: tl.constexpr, W: tl.constexpr):
+    """Group g of row r's candidates: G parts' W keys each -> their W largest."""
+    after_prior()
+    r, g, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    keys = tl.load(keys_ptr + (r * groups + g) * G * W + tl.arange(0, G * W))
+    tl.store(out_ptr + (r * groups + g) * W + tl.arange(0, W), _best(keys, params_ptr, r, W))
+
+
+@triton.jit
+def _best(keys, params_ptr, r, W: tl.constexpr):
+    """The W largest keys, or W copies of the largest for a greedy row (it needs only that)."""
     if tl.load(params_ptr + r * 5) == 0:
-        top = tl.zeros([W], tl.int64) + tl.max(keys, 0)
-    else:
-        top = tl.topk(keys, W)
-    tl.store(keys_ptr + (r * parts + p) * W + tl.arange(0, W), top)
+        return tl.zeros([W], tl.int64) + tl.max(keys, 0)
+    return tl.topk(keys, W)
 
 
 @chained
@@ -83,10 +100,16 @@ def sample(logits, params, width=64):
     out, params = torch.empty(rows, dtype=torch.int64, device=logits.device), params.contiguous()
     if rows:
         W = triton.next_power_of_2(width)
-        part, *warps = TILES["interpreted" if INTERPRET else "one row" if rows == 1 else "rows"]
+        part, part_warps, group, merge_warps, last, last_warps = TILES["interpreted" if INTERPRET else "one row" if rows == 1 else "rows"]
         part = max(W, min(part, triton.next_power_of_2(n)))
-        parts = triton.next_power_of_2(triton.cdiv(n, part))        # a power of two: the merge sorts them all
+        parts = triton.next_power_of_2(triton.cdiv(n, part))        # powers of two: merges and the last program sort them all
         keys = torch.empty((rows, parts * W), dtype=torch.int64, device=logits.device)
-        _candidates_kernel[(rows, parts)](logits.contiguous(), params, keys, n, PART=part, W=W, num_warps=warps[0])
-        _choose_kernel[(rows,)](keys, params, out, n, width, CANDIDATES=parts * W, W=W, num_warps=warps[1])
+        _candidates_kernel[(rows, parts)](logits.contiguous(), params, keys, n, PART=part, W=W, num_warps=part_warps)
+        while parts * W > max(last, W):
+            G = min(group, parts)
+            parts //= G
+            merged = torch.empty((rows, parts * W), dtype=torch.int64, device=logits.device)
+            _merge_kernel[(rows, parts)](keys, params, merged, G=G, W=W, num_warps=merge_warps)
+            keys = merged
+        _choose_kernel[(rows,)](keys, params, out, n, width, CANDIDATES=parts * W, W=W, num_warps=last_warps)
     return out
