@@ -2,9 +2,9 @@
 
 Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 512-token prompt,
 128 greedy tokens, median of 3 after a warm-up; the same sampled (llama.cpp's default sampler, on the
-device), and batch-32 decode (median of 3 runs of 32 steps); the bf16 model again with an f32 KV
-cache (ours, as HF, keeps a bf16 model's cache in bf16 by default); and a Q4_K_M-mixed GGUF of random
-K-quant blocks (greedy only; tests/llm/kquant.py). Peers: HF eager, and HF
+device), and batch-32 decode, greedy then sampled (median of 3 runs of 32 steps each); the bf16 model
+again with an f32 KV cache (ours, as HF, keeps a bf16 model's cache in bf16 by default); and a
+Q4_K_M-mixed GGUF of random K-quant blocks (greedy only; tests/llm/kquant.py). Peers: HF eager, and HF
 with a static cache and torch.compile (batch 1). Decode rates exclude the prompt for every engine.
 Decode GB/s counts the weight bytes one token reads, against the measured device-to-device copy
 bandwidth.
@@ -76,7 +76,7 @@ def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False
     from soma_runtime.api import Runtime
     from soma_runtime.bench_llm import bench_model
     from soma_runtime.engine.generate import Stream
-    from soma_runtime.engine.sampling import greedy_rows
+    from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
     model = Runtime("cuda").load(path, n_ctx=1024, progress=False, kv_dtype=kv_dtype)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     if greedy_only:
@@ -88,18 +88,26 @@ def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False
         s.start()
         engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
         s.pending = [1]
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], greedy_rows(BATCH))
-    step()
-    rates = []
-    for _ in range(RUNS):                                  # each step reads its tokens back: timed as a whole
-        start = time.perf_counter()
-        for _ in range(32):
-            step()
-        rates.append(BATCH * 32 / (time.perf_counter() - start))
-    result["batch32_decode_tok_s"] = statistics.median(rates)
+    samplers = [Sampler(SamplingParams(**{**SAMPLED, "seed": i})) for i in range(BATCH)]
+    result["batch32_decode_tok_s"] = batch_rate(engine, streams, lambda: greedy_rows(BATCH))
+    result["batch32_sampled_tok_s"] = batch_rate(engine, streams, lambda: np.stack([s.draw() for s in samplers]))
     for s in streams:
         engine.pool.release(s.seq)
     return result
+
+
+def batch_rate(engine, streams, choices) -> float:
+    """Tok/s of decode steps over all the streams at once, `choices()` giving each step's sampling rows
+    (drawn on the host every step, as the server does); each step reads its tokens back, timed as a whole."""
+    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], choices())
+    step()
+    rates = []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        for _ in range(32):
+            step()
+        rates.append(len(streams) * 32 / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def seconds(fn) -> float:
@@ -139,11 +147,12 @@ def compiled(model):
 def report(rows: dict, results: dict, out: str) -> None:
     """Print the table and write the JSON (after every engine, so a cut-short run keeps what it has)."""
     print(f"\n{'model / engine':30s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'GB/s':>8s} {'of bw':>6s} {'sampled tok/s':>14s}"
-          f" {'batch32 tok/s':>14s}")
+          f" {'batch32 tok/s':>14s} {'sampled':>8s}")
     for name, r in rows.items():
         gbs = f"{r['GB/s']:8.0f} {r['bandwidth_share'] * 100:5.0f}%" if "GB/s" in r else f"{'':8s} {'':6s}"
         sampled = f"{r['sampled_decode_tok_s']:14.1f}" if "sampled_decode_tok_s" in r else f"{'':14s}"
         batch = f"{r['batch32_decode_tok_s']:14.0f}" if "batch32_decode_tok_s" in r else ""
+        batch += f" {r['batch32_sampled_tok_s']:8.0f}" if "batch32_sampled_tok_s" in r else ""
         print(f"{name:30s} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {gbs} {sampled} {batch}", flush=True)
     results["models"] = rows
     Path(out).mkdir(parents=True, exist_ok=True)
