@@ -39,7 +39,7 @@ def _unkey(keys):
 @chained
 @triton.jit
 def _candidates_kernel(x_ptr, params_ptr, keys_ptr, n, PART: tl.constexpr, W: tl.constexpr):
-    """Part p of row r: its W largest logits, as keys (a greedy row needs only the largest: W copies)."""
+    """Part p of row r: its W best logits as keys (`_best`)."""
     after_prior()
     r, p, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     cols = p * PART + tl.arange(0, PART)
