@@ -68,7 +68,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     share's unnormalized output, running max and sum for each query head of the group; the last share
     to finish merges them all (with one share, it stores its own). The span and the first tile's slots
     and mask load before the wait (the step's inputs: none of its kernels writes them), each next
-    tile's a tile ahead."""
+    tile's a tile ahead. (Storing a decode row's new key and value here, kv_append's work, its first
+    tile's keys and values loaded before the wait, lost 3% of 1B decode on an H200.)"""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
