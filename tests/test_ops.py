@@ -320,6 +320,8 @@ case("paged_attention", paged_attention_inputs(3, 3, 1, 16, CONTEXT), paged_atte
      id="rows-scale-softcap", scale=0.2, softcap=1.5)
 case("paged_attention", paged_attention_inputs(10, 2, 2, 8, CONTEXT), paged_attention_ref(), id="prefill")
 case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="batch-spans")
+case("paged_attention", lambda dt: [*segmented_attention_inputs(dt)[:4], None, np.array([[10, 60], [200, 290]], np.int64)],
+     lambda q, k, v, sl, _, spans: spanned_attention_ref(q, k, v, sl, torch.zeros((1, 1, 2, 300)), spans), id="spans-unmasked")
 case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-decode")
 # the decode launches of real heads, for the sm_90 check: Llama-3.2-1B's and -8B's (GQA), Gemma-2B's (MQA, 256 wide)
 for heads, kv_heads, dim in ((32, 8, 64), (32, 8, 128), (8, 1, 256)):

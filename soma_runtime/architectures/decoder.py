@@ -127,8 +127,9 @@ def as_f32(t):
     return np.asarray(t, dtype=np.float32)
 
 
-def mask_name(window: int) -> str:
-    return f"mask_w{window}" if window else "mask"
+def spans_name(window: int) -> str:
+    """The input giving each row the context positions it sees under a sliding `window` (0: none)."""
+    return f"spans_w{window}" if window else "spans"
 
 
 def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", activations: str = "f32") -> Graph:
@@ -141,8 +142,8 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
     positions = g.input("positions", ("S",), "i64")
     slots = g.input("slots", ("S",), "i64")
     ctx = g.input("ctx_slots", ("T",), "i64")
-    masks = {w: g.input(mask_name(w), (1, 1, "S", "T"), "f32") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
-    spans = g.input("spans", ("S", 2), "i64")
+    # causal attention, windowed or not, sees a contiguous run of each row's context: spans, not masks
+    spans = {w: g.input(spans_name(w), ("S", 2), "i64") for w in sorted({cfg.window(i) for i in range(cfg.num_layers)})}
     logit_rows = g.input("logit_rows", ("R",), "i64")
     sampling = g.input("sampling", ("R", 5), "f32")
 
@@ -197,7 +198,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, kv_dtype: str = "f32", a
         # rope rides along: keys are rotated as they are stored (values beside them), queries as attention loads them
         k_pages, v_pages = g.kv_append(k_pages, k, slots, positions, freqs, v_pages, v, style=cfg.rope_style)
         pages_out += [k_pages, v_pages]
-        attn = g.paged_attention(q, k_pages, v_pages, ctx, masks[cfg.window(i)], spans, positions, freqs, scale=cfg.attn_scale,
+        attn = g.paged_attention(q, k_pages, v_pages, ctx, None, spans[cfg.window(i)], positions, freqs, scale=cfg.attn_scale,
                                  softcap=cfg.attn_softcap, rope_style=cfg.rope_style)
         x = joined(x, g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", f"{p}.post_attention_norm")
         gated = "swiglu" if cfg.activation == "silu" else "geglu_tanh"

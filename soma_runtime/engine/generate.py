@@ -2,8 +2,9 @@
 
 `Engine.forward` runs one batch: any number of sequences, each with its new tokens, as rows of one
 graph run (a prompt, a decode step, or a continuous batch of both). Every sequence's context sits in
-its own segment of the attention inputs, `BUCKET`-aligned and masked off from the other rows, so a
-sequence gets the same numbers alone or batched. Plans are cached per (rows, logit rows); the
+its own segment of the attention inputs, `BUCKET`-aligned; each row reads the span of it that it
+sees (causal, within a sliding window), never the other rows', so a sequence gets the same numbers
+alone or batched. Plans are cached per (rows, logit rows); the
 context length is a free dim. A `Stream` is one request's decoding state: sampler, stop strings,
 incremental detokenizer; text stops are held back until they can no longer match.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, mask_name, sample_width
+from soma_runtime.architectures.decoder import Weights, build_decoder, check_shapes, fuse_projections, sample_width, spans_name
 from soma_runtime.backends import load_backend
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows, log_softmax
@@ -217,20 +218,18 @@ class Engine:
         graph = self.graphed is not None and rows <= GRAPH_ROWS
         context = -(-sum(buckets) // GRAPH_CONTEXT) * GRAPH_CONTEXT if graph else sum(buckets)
         ctx = np.zeros(context, np.int64)                     # padding points at scratch page 0
-        masks = {w: np.full((1, 1, rows, ctx.size), -np.inf, np.float32) for w in self.windows}
-        spans = np.zeros((rows, 2), np.int64)               # each row reads only its own sequence's segment
+        spans = {w: np.zeros((rows, 2), np.int64) for w in self.windows}
         positions, new_slots, logit_rows, row, offset = [], [], [], 0, 0
         for (seq, tokens, want), bucket in zip(batch, buckets):
             start, stop = seq.length, seq.length + len(tokens)
             slots = self.pool.slots(seq, 0, stop)             # the context read, ending in the slots written
             ctx[offset: offset + stop] = slots
             new_slots.append(slots[start:])
-            query, key = np.arange(start, stop)[:, None], np.arange(stop)[None, :]
-            for w, mask in masks.items():
-                visible = (key <= query) & ((query - key < w) if w else True)
-                mask[0, 0, row: row + len(tokens), offset: offset + stop][visible] = 0
-            spans[row: row + len(tokens)] = offset, offset + stop
-            positions.append(np.arange(start, stop))
+            query = np.arange(start, stop)
+            for w, span in spans.items():                    # keys up to the query's own, the last w of them
+                span[row: row + len(tokens), 0] = offset + (np.maximum(query - w + 1, 0) if w else 0)
+                span[row: row + len(tokens), 1] = offset + query + 1
+            positions.append(query)
             logit_rows.extend(range(row + len(tokens) - want, row + len(tokens)))
             row, offset = row + len(tokens), offset + bucket
         positions = np.concatenate(positions).astype(np.int64)
@@ -238,9 +237,9 @@ class Engine:
             ids = np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64)
         inputs = {"ids": ids, "positions": positions,
                   "slots": np.concatenate(new_slots),
-                  "ctx_slots": ctx, "spans": spans, "logit_rows": np.asarray(logit_rows, np.int64),
+                  "ctx_slots": ctx, "logit_rows": np.asarray(logit_rows, np.int64),
                   "sampling": greedy_rows(len(logit_rows)) if sampling is None else np.asarray(sampling, np.float32),
-                  **{mask_name(w): mask for w, mask in masks.items()}}
+                  **{spans_name(w): span for w, span in spans.items()}}
         cache = {f"{kv}_pages.{i}": getattr(self.pool, kv)[i] for i in range(self.cfg.num_layers) for kv in "kv"}
         inputs.update(cache)
         plan = self.plan(rows, len(logit_rows))

@@ -54,7 +54,7 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
 
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
 def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
-    """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T]; out [S, H, Dv].
+    """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T] or none ([0, 0]); out [S, H, Dv].
     Row s reads only context positions spans[s, 0] <= t < spans[s, 1] (its visible ones, masked-out
     keys within are skipped): padding, far context and other sequences' segments cost nothing.
     q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache
@@ -62,10 +62,11 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
     rows, heads, dim = q.shape
     kv_heads, dv = k.shape[1], v.shape[2]
     group = heads // kv_heads
+    masked = mask.shape[0] > 0
     for task in prange(rows * kv_heads):
         s, kvh = task // kv_heads, task % kv_heads
         lo = max(spans[s, 0], 0)
-        hi = max(min(spans[s, 1], mask.shape[1]), lo)
+        hi = max(min(spans[s, 1], ctx.shape[0]), lo)
         qg = np.empty((group, dim), np.float32)
         for g in range(group):
             for d in range(dim):
@@ -73,7 +74,7 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
         scores = np.full((group, hi - lo), -np.inf, np.float32)
         key = np.empty(dim, np.float32)
         for t in range(lo, hi):
-            if mask[s, t] == -np.inf:
+            if masked and mask[s, t] == -np.inf:
                 continue
             slot = ctx[t]
             for d in range(dim):
@@ -85,7 +86,7 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
                 score = acc * scale
                 if softcap != 0:
                     score = np.float32(np.tanh(score / softcap)) * softcap
-                scores[g, t - lo] = score + mask[s, t]
+                scores[g, t - lo] = score + mask[s, t] if masked else score
         acc_out = np.zeros((group, dv), np.float32)
         value = np.empty(dv, np.float32)
         for g in range(group):             # softmax as ggml: exps summed in f64, scaled by the reciprocal
@@ -99,7 +100,7 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
             for t in range(hi - lo):
                 scores[g, t] = narrow(scores[g, t] * inv, precision)
         for t in range(lo, hi):
-            if mask[s, t] == -np.inf:
+            if masked and mask[s, t] == -np.inf:
                 continue
             slot = ctx[t]
             for d in range(dv):
@@ -143,10 +144,9 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     S, H, D = q.shape
     T = ctx_slots.shape[0]
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
-    if mask is None:
-        mask = np.zeros((1, 1, S, T), np.float32)
-    fits = k_pages.dtype in (np.float32, np.float16) and mask.shape == (1, 1, S, T)
+    fits = k_pages.dtype in (np.float32, np.float16) and (mask is None or mask.shape == (1, 1, S, T))
     if not fits:
+        mask = np.zeros((1, 1, S, T), np.float32) if mask is None else mask
         if spans is not None:
             mask = mask + span_mask(spans, T)
         keys, values = (np.take(p.reshape(-1, *p.shape[2:]), ctx_slots, axis=0).transpose(1, 0, 2)[None]
@@ -155,9 +155,12 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         return deliver(result[0].transpose(1, 0, 2), like, out)
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
-    rows_mask = np.ascontiguousarray(f32(mask)[0, 0])
-    # the rows' spans as given (masked keys within are skipped), else the mask's visible ranges
-    visible = visible_spans(rows_mask) if spans is None else np.ascontiguousarray(spans, dtype=np.int64)
+    rows_mask = np.zeros((0, 0), np.float32) if mask is None else np.ascontiguousarray(f32(mask)[0, 0])
+    # the rows' spans as given (masked keys within are skipped), else the mask's visible ranges, else all
+    if spans is not None:
+        visible = np.ascontiguousarray(spans, dtype=np.int64)
+    else:
+        visible = np.tile(np.array([0, T], np.int64), (S, 1)) if mask is None else visible_spans(rows_mask)
     _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible,
                      scale, np.float32(softcap), precision, result)
     return result if result is out else deliver(result, like, out)
