@@ -2,7 +2,8 @@
 
 Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 512-token prompt,
 128 greedy tokens, median of 3 after a warm-up; the same sampled (llama.cpp's default sampler, on the
-device), and batch-32 decode, greedy then sampled (median of 3 runs of 32 steps each); the bf16 model
+device), and batch-32 decode through the server's scheduler, greedy then sampled (median of 3 batches
+of 32 requests); the bf16 model
 again with an f32 KV cache (ours, as HF, keeps a bf16 model's cache in bf16 by default); and a
 Q4_K_M-mixed GGUF of random K-quant blocks (greedy only; tests/llm/kquant.py). Peers: HF eager, and HF
 with a static cache and torch.compile (batch 1). Decode rates exclude the prompt for every engine.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -75,39 +77,49 @@ def prompt(vocab: int, rows: int = 1) -> np.ndarray:
 def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False) -> dict:
     from soma_runtime.api import Runtime
     from soma_runtime.bench_llm import bench_model
-    from soma_runtime.engine.generate import Stream
-    from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
     model = Runtime("cuda").load(path, n_ctx=1024, progress=False, kv_dtype=kv_dtype)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     if greedy_only:
         return result
     result["sampled_decode_tok_s"] = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS, **SAMPLED)["decode_tok_s"]
-    engine = model.engine                                  # batched decode: 32 sequences, one forward per step
-    streams = [Stream(engine, model.request([int(t) for t in row], NEW_TOKENS, temperature=0)) for row in prompt(1000, BATCH)]
-    for s in streams:
-        s.start()
-        engine.forward([(s.seq, s.take(PROMPT_TOKENS), 1)])
-        s.pending = [1]
-    samplers = [Sampler(SamplingParams(**{**SAMPLED, "seed": i})) for i in range(BATCH)]
-    result["batch32_decode_tok_s"] = batch_rate(engine, streams, lambda: greedy_rows(BATCH))
-    result["batch32_sampled_tok_s"] = batch_rate(engine, streams, lambda: np.stack([s.draw() for s in samplers]))
-    for s in streams:
-        engine.pool.release(s.seq)
+    result["batch32_decode_tok_s"] = batch_rate(model)
+    result["batch32_sampled_tok_s"] = batch_rate(model, **SAMPLED)
     return result
 
 
-def batch_rate(engine, streams, choices) -> float:
-    """Tok/s of decode steps over all the streams at once, `choices()` giving each step's sampling rows
-    (drawn on the host every step, as the server does); each step reads its tokens back, timed as a whole."""
-    step = lambda: engine.forward([(s.seq, [1], 1) for s in streams], choices())
-    step()
-    rates = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        for _ in range(32):
-            step()
-        rates.append(len(streams) * 32 / (time.perf_counter() - start))
-    return statistics.median(rates)
+def batch_rate(model, **sampling) -> float:
+    """Tok/s of BATCH requests decoding together through the server's scheduler (continuous batching,
+    each step launched before the tokens of the one before it are read): the tokens after every
+    request's first, over the time they took. Greedy, or `sampling` seeded per request. Median of
+    RUNS batches, after one that captures the step's graph."""
+    from soma_runtime.engine.batching import Scheduler
+    engine = model.engine
+    stop_ids, engine.stop_ids = engine.stop_ids, set()          # every request runs its full length
+    scheduler = Scheduler(engine, max_batch=BATCH, step_tokens=BATCH * PROMPT_TOKENS)   # the prompts in one step
+    rates, arrivals = [], queue.Queue()
+    try:
+        for _ in range(RUNS + 1):
+            for i, row in enumerate(prompt(1000, BATCH)):
+                params = {**sampling, "seed": i} if sampling else {"temperature": 0}
+                scheduler.submit(model.request([int(t) for t in row], NEW_TOKENS, **params),
+                                 lambda item, i=i: arrivals.put((time.perf_counter(), i, item)))
+            firsts, after, done = set(), 0, 0
+            while done < BATCH:
+                at, i, item = arrivals.get(timeout=600)
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    done += 1
+                elif len(firsts) < BATCH:
+                    firsts.add(i)
+                    start = at
+                else:
+                    after, end = after + 1, at
+            rates.append(after / (end - start))
+    finally:
+        scheduler.close()
+        engine.stop_ids = stop_ids
+    return statistics.median(rates[1:])
 
 
 def seconds(fn) -> float:

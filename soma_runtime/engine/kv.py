@@ -81,8 +81,9 @@ class KVPool:
         seq.pages.extend(self._take() for _ in range(max(0, need)))
 
     def slots(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
-        pos = np.arange(start, stop)
-        return np.asarray(seq.pages, np.int64)[pos // self.block] * self.block + pos % self.block
+        pages = np.asarray(seq.pages[start // self.block: -(-stop // self.block)], np.int64)
+        first = start // self.block * self.block
+        return (pages[:, None] * self.block + np.arange(self.block)).reshape(-1)[start - first: stop - first]
 
     def attach_prefix(self, seq: Sequence, tokens: list[int]) -> int:
         """Give an empty sequence the cached pages of the longest published prefix of `tokens`, leaving

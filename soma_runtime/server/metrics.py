@@ -41,6 +41,8 @@ def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
         ("soma_prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.", lambda st, sc: st.cached_tokens),
         ("soma_generated_tokens_total", "counter", "Tokens generated.", lambda st, sc: st.generated_tokens),
         ("soma_decode_steps_total", "counter", "Batched forward steps run.", lambda st, sc: st.steps),
+        ("soma_decode_steps_ahead_total", "counter", "Steps launched before the tokens of the one before them were read.",
+         lambda st, sc: st.ran_ahead),
         ("soma_tokens_per_second", "gauge", "Generated tokens per second of busy scheduler time.",
          lambda st, sc: st.generated_tokens / st.step_seconds if st.step_seconds else 0.0),
         ("soma_queue_depth", "gauge", "Requests waiting to join the batch.", lambda st, sc: sc.queue_depth),

@@ -34,16 +34,19 @@ def run_all(scheduler, requests) -> list[list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("step_tokens", [256, 7])        # 7: prompts prefill in chunks beside running decodes
-def test_batched_requests_get_their_solo_tokens(smol, step_tokens):
+# 7: prompts prefill in chunks beside running decodes; run_ahead: each decode step launched before the
+# tokens of the one before it are read (the default on a GPU)
+@pytest.mark.parametrize("step_tokens, run_ahead", [(256, False), (7, False), (256, True), (7, True)])
+def test_batched_requests_get_their_solo_tokens(smol, step_tokens, run_ahead):
     ids = [smol.tokenize(p) for p in PROMPTS]
     lengths = [5 + 3 * i for i in range(len(PROMPTS))]
     expected = [solo(smol, x, n) for x, n in zip(ids, lengths)]
-    scheduler = Scheduler(smol.engine, max_batch=6, step_tokens=step_tokens)
+    scheduler = Scheduler(smol.engine, max_batch=6, step_tokens=step_tokens, run_ahead=run_ahead)
     try:
         got = run_all(scheduler, [smol.request(x, n, temperature=0) for x, n in zip(ids, lengths)])
         assert got == expected
         assert scheduler.stats.max_batch > 1 and scheduler.stats.finished == len(PROMPTS)
+        assert (scheduler.stats.ran_ahead > 0) == run_ahead
     finally:
         scheduler.close()
     assert smol.engine.pool.in_use == 0
@@ -66,10 +69,11 @@ def test_prefix_cache_serves_a_shared_system_prompt(smol):
         scheduler.close()
 
 
-def test_cancelled_jobs_free_their_pages_and_others_finish(smol):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_cancelled_jobs_free_their_pages_and_others_finish(smol, run_ahead):
     ids = smol.tokenize(PROMPTS[0])
     expected = solo(smol, ids, 20)
-    scheduler = Scheduler(smol.engine)
+    scheduler = Scheduler(smol.engine, run_ahead=run_ahead)
     inbox = queue.Queue()
     try:
         doomed = scheduler.submit(smol.request(smol.tokenize(PROMPTS[4]), 200, temperature=0), lambda item: inbox.put(item))
@@ -82,13 +86,15 @@ def test_cancelled_jobs_free_their_pages_and_others_finish(smol):
     assert smol.engine.pool.in_use == 0
 
 
-def test_sampled_requests_follow_their_seed(smol):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_sampled_requests_follow_their_seed(smol, run_ahead):
     ids = smol.tokenize(PROMPTS[3])
     expected = [t.id for t in smol.engine.generate(smol.request(ids, 16, temperature=0.9, seed=7))]
-    scheduler = Scheduler(smol.engine)
+    scheduler = Scheduler(smol.engine, run_ahead=run_ahead)
     try:
         reqs = [smol.request(ids, 16, temperature=0.9, seed=7), smol.request(smol.tokenize(PROMPTS[4]), 16, temperature=0.9, seed=1)]
         assert run_all(scheduler, reqs)[0] == expected
+        assert (scheduler.stats.ran_ahead > 0) == run_ahead
     finally:
         scheduler.close()
 
