@@ -39,7 +39,8 @@ def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NOR
     cost 3% at 1B and 8% at 8B; so did a bulk L2 prefetch of a program's rows before the wait, 14% and
     21%; the next products' weights asked of L2 during attention, 4-13% at 1B; a grid-stride loop over
     row blocks in fewer programs, 1-24%; a layer's o, gate_up and down in one launch, phases joined by
-    in-kernel barriers, 8%: bench/results/h200-llm_cuda.json.)"""
+    in-kernel barriers, 8%; a one-tile program's weights loaded before the wait, the o projection's
+    during attention, 2%: bench/results/h200-llm_cuda.json.)"""
     after_prior()
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
