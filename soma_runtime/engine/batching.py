@@ -155,8 +155,7 @@ class Scheduler:
                 return
             step = self.engine.launch(batch, self._sampling(jobs, batch))
         if self._goes_on(jobs, batch):
-            following = [(job.stream.seq, [0], 1) for job in jobs]
-            self.ahead = jobs, self.engine.launch(following, self._sampling(jobs, following), ids=step.choices)
+            self.ahead = jobs, self.engine.launch_next([job.stream for job in jobs], step)
             self.stats.ran_ahead += 1
         rows_of = step.wait()
         self.stats.steps += 1

@@ -258,6 +258,11 @@ class Engine:
         read = self.fetch_soon(result) if self.fetch_soon else functools.partial(self.fetch or np.asarray, result)
         return Step(choices, lambda: np.split(read(), np.cumsum([want for _, _, want in batch])[:-1]))
 
+    def launch_next(self, streams: list[Stream], step: Step) -> Step:
+        """The step after `step` for `streams` (all sampled on the model), queued before `step`'s tokens
+        are read: each stream's row runs the token `step` chooses for it, fed on the device."""
+        return self.launch([(s.seq, [0], 1) for s in streams], np.concatenate([s.draws() for s in streams]), ids=step.choices)
+
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
         self.check_prompt(tokens, 1)
@@ -289,7 +294,7 @@ class Engine:
                 prefill = stream.prefilling
                 ahead = None
                 if self.fetch_soon and stream.on_model and stream.has_next_step:
-                    ahead = self.launch([(stream.seq, [0], 1)], stream.draws(), ids=step.choices)
+                    ahead = self.launch_next([stream], step)
                 token = stream.accept(step.wait()[0][-1])
                 if prefill:
                     m.prefill_ms, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
