@@ -16,7 +16,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
-from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated
+from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turns
 from soma_runtime.ir.jets import jet
 
 
@@ -66,10 +66,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
                             BV: tl.constexpr, CHUNK: tl.constexpr):
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
     share's unnormalized output, running max and sum for each query head of the group; the last share
-    to finish merges them all (with one share, it stores its own). The span and the first tile's slots
-    and mask load before the wait (the step's inputs: none of its kernels writes them), each next
-    tile's a tile ahead. (Storing a decode row's new key and value here, kv_append's work, its first
-    tile's keys and values loaded before the wait, lost 3% of 1B decode on an H200.)"""
+    to finish merges them all (with one share, it stores its own). The span, the first tile's slots
+    and mask and the queries' rope angles load before the wait (the step's inputs: none of its kernels
+    writes them), each next tile's a tile ahead. (On an H200, 1B decode: storing a decode row's new key
+    and value here, kv_append's work, its first tile's keys and values loaded before the wait, lost 3%;
+    the first tile's older keys and values alone loaded before the wait, 0.5%.)"""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
@@ -80,6 +81,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     begin = lo + c * share
     end = tl.minimum(hi, begin + share)
     row, bias = _slots(ctx_ptr, mask_ptr, begin + tl.arange(0, BT), end, s, T, kv_heads, kvh, HAS_MASK)
+    if ROPE:
+        cos, sin = turns(d[None, :], tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
     after_prior()
     group = heads // kv_heads
     g = tl.arange(0, GROUP)
@@ -93,7 +96,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         q_ok = g_ok[:, None] & (d[None, :] < dim)
         q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
         if ROPE:                                  # the queries rotated as they are loaded
-            q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
+            q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, cos, sin, half, NEOX)
         if ROUND_Q:                               # an f16 cache under f32 queries: q at the cache's precision
             q = q.to(tl.float16)
         q = q.to(tl.float32)

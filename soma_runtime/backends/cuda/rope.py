@@ -12,19 +12,29 @@ from soma_runtime.ir.jets import jet
 
 
 @triton.jit
-def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexpr):
-    """Rope on values already loaded from one head's row (`d`: their dims): each rotary dim meets its
-    pair partner (i + half under neox, else the neighbour), loaded here; dims past 2 * half pass."""
+def turns(d, position, freq_ptr, half, NEOX: tl.constexpr):
+    """cos and sin of the angles dims `d` turn by at `position` (0 past the 2 * half rotary dims). They
+    depend on the step's inputs and constants only: kernels work them out before PDL's wait (attention's
+    queries rotated after it, their trigonometry included, took 2% of 1B decode on an H200)."""
+    f = d % half if NEOX else d // 2
+    angle = position * tl.load(freq_ptr + f, mask=d < 2 * half, other=0.0)       # by dim only: shared by a tile's rows
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rotated(row_ptr, d, value, keep, cos, sin, half, NEOX: tl.constexpr):
+    """Rope on values already loaded from one head's row (`d`: their dims; cos and sin from `turns`):
+    each rotary dim meets its pair partner (i + half under neox, else the neighbour), loaded here; dims
+    past 2 * half pass."""
     rotary = d < 2 * half
     if NEOX:
-        first, f = d < half, d % half
+        first = d < half
         partner = tl.where(first, d + half, d - half)
     else:
-        first, f = d % 2 == 0, d // 2
+        first = d % 2 == 0
         partner = d ^ 1
     other = tl.load(row_ptr + partner, mask=keep & rotary, other=0.0).to(tl.float32)
-    angle = position * tl.load(freq_ptr + f, mask=rotary, other=0.0)        # by dim only: shared by a tile's rows
-    turned = value * tl.cos(angle) + tl.where(first, -other, other) * tl.sin(angle)
+    turned = value * cos + tl.where(first, -other, other) * sin
     return tl.where(keep & rotary, turned, value)
 
 
@@ -32,13 +42,13 @@ def rotated(row_ptr, d, value, keep, position, freq_ptr, half, NEOX: tl.constexp
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, heads, dim, half, NEOX: tl.constexpr, BLOCK: tl.constexpr):
     """One (position, head) row of x [rows, heads, dim], rotated (see `rotated`)."""
-    after_prior()
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     keep = d < dim
+    cos, sin = turns(d, tl.load(pos_ptr + row // heads).to(tl.float32), freq_ptr, half, NEOX)
+    after_prior()
     value = tl.load(x_ptr + row * dim + d, mask=keep, other=0.0).to(tl.float32)
-    position = tl.load(pos_ptr + row // heads).to(tl.float32)
-    turned = rotated(x_ptr + row * dim, d, value, keep, position, freq_ptr, half, NEOX)
+    turned = rotated(x_ptr + row * dim, d, value, keep, cos, sin, half, NEOX)
     tl.store(out_ptr + row * dim + d, turned.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -56,14 +66,12 @@ def rope(x, positions, inv_freq, style="neox"):
 
 
 @triton.jit
-def _append_rows(pages_ptr, new_ptr, r, stride, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE: tl.constexpr,
-                 NEOX: tl.constexpr):
+def _append_rows(pages_ptr, new_ptr, r, stride, i, slot, cos, sin, width, dim, half, ROPE: tl.constexpr, NEOX: tl.constexpr):
     """Columns i of row r of `new` (rows `stride` apart) into its cache slot (rotated first with ROPE: a key)."""
     keep = i < width
     value = tl.load(new_ptr + r * stride + i, mask=keep).to(tl.float32)
     if ROPE:
-        position = tl.load(pos_ptr + r).to(tl.float32)
-        value = rotated(new_ptr + r * stride + (i - i % dim), i % dim, value, keep, position, freq_ptr, half, NEOX)
+        value = rotated(new_ptr + r * stride + (i - i % dim), i % dim, value, keep, cos, sin, half, NEOX)
     tl.store(pages_ptr + slot * width + i, value.to(pages_ptr.dtype.element_ty), mask=keep)
 
 
@@ -72,14 +80,17 @@ def _append_rows(pages_ptr, new_ptr, r, stride, i, slot, pos_ptr, freq_ptr, widt
 def _kv_append_kernel(pages_ptr, new_ptr, v_pages_ptr, v_new_ptr, slots_ptr, pos_ptr, freq_ptr, new_stride, v_stride, width, dim,
                       half, ROPE: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
     """Program (r, part, which): columns part*BLOCK.. of row r, of the keys (which 0) or the values (1)."""
-    after_prior()
     r, part = tl.program_id(0), tl.program_id(1)
     i = part * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + r).to(tl.int64)
+    cos, sin = 1.0, 0.0
+    if ROPE:
+        cos, sin = turns(i % dim, tl.load(pos_ptr + r).to(tl.float32), freq_ptr, half, NEOX)
+    after_prior()
     if tl.program_id(2) == 0:
-        _append_rows(pages_ptr, new_ptr, r, new_stride, i, slot, pos_ptr, freq_ptr, width, dim, half, ROPE, NEOX)
+        _append_rows(pages_ptr, new_ptr, r, new_stride, i, slot, cos, sin, width, dim, half, ROPE, NEOX)
     else:
-        _append_rows(v_pages_ptr, v_new_ptr, r, v_stride, i, slot, pos_ptr, freq_ptr, width, dim, half, False, NEOX)
+        _append_rows(v_pages_ptr, v_new_ptr, r, v_stride, i, slot, cos, sin, width, dim, half, False, NEOX)
 
 
 ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positions and inv_freq, or neither
