@@ -330,6 +330,9 @@ for style in ("neox", "interleaved"):        # queries rotated as they are loade
     case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
          lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),
          id=f"rope-{style}", rope_style=style)
+    case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 16, CONTEXT)(dt) + [None] + rotary_inputs(3, 16),
+         lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 16)(q, pos, f), k, v, sl, m),
+         id=f"rope-{style}-whole", rope_style=style)
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))

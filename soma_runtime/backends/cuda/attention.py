@@ -16,7 +16,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
-from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turns
+from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turned_pairs, turns
 from soma_runtime.ir.jets import jet
 
 
@@ -81,8 +81,9 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     begin = lo + c * share
     end = tl.minimum(hi, begin + share)
     row, bias = _slots(ctx_ptr, mask_ptr, begin + tl.arange(0, BT), end, s, T, kv_heads, kvh, HAS_MASK)
-    if ROPE:
-        cos, sin = turns(d[None, :], tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
+    if ROPE:           # interleaved queries turn in registers, by pair
+        at = d[None, :] if NEOX else 2 * tl.arange(0, BD // 2)[None, :]
+        cos, sin = turns(at, tl.load(pos_ptr + s).to(tl.float32), freq_ptr, half, NEOX)
     after_prior()
     group = heads // kv_heads
     g = tl.arange(0, GROUP)
@@ -96,7 +97,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         q_ok = g_ok[:, None] & (d[None, :] < dim)
         q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
         if ROPE:                                  # the queries rotated as they are loaded
-            q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, cos, sin, half, NEOX)
+            if NEOX:
+                q = rotated(q_rows, d[None, :], q.to(tl.float32), q_ok, cos, sin, half, NEOX)
+            else:
+                q = turned_pairs(q.to(tl.float32), cos, sin)
         if ROUND_Q:                               # an f16 cache under f32 queries: q at the cache's precision
             q = q.to(tl.float16)
         q = q.to(tl.float32)
