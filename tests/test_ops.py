@@ -5,6 +5,7 @@ PyTorch computes in f32 from the same (already rounded) inputs.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -326,13 +327,11 @@ case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-de
 # the decode launches of real heads, for the sm_90 check: Llama-3.2-1B's and -8B's (GQA), Gemma-2B's (MQA, 256 wide)
 for heads, kv_heads, dim in ((32, 8, 64), (32, 8, 128), (8, 1, 256)):
     case("paged_attention", long_decode_inputs(heads, kv_heads, dim), paged_attention_ref(), id=f"long-decode-{heads}x{kv_heads}x{dim}")
-for style in ("neox", "interleaved"):        # queries rotated as they are loaded
-    case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 8, CONTEXT)(dt) + [None] + rotary_inputs(3, 6),
-         lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 6)(q, pos, f), k, v, sl, m),
-         id=f"rope-{style}", rope_style=style)
-    case("paged_attention", lambda dt: paged_attention_inputs(3, 4, 2, 16, CONTEXT)(dt) + [None] + rotary_inputs(3, 16),
-         lambda q, k, v, sl, m, _, pos, f, st=style: paged_attention_ref()(rope_ref(st, 16)(q, pos, f), k, v, sl, m),
-         id=f"rope-{style}-whole", rope_style=style)
+# queries rotated as they are loaded: 6 of 8 dims rotary (partial), and all 16 (as real heads)
+for style, (dim, rotary, whole) in itertools.product(("neox", "interleaved"), ((8, 6, ""), (16, 16, "-whole"))):
+    case("paged_attention", lambda dt, d=dim, n=rotary: paged_attention_inputs(3, 4, 2, d, CONTEXT)(dt) + [None] + rotary_inputs(3, n),
+         lambda q, k, v, sl, m, _, pos, f, st=style, n=rotary: paged_attention_ref()(rope_ref(st, n)(q, pos, f), k, v, sl, m),
+         id=f"rope-{style}{whole}", rope_style=style)
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
