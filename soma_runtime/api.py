@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator
 
 import numpy as np
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from soma_runtime import loaders, schedule
 from soma_runtime.backends import BACKENDS, detect_all, gpu_available
@@ -23,11 +25,13 @@ from soma_runtime.dtypes import FLOATS, dtype_of
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
 from soma_runtime.engine.sampling import SamplingParams
-from soma_runtime.errors import RequestError
+from soma_runtime.engine.stops import check_stops
+from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.text.chat import ChatTemplate
 
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
+log = logging.getLogger("soma_runtime")
 
 
 def checkpoint_dtype(weights) -> str:
@@ -41,40 +45,81 @@ class Model:
     def __init__(self, model_id: str, loaded: loaders.LoadedModel, engine: Engine):
         self.id, self.loaded, self.engine = model_id, loaded, engine
         self.tokenizer = loaded.tokenizer
+        try:                                                # the model's own defaults must make a request
+            self.sampling()
+            check_stops(self.stops(None))
+        except RequestError as e:
+            raise ModelLoadError(f"{loaded.path}: its sampling defaults are invalid ({e})") from None
+        self.chat_template, self.template_error = None, None
         template = loaded.tokenizer.chat_template
-        self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token) if template else None
+        try:
+            if template is not None:
+                self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token)
+        except ModelLoadError as e:     # a broken template fails chats, with its reason; raw prompts still run
+            self.template_error = ModelLoadError(f"{loaded.path}: {e}")
+            log.warning("%s", self.template_error)
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
                 **params) -> GenerationRequest:
-        defaults = self.loaded.sampling
-        max_tokens = max_tokens if max_tokens is not None else defaults.get("max_tokens", 256)
-        stop = stop if stop is not None else defaults.get("stop")
+        """A checked GenerationRequest: every argument of the wrong type or out of range is a RequestError
+        naming it; `max_tokens` is cut to what the context leaves after the prompt."""
+        max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
+        req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs)
+        self.engine.check(req)
+        req.max_tokens = min(req.max_tokens, self.engine.n_ctx - len(req.prompt_ids))
+        return req
+
+    def sampling(self, **params) -> SamplingParams:
+        """The model's sampling defaults overridden by `params` (OpenAI or llama.cpp names)."""
         params = {ALIASES.get(k, k): v for k, v in params.items() if v is not None}
         unknown = set(params) - SAMPLING_FIELDS
         if unknown:
             raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
-        sampling = SamplingParams(**{**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS}, **params})
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationRequest(list(prompt_ids), max_tokens, stop, sampling, logprobs)
+        defaults = {k: v for k, v in self.loaded.sampling.items() if k in SAMPLING_FIELDS}
+        return SamplingParams(**{**defaults, **params}).validate()
+
+    def stops(self, stop) -> list:
+        """`stop` (or the model's default) as a list: one string, or several."""
+        stop = stop if stop is not None else self.loaded.sampling.get("stop")
+        return [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop or []
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, **params) -> Iterator[Token]:
         """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason."""
-        if not isinstance(prompt, (str, list)):
-            raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return self.engine.generate(self.request(ids, max_tokens, stop, **params))
+        return self.engine.generate(self.request(self.prompt_ids(prompt), max_tokens, stop, **params))
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A raw prompt's token ids: text is tokenized (after a length check that needs no tokenizing),
+        ids pass as they are (the request checks them)."""
+        if isinstance(prompt, str):
+            self.check_length(prompt)
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, np.ndarray):
+            return prompt.tolist()
+        if isinstance(prompt, (list, tuple)):
+            return [int(t) if isinstance(t, np.integer) else t for t in prompt]
+        raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+    def check_length(self, text: str) -> None:
+        """PromptTooLong, from the character count alone, for text too long for any tokenization to fit
+        the context (every token covers at most the vocabulary's longest piece)."""
+        if len(text) > self.engine.n_ctx * self.tokenizer.max_token_chars:
+            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.engine.n_ctx} tokens")
 
     def complete(self, prompt: str | list[int], **params) -> str:
         return "".join(t.text for t in self.generate(prompt, **params))
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.template_error is not None:
+            raise self.template_error
         if self.chat_template is None:
             raise RequestError(f"model {self.id} has no chat template; use generate() with a raw prompt")
         return self.chat_template.render(messages, add_generation_prompt)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The prompt tokens of a conversation, through the model's chat template."""
-        return self.tokenizer.hf.encode(self.chat_prompt(messages), add_special_tokens=False).ids
+        text = self.chat_prompt(messages)
+        self.check_length(text)
+        return self.tokenizer.encode(text, add_special=False)
 
     def chat(self, messages: list[dict], stream: bool = True, **params):
         """Apply the model's chat template and generate the assistant's reply."""
@@ -83,7 +128,7 @@ class Model:
 
     def logits(self, prompt: str | list[int]) -> np.ndarray:
         """Next-token logits at every position of the prompt: [tokens, vocab] f32."""
-        return self.engine.logits(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        return self.engine.logits(self.prompt_ids(prompt))
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -164,6 +209,17 @@ class EncoderModel:
                 "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "backend": self.encoder.backend}
 
 
+KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
+
+
+def check_load_options(n_ctx, kv_dtype, activations) -> None:
+    if n_ctx is not None and (type(n_ctx) is not int or n_ctx < 1):
+        raise RequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+    for name, value, allowed in (("kv_dtype", kv_dtype, KV_DTYPES), ("activations", activations, ACTIVATIONS)):
+        if value is not None and value not in allowed:
+            raise RequestError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 class Runtime:
     def __init__(self, backend: str = "auto", threads: int | None = None):
         import numba
@@ -194,7 +250,9 @@ class Runtime:
         default to it on such CPUs (embeddings within 1e-4 cosine of f32), to f32 elsewhere.
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py)."""
-        with tqdm(total=4, desc="loading", unit="step", disable=progress is False, delay=0.5, leave=False) as bar:
+        check_load_options(n_ctx, kv_dtype, activations)
+        bar = tqdm(total=4, desc="loading", unit="step", disable=None if progress is None else not progress, delay=0.5, leave=False)
+        with bar, logging_redirect_tqdm():             # log lines print above the bar, never on it
             bar.set_postfix_str("weights")
             loaded = loaders.load(path_or_name, sha256)
             bar.update()

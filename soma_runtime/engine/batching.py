@@ -75,7 +75,7 @@ class Scheduler:
 
     def submit(self, req: GenerationRequest, emit: Callable) -> Job:
         """Queue a request; raises RequestError at once for one that can never run."""
-        self.engine.check_prompt(req.prompt_ids, req.max_tokens)
+        self.engine.check(req)
         need = self.engine.pool.pages_for(min(len(req.prompt_ids) + req.max_tokens, self.engine.n_ctx))
         if need > self.engine.pool.num_pages - 1:
             raise RequestError(f"request needs {need} KV pages, the pool has {self.engine.pool.num_pages - 1}")
@@ -111,10 +111,12 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except Exception as exc:      # a failing step ends the requests in it, never the server
-                log.exception("scheduler step failed")
-                for job in list(self.running):
-                    self._finish(job, exc)
+            except Exception as exc:      # a failing step ends the requests it held, never the loop
+                log.exception("scheduler step failed; ending the %d requests it held", len(self.running))
+                self.ahead = None
+                with self.wake:
+                    for job in list(self.running):
+                        self._finish(job, exc)
 
     def _admit(self) -> None:
         pool = self.engine.pool
@@ -127,7 +129,9 @@ class Scheduler:
                 continue
             try:
                 stream = Stream(self.engine, job.req)
-            except RequestError as exc:
+            except Exception as exc:             # this request alone cannot start: it gets the error
+                if not isinstance(exc, RequestError):
+                    log.exception("a request could not start")
                 self.waiting.popleft()
                 self._finish(job, exc)
                 continue
@@ -211,8 +215,9 @@ class Scheduler:
         self.stats.generated_tokens += 1
         if job.first_token_s is None:
             job.first_token_s = time.perf_counter() - job.submitted
-        job.emit(token)
-        if token.finish_reason:
+        if not self._emit(job, token):
+            job.cancel()
+        if token.finish_reason or job.cancelled:
             self._finish(job, None)
 
     def _finish(self, job: Job, error: Exception | None) -> None:
@@ -224,4 +229,14 @@ class Scheduler:
             self.stats.cancelled += 1
         else:
             self.stats.finished += 1
-        job.emit(error)
+        self._emit(job, error)
+
+    @staticmethod
+    def _emit(job: Job, item) -> bool:
+        """Hand `item` to the job's receiver; False where the receiver failed (its event loop closed)."""
+        try:
+            job.emit(item)
+            return True
+        except Exception:
+            log.warning("a request's receiver failed; the request ends", exc_info=True)
+            return False

@@ -17,7 +17,7 @@ from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, fused_qkv, matmul_weights_in
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.plan import Plan
-from soma_runtime.text.tokenizer import Tokenizer
+from soma_runtime.text.tokenizer import Tokenizer, check_text
 
 log = logging.getLogger("soma_runtime.encode")
 PLANS_KEPT = 16
@@ -85,8 +85,10 @@ class Encoder:
 
     def tokenize(self, texts, pairs=None, truncate: bool = True) -> list:
         """Encodings of the texts (with their special tokens), cut to the model's maximum length."""
-        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise RequestError("texts must be a list of strings")
+        for i, text in enumerate([*texts, *(pairs or [])]):
+            check_text(text, f"text {i}")
         if not texts:
             raise RequestError("no texts given")
         if pairs is not None and len(pairs) != len(texts):

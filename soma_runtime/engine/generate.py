@@ -24,13 +24,16 @@ from soma_runtime.architectures.decoder import Weights, build_decoder, check_sha
 from soma_runtime.backends import load_backend
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows, log_softmax
+from soma_runtime.engine.stops import StopMatcher, check_stops
 from soma_runtime.errors import PromptTooLong, RequestError
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 BUCKET = 128
+DEFAULT_CONTEXT = 4096    # tokens, or the model's own context where shorter
 GRAPH_ROWS = 32            # steps of up to this many rows replay as one device graph where the backend has them
 GRAPH_CONTEXT = 512        # ... with the context padded to a multiple of this (one graph per size)
+MAX_LOGPROBS = 20          # alternatives reported per token, as OpenAI allows
 KV_TOKENS = 32768          # default pool size: room for many sequences (pages are mapped as they fill)
 
 
@@ -86,7 +89,7 @@ class Stream:
     uncached tail, then each sampled token until the next step runs it."""
 
     def __init__(self, engine: Engine, req: GenerationRequest):
-        engine.check_prompt(req.prompt_ids, req.max_tokens)
+        engine.check(req)
         self.engine, self.req, self.seq = engine, req, Sequence()
         self.sampler = Sampler(req.sampling)
         self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_ids[-4:])
@@ -171,7 +174,9 @@ class Engine:
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: str = "cpu",
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None):
         self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
-        self.n_ctx = min(n_ctx or 4096, cfg.max_position)
+        self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
+        if self.n_ctx < 2:
+            raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
         check_shapes(cfg, weights)
         self.weights, self.kv_dtype, self.activations = fuse_projections(cfg, weights), kv_dtype, activations
         self.graph = build_decoder(cfg, self.weights, kv_dtype=kv_dtype, activations=activations)
@@ -265,20 +270,34 @@ class Engine:
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
-        self.check_prompt(tokens, 1)
+        self.check_prompt(tokens)
         seq = Sequence()
         try:
             return self.forward([(seq, tokens, len(tokens))])[0]
         finally:
             self.pool.release(seq)
 
-    def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
+        """RequestError for a prompt that is empty, not token ids of this vocabulary, or over the context."""
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise RequestError("the prompt must be a non-empty list of token ids")
+        if not all(type(t) is int for t in prompt_ids):
+            bad = next(t for t in prompt_ids if type(t) is not int)
+            raise RequestError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r}")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.cfg.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {min(prompt_ids)}..{max(prompt_ids)}")
         if len(prompt_ids) >= self.n_ctx:
             raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.n_ctx}")
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+
+    def check(self, req: GenerationRequest) -> None:
+        """RequestError naming the first field of `req` this engine cannot run."""
+        self.check_prompt(req.prompt_ids, req.max_tokens)
+        check_stops(req.stop)
+        if req.logprobs is not None and (type(req.logprobs) is not int or not 0 <= req.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
+        req.sampling.validate()
 
     def generate(self, req: GenerationRequest) -> Iterator[Token]:
         """One request on its own: the whole uncached prompt in one step, then a step per token. Where
@@ -308,26 +327,3 @@ class Engine:
         finally:
             self.pool.release(stream.seq)
             m.peak_rss_mb = peak_rss_mb()
-
-
-class StopMatcher:
-    """Holds back text that could be the start of a stop string; cuts at the first full match."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        self.pending += text
-        for s in self.stops:
-            at = self.pending.find(s)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out

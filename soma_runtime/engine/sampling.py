@@ -7,12 +7,15 @@ u), u the step's uniform: the decoder graph's `sample` op takes the same rows, s
 penalties or logprobs is sampled where the model runs, and only its token comes back."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from soma_runtime.errors import RequestError
 
+MAX_TOP_K = 2**31            # top_k and repeat_last_n: at most a vocabulary's (or a context's) size
+SEED_LIMIT = 2**64           # what numpy's generators take
 LAST_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
@@ -38,7 +41,19 @@ class SamplingParams:
         return not self.penalized and (self.temperature == 0 or 1 <= self.top_k <= width)
 
     def validate(self) -> SamplingParams:
-        checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
+        """Raise RequestError naming the first field of the wrong type or out of its range. A seed of
+        -1 means unseeded, as in llama.cpp."""
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value!r}")
+        for name, limit in (("top_k", MAX_TOP_K), ("repeat_last_n", MAX_TOP_K), ("seed", SEED_LIMIT)):
+            value = getattr(self, name)
+            if name == "seed" and value in (None, -1):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+                raise RequestError(f"{name} must be an integer in [0, {limit}), got {value!r}")
+        checks = [(self.temperature >= 0, "temperature must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
                   (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
                   (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
@@ -137,7 +152,7 @@ def greedy_rows(n: int) -> np.ndarray:
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed == -1 else params.seed)
 
     def draw(self) -> np.ndarray:
         """The next choice's row for `choose` (or the `sample` op): one uniform per sampled token."""

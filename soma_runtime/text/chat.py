@@ -8,7 +8,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from soma_runtime.errors import RequestError
+from soma_runtime.errors import ModelLoadError, RequestError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -27,7 +27,12 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template = env.from_string(source)
+        if not isinstance(source, str):
+            raise ModelLoadError(f"the chat template is a {type(source).__name__}, not text")
+        try:
+            self.template = env.from_string(source)
+        except (jinja2.exceptions.TemplateError, RecursionError, ValueError) as e:
+            raise ModelLoadError(f"the chat template does not compile ({type(e).__name__}: {e})") from None
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -37,6 +42,8 @@ class ChatTemplate:
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except jinja2.exceptions.TemplateError as e:
             raise RequestError(f"chat template rejected the messages: {e}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError, RecursionError) as e:   # the template's own fault
+            raise RequestError(f"chat template failed on the messages ({type(e).__name__}: {e})") from None
 
 
 def check_messages(messages) -> None:

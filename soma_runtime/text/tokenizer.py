@@ -6,13 +6,14 @@ SentencePiece BPE, its merges recovered from the token scores.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -27,6 +28,7 @@ PRE_TOKENIZER_SPLITS = {
     "qwen2": [QWEN2_SPLIT], "deepseek-r1-qwen": [QWEN2_SPLIT],
 }
 CONTROL, USER_DEFINED = 3, 4
+MAX_JSON_BYTES = 256 * 2**20      # far above any real tokenizer.json or config
 
 
 class Tokenizer:
@@ -45,8 +47,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its piece's length bounds the text it covers)."""
+        return max(len(piece) for piece in self.hf.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        ids = self.hf.encode(check_text(text), add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_special and self.add_bos else ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
@@ -60,18 +67,24 @@ class Tokenizer:
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens in the metadata")
-        if kind == "gpt2":
-            hf = byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
-        elif kind == "llama":
-            hf = sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type"),
-                                   meta.get("tokenizer.ggml.add_space_prefix", True))
-        else:
-            raise UnsupportedModelError(f"{source}: tokenizer kind {kind!r} is not supported (gpt2, llama)")
-        add_added_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
+        check_vocab_fields(meta, len(tokens), source)
+        try:
+            if kind == "gpt2":
+                hf = byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
+            elif kind == "llama":
+                hf = sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.token_type"),
+                                       meta.get("tokenizer.ggml.add_space_prefix", True))
+            else:
+                raise UnsupportedModelError(f"{source}: tokenizer kind {kind!r} is not supported (gpt2, llama)")
+            add_added_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
+        except Exception as e:                  # the tokenizers library raises plain Exceptions on a bad vocabulary
+            if isinstance(e, (ModelLoadError, UnsupportedModelError)):
+                raise
+            raise ModelLoadError(f"{source}: the vocabulary does not make a tokenizer ({str(e)[:300]})") from e
 
         def token(key):
             i = meta.get(f"tokenizer.ggml.{key}")
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
         return cls(hf, token("bos_token_id"), token("eos_token_id"),
                    meta.get("tokenizer.ggml.add_bos_token", kind == "llama"), meta.get("tokenizer.chat_template"))
 
@@ -80,7 +93,12 @@ class Tokenizer:
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
             raise ModelLoadError(f"{directory}: no tokenizer.json")
-        hf = HFTokenizer.from_file(path)
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise ModelLoadError(f"{path}: {os.path.getsize(path)} bytes is more than a tokenizer may be ({MAX_JSON_BYTES})")
+        try:
+            hf = HFTokenizer.from_file(path)
+        except Exception as e:                             # the tokenizers library raises plain Exceptions
+            raise ModelLoadError(f"{path}: not a readable tokenizer ({str(e)[:300]})") from e
         hf.no_truncation()
         hf.no_padding()
         config = read_json(os.path.join(directory, "tokenizer_config.json"))
@@ -93,14 +111,52 @@ class Tokenizer:
                    bool(config.get("add_bos_token", False)), template)
 
 
-def read_json(path: str) -> dict:
+# GGUF vocabulary fields: (key, element type, whether it has one entry per token)
+VOCAB_FIELDS = (("tokenizer.ggml.tokens", str, True), ("tokenizer.ggml.scores", (int, float), True),
+                ("tokenizer.ggml.token_type", int, True), ("tokenizer.ggml.merges", str, False))
+
+
+def check_vocab_fields(meta: dict, n_tokens: int, source: str) -> None:
+    """The GGUF vocabulary's arrays hold what they must, one entry per token where they should."""
+    for key, kind, per_token in VOCAB_FIELDS:
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+            raise ModelLoadError(f"{source}: {key} must be an array of {getattr(kind, '__name__', 'number')}s")
+        if per_token and len(value) != n_tokens:
+            raise ModelLoadError(f"{source}: {key} has {len(value)} entries for {n_tokens} tokens")
+    for key in ("tokenizer.ggml.pre", "tokenizer.ggml.model", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ModelLoadError(f"{source}: {key} must be a string")
+
+
+def check_text(text: str, what: str = "text") -> str:
+    """`text` itself, if it is a string that UTF-8 can hold (a lone surrogate cannot); else RequestError."""
+    if not isinstance(text, str):
+        raise RequestError(f"{what} must be a string, got {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{what} is not valid Unicode: {e.reason} at character {e.start}") from None
+    return text
+
+
+def read_json(path: str, kind: type = dict):
+    """A model directory's JSON file ({} or [] where it is absent): a JSON object (or `kind`), else ModelLoadError."""
     if not os.path.isfile(path):
-        return {}
+        return kind()
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise ModelLoadError(f"{path}: {os.path.getsize(path)} bytes is more than a model's JSON file may be ({MAX_JSON_BYTES})")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, RecursionError) as e:              # bad JSON, not UTF-8, or nested too deep
+        raise ModelLoadError(f"{path}: invalid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, kind):
+        raise ModelLoadError(f"{path}: expected a JSON {'object' if kind is dict else 'array'}, got {type(value).__name__}")
+    return value
 
 
 def token_text(value) -> str | None:
