@@ -65,6 +65,9 @@ DTYPES: dict[str, DType] = {d.name: d for d in [
     _plain("bool", -1, np.bool_), _plain("u8", -1, np.uint8),
 ]}
 BY_GGML_ID = {d.ggml_id: d for d in DTYPES.values() if d.ggml_id >= 0}
+# byte offsets of the f16 fields (d, m, dmin) in each block of a stored format, as laid out above
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q2_K": (80, 82), "q3_K": (108,),
+              "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "tq1_0": (52,), "tq2_0": (64,)}
 QUANTIZED = tuple(n for n, d in DTYPES.items() if d.quantized and n != "q8_K")
 FLOATS = ("f32", "f16", "bf16")
 

@@ -17,8 +17,8 @@ class ModelLoadError(SomaError):
     """A model file is missing, truncated, corrupt or inconsistent."""
 
 
-class UnsupportedModelError(SomaError):
-    """A model type or tensor format the registry does not know."""
+class UnsupportedModelError(ModelLoadError):
+    """A model type or tensor format the registry does not know (a load that cannot succeed here)."""
 
 
 class RequestError(SomaError):

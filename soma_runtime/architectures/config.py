@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.errors import UnsupportedModelError
+from soma_runtime.architectures.fields import HF_FIELDS, ROPE_FIELDS, check_fields, check_token_ids, reading, table
+from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 
 
 @dataclass
@@ -43,17 +44,46 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    def validate(self, source: str) -> DecoderConfig:
+        """ModelLoadError, naming `source`, for fields that disagree with each other."""
+        problems = [
+            (self.vocab_size >= 1, "no vocabulary (vocab_size, or the tokenizer's tokens)"),
+            (self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} attention heads cannot share {self.num_kv_heads} kv heads"),
+            (self.rotary_dim is None or 2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
+             f"the rotary dims ({self.rotary_dim}) must be even and at most the head dim ({self.head_dim})"),
+            (self.head_dim % 2 == 0, f"the head dim ({self.head_dim}) must be even for rotary positions"),
+            (not self.layer_windows or len(self.layer_windows) == self.num_layers, "a window per layer"),
+            (all(w >= 0 for w in self.layer_windows), "sliding windows must be >= 0"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise ModelLoadError(f"{source}: {message}")
+        check_token_ids(self.bos_token_id, self.vocab_size, "bos_token_id", source)
+        check_token_ids(list(self.eos_token_ids), self.vocab_size, "eos_token_id", source)
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                try:
+                    self.inv_freq_of(rope)
+                except ModelLoadError as e:
+                    raise ModelLoadError(f"{source}: {e}") from None
+        return self
+
+    def inv_freq_of(self, rope: dict) -> np.ndarray:
+        return rope_inv_freq(rope, self.rotary_dim or self.head_dim)
+
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     def inv_freq(self, layer: int) -> np.ndarray:
-        rope = self.rope_local if self.rope_local is not None and self.window(layer) else self.rope
-        return rope_inv_freq(rope, self.rotary_dim or self.head_dim)
+        return self.inv_freq_of(self.rope_local if self.rope_local is not None and self.window(layer) else self.rope)
 
 
 def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
     """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, llama3)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_FIELDS:
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_FIELDS)})")
+    check_fields(rope, ROPE_FIELDS[kind], "rope parameters")
     inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     if kind == "default":
         return inv.astype(np.float32)
@@ -69,23 +99,23 @@ def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    raise AssertionError(kind)
 
 
 def _eos(value) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _hf_rope(hf: dict) -> tuple[dict, dict | None]:
-    params = hf.get("rope_parameters")
-    if params is None:
-        params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+def _hf_rope(hf: dict, source: str) -> tuple[dict, dict | None]:
+    params = table(hf, "rope_parameters", source)
+    if not params:
+        params = {"rope_theta": hf.get("rope_theta", 10000.0), **table(hf, "rope_scaling", source)}
         local = {"rope_theta": hf["rope_local_base_freq"]} if "rope_local_base_freq" in hf else None
         return params, local
     if "full_attention" in params:          # per layer type (gemma3)
-        return params["full_attention"], params.get("sliding_attention")
+        return table(params, "full_attention", source), table(params, "sliding_attention", source) or None
     return params, None
 
 
@@ -99,38 +129,41 @@ def _layer_windows(hf: dict, n_layers: int) -> tuple[int, ...]:
     return (window,) * n_layers
 
 
-def config_from_hf(hf: dict, model_type: str, traits: dict) -> DecoderConfig:
+def config_from_hf(hf: dict, model_type: str, traits: dict, source: str = "config.json") -> DecoderConfig:
     """A DecoderConfig from a HF config.json dict; `traits` are the family's registry flags."""
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    rope, rope_local = _hf_rope(hf)
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    scalar = hf.get("query_pre_attn_scalar")
-    n_layers = hf["num_hidden_layers"]
-    return DecoderConfig(
-        model_type=model_type,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"],
-        max_position=hf.get("max_position_embeddings", 4096),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope=rope,
-        rope_local=rope_local,
-        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
-        tie_embeddings=hf.get("tie_word_embeddings", traits.get("tie_embeddings", False)),
-        qkv_bias=traits.get("qkv_bias", hf.get("attention_bias", False)),
-        qk_norm=traits.get("qk_norm", False),
-        sandwich_norms=traits.get("sandwich_norms", False),
-        embed_scale=math.sqrt(hf["hidden_size"]) if traits.get("scaled_embeddings") else 1.0,
-        activation="gelu_tanh" if "gelu" in (hf.get("hidden_activation") or hf.get("hidden_act") or "silu") else "silu",
-        attn_softcap=hf.get("attn_logit_softcapping") or 0.0,
-        final_softcap=hf.get("final_logit_softcapping") or 0.0,
-        attn_scale=scalar ** -0.5 if scalar else None,
-        layer_windows=_layer_windows(hf, n_layers),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos(hf.get("eos_token_id")),
-    )
+    check_fields(hf, HF_FIELDS, source)
+    hf = {k: v for k, v in hf.items() if v is not None}           # null means unset in HF configs
+    with reading(source):
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rope, rope_local = _hf_rope(hf, source)
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        scalar = hf.get("query_pre_attn_scalar")
+        n_layers = hf["num_hidden_layers"]
+        return DecoderConfig(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=n_layers,
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            max_position=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=rope,
+            rope_local=rope_local,
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+            tie_embeddings=hf.get("tie_word_embeddings", traits.get("tie_embeddings", False)),
+            qkv_bias=traits.get("qkv_bias", hf.get("attention_bias", False)),
+            qk_norm=traits.get("qk_norm", False),
+            sandwich_norms=traits.get("sandwich_norms", False),
+            embed_scale=math.sqrt(hf["hidden_size"]) if traits.get("scaled_embeddings") else 1.0,
+            activation="gelu_tanh" if "gelu" in (hf.get("hidden_activation") or hf.get("hidden_act") or "silu") else "silu",
+            attn_softcap=hf.get("attn_logit_softcapping") or 0.0,
+            final_softcap=hf.get("final_logit_softcapping") or 0.0,
+            attn_scale=scalar ** -0.5 if scalar else None,
+            layer_windows=_layer_windows(hf, n_layers),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos(hf.get("eos_token_id")),
+        ).validate(source)

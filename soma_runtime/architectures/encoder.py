@@ -22,6 +22,7 @@ import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
 from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.fields import ENCODER_FIELDS, check_fields, reading
 from soma_runtime.dtypes import dtype, dtype_of
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.ir.graph import Graph, GraphBuilder
@@ -43,8 +44,8 @@ FAMILIES = {f.model_type: f for f in [
 ]}
 
 
-def is_encoder(model_type: str | None) -> bool:
-    return model_type in FAMILIES
+def is_encoder(model_type) -> bool:
+    return isinstance(model_type, str) and model_type in FAMILIES
 
 
 @dataclass
@@ -169,7 +170,26 @@ def deberta_config(hf: dict) -> EncoderConfig:
         pooler_act="gelu" if GELU[hf.get("pooler_hidden_act", "gelu")] == "none" else "gelu_tanh")
 
 
-def encoder_config_from_hf(hf: dict) -> EncoderConfig:
+
+
+
+def encoder_config_from_hf(hf: dict, source: str = "config.json") -> EncoderConfig:
+    """An EncoderConfig from a HF config.json dict, its fields checked first."""
+    check_fields(hf, ENCODER_FIELDS, source)
+    hf = {k: v for k, v in hf.items() if v is not None}           # null means unset in HF configs
+    with reading(source):
+        cfg = encoder_config(hf)
+    problems = [(cfg.hidden_size % cfg.num_heads == 0, f"hidden_size {cfg.hidden_size} is not a multiple of {cfg.num_heads} heads"),
+                (cfg.pad_token_id < cfg.vocab_size, f"pad_token_id {cfg.pad_token_id} is outside the vocabulary"),
+                (cfg.max_tokens >= 1, "no room for a token in the position table"),
+                (all(w >= 0 for w in cfg.layer_windows), "attention windows must be >= 0")]
+    for ok, message in problems:
+        if not ok:
+            raise ModelLoadError(f"{source}: {message}")
+    return cfg
+
+
+def encoder_config(hf: dict) -> EncoderConfig:
     model_type = hf.get("model_type")
     if model_type == "modernbert":
         return modernbert_config(hf)

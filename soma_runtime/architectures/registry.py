@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig, config_from_hf
-from soma_runtime.errors import UnsupportedModelError
+from soma_runtime.architectures.fields import GGUF_FIELDS, check_fields, reading, table
+from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -100,21 +101,33 @@ def canonical_hf_weights(tensors: dict, spec: ArchSpec) -> dict:
 
 # --- configs -----------------------------------------------------------------------------------
 
-def config_for_hf(hf: dict) -> tuple[ArchSpec, DecoderConfig]:
+def config_for_hf(hf: dict, source: str = "config.json") -> tuple[ArchSpec, DecoderConfig]:
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{source}: expected a table of fields, got {type(hf).__name__}")
     model_type = hf.get("model_type")
-    if model_type is None:
-        raise UnsupportedModelError(f"config has no model_type; supported: {', '.join(supported())}")
+    if not isinstance(model_type, str):
+        raise UnsupportedModelError(f"{source}: no model_type; supported: {', '.join(supported())}")
     spec = lookup(model_type)
     if model_type in ALIASES and "text_config" in hf:
-        hf = {**hf["text_config"], "model_type": spec.model_type}
-    return spec, config_from_hf(hf, spec.model_type, spec.traits)
+        hf = {**table(hf, "text_config", source), "model_type": spec.model_type}
+    return spec, config_from_hf(hf, spec.model_type, spec.traits, source)
 
 
-def config_for_gguf(meta: dict, tensor_names: set[str]) -> tuple[ArchSpec, DecoderConfig]:
+
+
+
+def config_for_gguf(meta: dict, tensor_names: set[str], source: str = "GGUF") -> tuple[ArchSpec, DecoderConfig]:
     arch = meta.get("general.architecture")
-    if arch not in BY_GGUF_ARCH:
-        raise UnsupportedModelError(f"unknown GGUF architecture {arch!r}; supported: {', '.join(sorted(BY_GGUF_ARCH))}")
+    if not isinstance(arch, str) or arch not in BY_GGUF_ARCH:
+        raise UnsupportedModelError(f"{source}: unknown GGUF architecture {arch!r}; supported: {', '.join(sorted(BY_GGUF_ARCH))}")
     spec = lookup(BY_GGUF_ARCH[arch])
+    check_fields(meta, {f"{arch}.{key}": field for key, field in GGUF_FIELDS.items()}, source)
+    with reading(source):
+        return spec, gguf_config(spec, arch, meta, tensor_names).validate(source)
+
+
+def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str]) -> DecoderConfig:
+    """GGUF metadata (its fields checked) as a DecoderConfig."""
 
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -133,7 +146,7 @@ def config_for_gguf(meta: dict, tensor_names: set[str]) -> tuple[ArchSpec, Decod
     elif window:
         windows = (window,) * n_layers
     rope_dim = get("rope.dimension_count") or head_dim
-    cfg = DecoderConfig(
+    return DecoderConfig(
         model_type=spec.model_type,
         vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
         hidden_size=hidden,
@@ -161,4 +174,3 @@ def config_for_gguf(meta: dict, tensor_names: set[str]) -> tuple[ArchSpec, Decod
         eos_token_ids=tuple(t for t in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
                             if t is not None),
     )
-    return spec, cfg

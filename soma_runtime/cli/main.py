@@ -23,17 +23,40 @@ def cmd_backends(args) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a context of 0 or -5 tokens is an error, not a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def sha256_arg(text: str) -> str:
+    from soma_runtime.loaders.integrity import HEX_DIGEST
+    if not HEX_DIGEST.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"a sha256 is 64 hexadecimal digits, got {text!r}")
+    return text.lower()
+
+
 def add_model_args(p, default_model=True):
     p.add_argument("--model", "-m", default=None if default_model else argparse.SUPPRESS,
                    help="a .gguf file, a HF or soma model directory, or a name (default: the bundled SmolLM2)")
-    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: min(4096, the model's))")
-    p.add_argument("--sha256", default=None, help="verify the weights file against this sha256 before loading")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context length in tokens (default: min(4096, the model's))")
+    add_sha256_arg(p)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda", "reference"),
                    help="where to compute (default: cuda when a GPU is present, else cpu)")
     p.add_argument("--activations", default=None, choices=("f32", "bf16", "q8"),
                    help="precision of matmul inputs (default: q8 for GGUF as llama.cpp, f32 for HF decoders, "
                         "bf16 for encoders on CPUs with AMX)")
+
+
+def add_sha256_arg(p) -> None:
+    p.add_argument("--sha256", type=sha256_arg, default=None,
+                   help="refuse to load unless the model has this sha256 (a directory's: `soma-runtime models hash DIR`)")
 
 
 def load_model(args):
@@ -68,6 +91,13 @@ def cmd_run(args) -> int:
 def cmd_models_info(args) -> int:
     model = load_model(args)
     print(json.dumps(model.info(), indent=2))
+    return 0
+
+
+def cmd_models_hash(args) -> int:
+    from soma_runtime.loaders import resolve
+    from soma_runtime.loaders.integrity import model_digest
+    print(model_digest(resolve(args.path)))
     return 0
 
 
@@ -125,15 +155,29 @@ def cmd_autotune(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import os
+
     from soma_runtime.server import serve
+    from soma_runtime.server.security import Policy
+    if args.allow_model_management != bool(args.models_dir):
+        raise RequestError("--allow-model-management and --models-dir DIR go together: loads come only from that directory")
+    if args.models_dir and not os.path.isdir(args.models_dir):
+        raise RequestError(f"--models-dir {args.models_dir}: not a directory")
     budget = int(args.memory_budget * 2**30) if args.memory_budget else None
+    limits = {"max_body_bytes": args.max_body_bytes, "head_seconds": args.header_timeout, "body_seconds": args.body_timeout}
+    policy = Policy(api_key=args.api_key or os.environ.get("SOMA_API_KEY") or None,
+                    **{name: value for name, value in limits.items() if value is not None})
+    origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
-          args.max_queue, args.backend)
+          args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections)
     return 0
 
 
 def cmd_import(args) -> int:
+    from soma_runtime.loaders.integrity import verify_sha256
     from soma_runtime.loaders.soma import import_hf_dir
+    if args.sha256:
+        verify_sha256(args.src, args.sha256)
     print(import_hf_dir(args.src, args.dst))
     return 0
 
@@ -158,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read it from stdin")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (implies --chat)")
-    r.add_argument("--max-tokens", "-n", type=int, default=256)
+    r.add_argument("--max-tokens", "-n", type=positive_int, default=256)
     r.add_argument("--temperature", type=float, default=None)
     r.add_argument("--top-k", type=int, default=None)
     r.add_argument("--top-p", type=float, default=None)
@@ -171,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="inspect models").add_subparsers(dest="models_command", required=True)
     info = models.add_parser("info", help="architecture, size, context and backend of a model")
     info.add_argument("path", nargs="?", default=None, help="model path or name (default: the bundled SmolLM2)")
-    info.set_defaults(run=lambda a: cmd_models_info(argparse.Namespace(model=a.path, ctx=None, sha256=None, threads=None)))
+    add_sha256_arg(info)
+    info.set_defaults(run=lambda a: cmd_models_info(argparse.Namespace(model=a.path, ctx=None, sha256=a.sha256, threads=None)))
+    digest = models.add_parser("hash", help="print the sha256 that --sha256 checks: a file's, or a directory's over its weight files")
+    digest.add_argument("path", help="model path or name")
+    digest.set_defaults(run=cmd_models_hash)
 
     bench = sub.add_parser("bench", help="prefill and decode speed of a model")
     add_model_args(bench)
@@ -205,18 +253,35 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--uds", default=None, help="listen on this unix socket instead of TCP")
-    srv.add_argument("--ctx", type=int, default=None, help="context length per sequence")
-    srv.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    srv.add_argument("--ctx", type=positive_int, default=None, help="context length per sequence")
+    srv.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
     srv.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"), help="where to compute (default: auto)")
-    srv.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together per model")
-    srv.add_argument("--step-tokens", type=int, default=256, help="most rows (decode + prompt chunks) per batched step")
-    srv.add_argument("--max-queue", type=int, default=256, help="queued requests per model before answering 503")
+    srv.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together per model")
+    srv.add_argument("--step-tokens", type=positive_int, default=256, help="most rows (decode + prompt chunks) per batched step")
+    srv.add_argument("--max-queue", type=positive_int, default=256, help="queued requests per model before answering 503")
     srv.add_argument("--memory-budget", type=float, default=None, help="GiB the loaded models may take (default: 80%% of RAM)")
+    srv.add_argument("--sha256", action="append", type=sha256_arg, default=None,
+                     help="the sha256 of a --model (repeatable: the n-th checks the n-th --model)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /v1/health (default: $SOMA_API_KEY)")
+    srv.add_argument("--allow-model-management", action="store_true",
+                     help="allow POST /v1/models/load and DELETE /v1/models/{id} (needs --models-dir)")
+    srv.add_argument("--models-dir", default=None, help="the only directory POST /v1/models/load loads from")
+    srv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN]",
+                     help="browser origins CORS lets call the API (default: none)")
+    srv.add_argument("--max-body-bytes", type=positive_int, default=None,
+                     help="largest request body accepted (default: 4 MiB; larger ones get 413)")
+    srv.add_argument("--header-timeout", type=float, default=None,
+                     help="seconds a request's line and headers may take to arrive (default: 10)")
+    srv.add_argument("--body-timeout", type=float, default=None, help="seconds a request's body may take to arrive (default: 30)")
+    srv.add_argument("--max-connections", type=positive_int, default=1024,
+                     help="open connections served at once before answering 503")
     srv.set_defaults(run=cmd_serve)
 
     imp = sub.add_parser("import", help="write a soma model directory (config.toml, chat.toml, ...) for a HF directory")
     imp.add_argument("src", help="Hugging Face model directory")
     imp.add_argument("dst", help="output directory")
+    add_sha256_arg(imp)
     imp.set_defaults(run=cmd_import)
 
     conv = sub.add_parser("convert", help="write a GGUF file for a HF model directory")

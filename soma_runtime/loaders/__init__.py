@@ -6,7 +6,6 @@ Formats: a .gguf file; a Hugging Face directory (config.json + safetensors); a s
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.errors import ModelLoadError
+from soma_runtime.loaders.integrity import check_finite, verify_sha256
 from soma_runtime.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -70,19 +70,19 @@ def resolve(path_or_name: str | None) -> str:
     return path_or_name
 
 
-def verify_sha256(path: str, expected: str) -> None:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    if digest.hexdigest() != expected.lower():
-        raise ModelLoadError(f"{path}: sha256 {digest.hexdigest()} does not match the expected {expected}")
-
-
 def load(path_or_name: str | None, sha256: str | None = None) -> LoadedModel:
+    """The model at a path (or of a bundled name); with `sha256`, only if its digest matches (see
+    integrity.py: a file's own, or a directory's over its weight files). Every tensor is checked for
+    NaN and infinite values."""
     path = resolve(path_or_name)
-    if sha256 and os.path.isfile(path):
+    if sha256 is not None:
         verify_sha256(path, sha256)
+    loaded = read_model(path)
+    check_finite(loaded.weights)
+    return loaded
+
+
+def read_model(path: str) -> LoadedModel:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.toml")):
             from soma_runtime.loaders.soma import load_soma_dir

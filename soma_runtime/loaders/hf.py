@@ -2,11 +2,11 @@
 generation_config.json (whose sampling fields become the model's defaults)."""
 from __future__ import annotations
 
-import json
 import os
 
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import canonical_encoder_weights, check_encoder_shapes, encoder_config_from_hf, is_encoder
+from soma_runtime.architectures.fields import check_token_ids
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.safetensors import read_checkpoint
@@ -25,16 +25,19 @@ def sampling_defaults(generation_config: dict) -> dict:
 
 def load_hf_dir(directory: str):
     from soma_runtime.loaders import LoadedModel
-    hf_config = read_json(os.path.join(directory, "config.json"))
+    config_path = os.path.join(directory, "config.json")
+    hf_config = read_json(config_path)
     if not hf_config:
-        raise ModelLoadError(f"{directory}: config.json is empty")
+        raise ModelLoadError(f"{config_path}: empty")
     if is_encoder(hf_config.get("model_type")):
         return load_hf_encoder_dir(directory, hf_config)
-    spec, cfg = config_for_hf(hf_config)
+    spec, cfg = config_for_hf(hf_config, config_path)
     weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec), directory)
-    generation = read_json(os.path.join(directory, "generation_config.json"))
+    generation_path = os.path.join(directory, "generation_config.json")
+    generation = read_json(generation_path)
     if generation.get("eos_token_id") is not None and not cfg.eos_token_ids:
         eos = generation["eos_token_id"]
+        check_token_ids(eos, cfg.vocab_size, "eos_token_id", generation_path)
         cfg.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
     return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), sampling_defaults(generation),
                        metadata=hf_config)
@@ -45,10 +48,10 @@ def load_hf_encoder_dir(directory: str, hf_config: dict):
     it carries them (modules.json, 1_Pooling/config.json, sentence_bert_config.json)."""
     from soma_runtime.engine.encode import Pooling
     from soma_runtime.loaders import LoadedModel
-    cfg = encoder_config_from_hf(hf_config)
+    cfg = encoder_config_from_hf(hf_config, os.path.join(directory, "config.json"))
     weights = Weights(canonical_encoder_weights(read_checkpoint(directory)), directory)
     check_encoder_shapes(cfg, weights)
-    modules = read_json_list(os.path.join(directory, "modules.json"))
+    modules = read_json(os.path.join(directory, "modules.json"), list)
     pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), "1_Pooling")
     normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
     pooling = Pooling.from_sentence_transformers(read_json(os.path.join(directory, pooling_dir, "config.json")), normalize)
@@ -57,14 +60,3 @@ def load_hf_encoder_dir(directory: str, hf_config: dict):
     max_tokens = min([n for n in limits if isinstance(n, int) and n > 0] + [cfg.max_tokens])
     return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), metadata=hf_config,
                        pooling=pooling, max_tokens=max_tokens)
-
-
-def read_json_list(path: str) -> list:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        try:
-            value = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
-    return value if isinstance(value, list) else []

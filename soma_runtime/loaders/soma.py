@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import tomllib
 
 from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.fields import table
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.hf import sampling_defaults
-from soma_runtime.loaders.safetensors import read_safetensors
+from soma_runtime.loaders.integrity import file_sha256, verify_pinned
+from soma_runtime.loaders.safetensors import plain_file_name, read_safetensors
 from soma_runtime.text.tokenizer import Tokenizer, read_json, token_text
 
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 SAMPLING_NAMES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop")
 
 
@@ -34,22 +38,48 @@ def read_toml(path: str, required: bool = False) -> dict:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid TOML ({e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ModelLoadError(f"{path}: invalid TOML ({type(e).__name__}: {e})") from None
+
+
+def weights_table(directory: str) -> tuple[dict, dict, str]:
+    """config.toml's fields, its [weights] table (files, sha256 pins) and the file's path."""
+    source = os.path.join(directory, "config.toml")
+    config = read_toml(source, required=True)
+    return config, table(config, "weights", source), source
+
+
+def soma_weight_files(directory: str) -> list[str]:
+    """The weight files of a soma directory: those config.toml's [weights] lists, else weights.*."""
+    _, weights, source = weights_table(directory)
+    files = weights.get("files") or sorted(n for n in os.listdir(directory) if n.startswith("weights."))
+    if not isinstance(files, list) or not all(map(plain_file_name, files)):
+        raise ModelLoadError(f"{source}: [weights] files must list file names in the directory")
+    if not files:
+        raise ModelLoadError(f"{directory}: no weights (config.toml [weights] files, or weights.* files)")
+    return files
 
 
 def load_soma_dir(directory: str):
     from soma_runtime.loaders import LoadedModel
-    config = read_toml(os.path.join(directory, "config.toml"), required=True)
-    files = config.pop("weights", {}).get("files") or sorted(n for n in os.listdir(directory) if n.startswith("weights."))
-    if not files:
-        raise ModelLoadError(f"{directory}: no weights (config.toml [weights] files, or weights.* files)")
-    spec, cfg = config_for_hf(config)
+    config, weights, source = weights_table(directory)
+    files = soma_weight_files(directory)
+    if "sha256" in weights:
+        pins = weights["sha256"]
+        unpinned = sorted(set(files) - set(pins)) if isinstance(pins, dict) else []
+        if unpinned:
+            raise ModelLoadError(f"{source}: [weights] sha256 pins some weight files but not {', '.join(unpinned)}")
+        verify_pinned(directory, pins, source)
+    config.pop("weights", None)
+    spec, cfg = config_for_hf(config, source)
     tensors = {}
     for name in files:
         tensors.update(read_safetensors(os.path.join(directory, name)))
     hf = Tokenizer.from_hf_dir(directory).hf
     chat = read_toml(os.path.join(directory, "chat.toml"))
+    for key in ("bos_token", "eos_token", "template"):
+        if not isinstance(chat.get(key, ""), str):
+            raise ModelLoadError(f"{os.path.join(directory, 'chat.toml')}: {key} must be text")
     tokenizer = Tokenizer(hf, chat.get("bos_token"), chat.get("eos_token"), chat.get("add_bos_token", False), chat.get("template"))
     sampling = {k: v for k, v in read_toml(os.path.join(directory, "sampling.toml")).items() if k in SAMPLING_NAMES}
     return LoadedModel(directory, "soma", cfg, Weights(canonical_hf_weights(tensors, spec), directory), tokenizer,
@@ -70,12 +100,17 @@ def toml_value(v) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
-def dump_toml(data: dict, table: str = "") -> str:
+def toml_key(key: str) -> str:
+    """A bare key where TOML allows one, else a quoted one (`"weights.safetensors"` is one key, not two)."""
+    return key if BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)
+
+
+def dump_toml(data: dict, prefix: str = "") -> str:
     """Scalars and arrays first, then nested tables; nulls are left out (TOML has none)."""
-    lines = [f"{k} = {toml_value(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
+    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
     for k, v in data.items():
         if isinstance(v, dict):
-            name = f"{table}.{k}" if table else k
+            name = f"{prefix}.{toml_key(k)}" if prefix else toml_key(k)
             lines += ["", f"[{name}]", dump_toml(v, name)]
     return "\n".join(lines).strip() + "\n"
 
@@ -100,7 +135,7 @@ def import_hf_dir(src: str, dst: str) -> str:
         except OSError:
             shutil.copyfile(os.path.join(src, shard), target)
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
-    config["weights"] = {"files": names}
+    config["weights"] = {"files": names, "sha256": {name: file_sha256(os.path.join(dst, name)) for name in names}}
     with open(os.path.join(dst, "config.toml"), "w") as f:
         f.write(dump_toml(config))
     shutil.copyfile(os.path.join(src, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
