@@ -36,3 +36,16 @@ def release(array: np.ndarray) -> int:
         return 0
     mm.madvise(mmap.MADV_DONTNEED, first, last - first)
     return last - first
+
+
+def give_back_freed() -> bool:
+    """Return memory freed since the last call to the OS: glibc keeps freed blocks of every thread's
+    heap resident (a model loaded on one worker thread and dropped on another leaves its copies there).
+    False where the C library has no malloc_trim."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
+def _libc():
+    import ctypes
+    return ctypes.CDLL(None)

@@ -6,6 +6,7 @@ Triton's interpreter, so the cross-backend op test checks them everywhere."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -45,3 +46,21 @@ def smol():
     the settings above)."""
     from soma_runtime.api import Runtime
     return Runtime().load("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    """A models directory holding a copy of the bundled GGUF (a symlink out of it would be refused)."""
+    from soma_runtime.loaders import default_model_path
+    directory = tmp_path_factory.mktemp("models")
+    shutil.copyfile(default_model_path(), directory / "smollm2.gguf")
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def server(models_dir):
+    """One `soma-runtime serve` of the bundled model for the session, model management on."""
+    from tests.server.conftest import ServerProcess
+    s = ServerProcess("--allow-model-management", "--models-dir", models_dir)
+    yield s
+    assert s.stop() == 0, s.output()

@@ -11,6 +11,7 @@ holds stays cached until the pool needs it back, least recently used first.
 """
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,15 +37,24 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
     return hashes
 
 
+def mapped_zeros(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
+    """Zeros in memory mapped from the OS for this array alone: a page becomes resident when a token's
+    K/V is first written to it, and all of them go back when the pool does (from malloc's heap, calloc
+    would zero every page up front and a freed pool would stay resident)."""
+    dt = DTYPES[dtype_name].numpy
+    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dt, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+
+
 class KVPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int, block: int = 16,
                  dtype: str = "f32", zeros=None):
-        """`zeros(shape, dtype)` allocates the pages where the backend computes (default: host memory,
-        where np.zeros maps pages lazily, so memory grows with the tokens actually cached)."""
+        """`zeros(shape, dtype)` allocates the pages where the backend computes (default: host memory
+        mapped lazily, so memory grows with the tokens actually cached)."""
         self.block, self.dtype = block, dtype
         self.num_pages = -(-max_tokens // block) + 1
         shape = (self.num_pages, block, kv_heads, head_dim)
-        zeros = zeros or (lambda shape, name: np.zeros(shape, DTYPES[name].numpy))
+        zeros = zeros or mapped_zeros
         self.k = [zeros(shape, dtype) for _ in range(num_layers)]
         self.v = [zeros(shape, dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))

@@ -2,10 +2,14 @@
 (registry.py) behind a FastAPI app (app.py) speaking OpenAI's wire format (openai.py)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 
+from soma_runtime.errors import RequestError
+
 log = logging.getLogger("soma_runtime.server")
+MAX_HEAD_BYTES = 64 * 1024          # a request line and headers past this are refused
 
 
 def parse_model_arg(arg: str) -> tuple[str | None, str]:
@@ -16,22 +20,35 @@ def parse_model_arg(arg: str) -> tuple[str | None, str]:
 
 def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str | None = None,
           memory_budget: int | None = None, max_batch: int = 16, step_tokens: int = 256, n_ctx: int | None = None,
-          threads: int | None = None, max_queue: int = 256, backend: str = "auto") -> None:
-    """Load the models, then serve in the foreground until SIGINT/SIGTERM."""
+          threads: int | None = None, max_queue: int = 256, backend: str = "auto", sha256: list[str] = (),
+          policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
+          max_connections: int = 1024) -> None:
+    """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
+    SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from."""
+    import functools
+
     import uvicorn
 
     from soma_runtime.api import Runtime
     from soma_runtime.server.app import create_app
     from soma_runtime.server.registry import ModelRegistry
+    from soma_runtime.server.security import GuardedH11, Policy
 
+    policy = policy or Policy()
     registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx)
-    for arg in models or ["default"]:
+    sources = models or ["default"]
+    if len(sha256) > len(sources):
+        raise RequestError(f"{len(sha256)} --sha256 values for {len(sources)} models")
+    for arg, digest in itertools.zip_longest(sources, sha256):
         model_id, source = parse_model_arg(arg)
-        registry.load(None if source == "default" else source, model_id)
-    config = uvicorn.Config(create_app(registry, max_queue), host=host, port=port, uds=uds, log_level="info",
-                            timeout_graceful_shutdown=30, access_log=False)
+        registry.load(None if source == "default" else source, model_id, sha256=digest)
+    app = create_app(registry, max_queue, policy, allowed_origins, models_dir)
+    config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,
+                            access_log=False, http=functools.partial(GuardedH11, head_seconds=policy.head_seconds),
+                            limit_concurrency=max_connections, h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     where = f"unix:{uds}" if uds else f"http://{host}:{port}"
-    log.info("serving %s on %s (OpenAI API under /v1)", ", ".join(registry.models), where)
+    log.info("serving %s on %s (OpenAI API under /v1%s)", ", ".join(registry.models), where,
+             "" if policy.api_key else "; no API key: anyone who can reach it may use it")
     # uvicorn handles SIGINT/SIGTERM (drain, then shut down) and re-raises the signal afterwards;
     # answered by a no-op here, a clean stop exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

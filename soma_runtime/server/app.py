@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,8 +20,9 @@ from typing import Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from soma_runtime.api import EncoderModel
 from soma_runtime.backends import detect_all
@@ -29,9 +31,11 @@ from soma_runtime.errors import PromptTooLong, RequestError, SomaError
 from soma_runtime.server import openai
 from soma_runtime.server.metrics import ServerMetrics, render
 from soma_runtime.server.registry import ModelNotFound, ModelRegistry, OutOfMemory, Served
+from soma_runtime.server.security import Forbidden, Guard, Policy, inside
 
 log = logging.getLogger("soma_runtime.server")
-POLL_SECONDS = 0.5          # how often a non-streaming request checks that its client is still there
+MAX_JSON_DEPTH = 64
+GONE = object()             # queued when a non-streaming request's client disconnects
 
 
 class Overloaded(SomaError):
@@ -39,12 +43,15 @@ class Overloaded(SomaError):
 
 
 class LoadRequest(BaseModel):
-    path: str | None = None
+    model_config = ConfigDict(strict=True)
+    path: str
     id: str | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=-1000, le=1000)
+    sha256: str | None = None
 
 
 class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     model: str
     input: str | list[str] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
@@ -52,12 +59,14 @@ class EmbeddingRequest(BaseModel):
 
 
 class ClassificationRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     model: str
     input: str | list[str] = Field(min_length=1)
     labels: list[str] | None = None
 
 
 ERRORS = [(ModelNotFound, 404, "not_found_error", "model_not_found"), (OutOfMemory, 507, "insufficient_memory", None),
+          (Forbidden, 403, "permission_error", None),
           (Overloaded, 503, "server_overloaded", None), (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
           (SomaError, 400, "invalid_request_error", None)]
 
@@ -70,14 +79,33 @@ def error_response(exc: Exception) -> JSONResponse:
 async def parse(request: Request, schema: type[BaseModel]):
     try:
         body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:       # not JSON, not UTF-8, or nested past the parser's depth
+        raise RequestError(f"the request body is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if depth(body) > MAX_JSON_DEPTH:
+        raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return schema.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise RequestError(f"{where}: {first['msg']}") from None
+
+
+def depth(value) -> int:
+    """How deeply JSON containers nest in `value` (without recursion: bodies come from clients)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body is read: the next message can only be the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(payload: dict | str) -> bytes:
@@ -112,16 +140,14 @@ class Generation:
         return stream.metrics.cached_tokens if stream is not None else 0
 
     async def tokens(self, request: Request | None = None) -> AsyncIterator:
-        """(choice index, Token) until every job ends; with `request`, stop when its client leaves."""
+        """(choice index, Token) until every job ends; with `request`, until its client leaves too."""
+        watch = asyncio.ensure_future(self.watch(request)) if request else None
         open_jobs, first = len(self.jobs), True
         try:
             while open_jobs:
-                try:
-                    i, item = await asyncio.wait_for(self.queue.get(), POLL_SECONDS) if request else await self.queue.get()
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                i, item = await self.queue.get()
+                if item is GONE:
+                    return
                 if isinstance(item, Exception):
                     raise item
                 if item is None:
@@ -132,10 +158,48 @@ class Generation:
                     first = False
                 yield i, item
         finally:
+            if watch is not None:
+                watch.cancel()
             self.cancel()                     # no-op for finished jobs; frees the pages of the rest
 
+    async def watch(self, request: Request) -> None:
+        await disconnected(request)
+        self.queue.put_nowait((None, GONE))
 
-def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
+
+class Counted:
+    """The outermost ASGI layer: counts every response by route and status (refusals included), and
+    turns an exception that escaped everything else into a 500 error object; the server stays up."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, sent)
+        except Exception as exc:
+            log.exception("unhandled error on %s", scope["path"])
+            if status is None:
+                response = error_response(exc)
+                await response(scope, receive, sent)
+        route = scope.get("route")
+        path = route.path if route else scope["path"] if scope["path"] in self.routes else "unmatched"
+        self.metrics.requests[(path, str(status or 500))] += 1
+
+
+def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | None = None, allowed_origins: tuple[str, ...] = (),
+               models_dir: str | None = None):
+    """The server's ASGI app. Model management (load, unload) is on only with a `models_dir`, whose
+    models are the only ones it loads; CORS answers only `allowed_origins` (default: none)."""
     metrics = ServerMetrics()
     backends = detect_all()
 
@@ -144,19 +208,7 @@ def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
         yield
         registry.close()
 
-    app = FastAPI(title="soma-runtime", lifespan=lifespan)
-    app.state.registry, app.state.metrics = registry, metrics
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        try:
-            response = await call_next(request)
-        except Exception as exc:            # anything unexpected: an error object, and the server stays up
-            log.exception("unhandled error on %s", request.url.path)
-            response = error_response(exc)
-        route = request.scope.get("route")
-        metrics.requests[(route.path if route else "unknown", str(response.status_code))] += 1
-        return response
+    app = FastAPI(title="soma-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(SomaError)
     async def soma_error(request: Request, exc: SomaError):
@@ -229,7 +281,7 @@ def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
     def model_card(served: Served) -> dict:
         return {"id": served.id, "object": "model", "created": int(served.loaded_at), "owned_by": "soma-runtime",
                 "task": "generate" if served.is_generator else "encode", "priority": served.priority,
-                "memory_bytes": served.bytes, "source": served.source}
+                "memory_bytes": served.bytes, "format": served.model.loaded.format}
 
     @app.get("/v1/models")
     async def list_models():
@@ -239,13 +291,23 @@ def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
     async def get_model(model_id: str):
         return model_card(registry.get(model_id))
 
+    def managed() -> str:
+        if models_dir is None:
+            raise Forbidden("model management is off; start the server with --allow-model-management --models-dir DIR")
+        return models_dir
+
     @app.post("/v1/models/load")
     async def load_model(request: Request):
+        root = managed()
         body = await parse(request, LoadRequest)
-        return model_card(await run_in_threadpool(registry.load, body.path, body.id, body.priority))
+        path = inside(root, body.path)
+        if not os.path.exists(path):
+            raise ModelNotFound(f"no model {body.path!r} in the models directory")
+        return model_card(await run_in_threadpool(registry.load, path, body.id, body.priority, body.sha256))
 
     @app.delete("/v1/models/{model_id}")
     async def unload_model(model_id: str):
+        managed()
         registry.unload(model_id)
         return {"id": model_id, "object": "model", "deleted": True}
 
@@ -297,4 +359,9 @@ def create_app(registry: ModelRegistry, max_queue: int = 256) -> FastAPI:
         return {"object": "list", "model": served.id, "created": int(time.time()),
                 "data": [{"index": i, "labels": [{"label": lab, "score": p} for lab, p in r]} for i, r in enumerate(results)]}
 
-    return app
+    routes = {route.path for route in app.routes}
+    guarded = Guard(app, policy or Policy())
+    if allowed_origins:
+        guarded = CORSMiddleware(guarded, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                                 allow_headers=["Authorization", "Content-Type"])
+    return Counted(guarded, metrics, routes)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from soma_runtime.engine.generate import peak_rss_mb
 from soma_runtime.server.registry import ModelRegistry
+from soma_runtime.server.security import label_value
 
 
 @dataclass
@@ -20,7 +21,12 @@ class ServerMetrics:
 
 
 def label(**labels) -> str:
-    return "{" + ",".join(f'{k}="{str(v).replace(chr(34), chr(39))}"' for k, v in labels.items()) + "}"
+    return "{" + ",".join(f'{k}="{label_value(v)}"' for k, v in labels.items()) + "}"
+
+
+def number(value) -> str:
+    """A sample's value, exactly: integers in full (bytes, counts), other values as Python writes them."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
@@ -28,7 +34,7 @@ def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
 
     def family(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
         lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{label(**labels) if labels else ''} {value:g}" for labels, value in samples)
+        lines.extend(f"{name}{label(**labels) if labels else ''} {number(value)}" for labels, value in samples)
 
     family("soma_http_requests_total", "counter", "HTTP requests by route and status.",
            [({"route": r, "status": s}, n) for (r, s), n in sorted(metrics.requests.items())])

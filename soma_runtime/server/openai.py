@@ -14,35 +14,38 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from soma_runtime.api import Model
 from soma_runtime.engine.generate import GenerationRequest, Token
+from soma_runtime.engine.sampling import MAX_TOP_K, SEED_LIMIT
 from soma_runtime.errors import RequestError
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The sampling fields both completion routes take. Strict: `true` or `2.5` is no token count."""
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_penalty: float | None = Field(None, gt=0, le=1e6)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-1, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None
 
     def requests(self, model: Model, prompt_ids: list[int], logprobs: int | None, default_max: int | None) -> list[GenerationRequest]:
-        """One engine request per choice; with a seed, choice i draws from seed + i."""
+        """One engine request per choice; with a seed, choice i draws from seed + i (-1: unseeded, as llama.cpp)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         params = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                                 "presence_penalty", "frequency_penalty")}
-        max_tokens = self.max_tokens or default_max or max(1, model.engine.n_ctx - len(prompt_ids))
+        max_tokens = self.max_tokens or default_max or model.engine.n_ctx        # cut to what the context leaves
+        seeded = self.seed is not None and self.seed != -1
         return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs,
-                              seed=None if self.seed is None else self.seed + i, **params) for i in range(self.n)]
+                              seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params) for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -50,7 +53,7 @@ class Sampling(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict] | None = None
 
@@ -89,9 +92,7 @@ class CompletionRequest(Sampling):
             if len(prompt) != 1:
                 raise RequestError("one prompt per request (send a batch as separate requests; they run batched)")
             prompt = prompt[0]
-        if isinstance(prompt, list) and any(not 0 <= t < model.engine.cfg.vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be in [0, {model.engine.cfg.vocab_size})")
-        return model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return model.prompt_ids(prompt)
 
     def engine_requests(self, model: Model) -> list[GenerationRequest]:
         return self.requests(model, self.prompt_ids(model), self.logprobs, 16)

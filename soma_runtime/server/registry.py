@@ -8,6 +8,7 @@ requests it holds before it is dropped. An unloaded model likewise drains before
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -17,8 +18,11 @@ from dataclasses import dataclass, field
 from soma_runtime.api import EncoderModel, Model, Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
+from soma_runtime.memory import give_back_freed
+from soma_runtime.server.security import check_model_id, safe_model_id
 
 log = logging.getLogger("soma_runtime.server")
+DRAIN_SECONDS = 120        # how long a load waits for an unloaded model to finish its requests
 
 
 class ModelNotFound(RequestError):
@@ -38,6 +42,7 @@ class Served:
     source: str
     scheduler: Scheduler | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    drained: threading.Event = field(default_factory=threading.Event)
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float = field(default_factory=time.time)
 
@@ -48,10 +53,16 @@ class Served:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
-    def retire(self) -> None:
-        """Finish what it holds (in a background thread), then let it go."""
-        if self.scheduler is not None:
-            threading.Thread(target=self.scheduler.close, name=f"drain-{self.id}", daemon=True).start()
+    def retire(self, done) -> None:
+        """Finish what it holds (in a background thread), then let it go, call `done(self)` and set `drained`."""
+        def drain():
+            if self.scheduler is not None:
+                self.scheduler.close()
+            done(self)
+            self.drained.set()
+            gc.collect()                    # the model's cycles (plans, graphs) go now, not at some later collection
+            give_back_freed()
+        threading.Thread(target=drain, name=f"drain-{self.id}", daemon=True).start()
 
 
 def model_bytes(model: Model | EncoderModel) -> int:
@@ -72,8 +83,7 @@ def default_budget() -> int:
 def default_id(source: str | None) -> str:
     if not source:
         return "default"
-    name = os.path.basename(os.path.normpath(source))
-    return name.removesuffix(".gguf")
+    return safe_model_id(os.path.basename(os.path.normpath(source)).removesuffix(".gguf"))
 
 
 class ModelRegistry:
@@ -83,13 +93,16 @@ class ModelRegistry:
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
+        self.retiring: list[Served] = []             # unloaded or swapped out, finishing their requests
         self.lock = threading.RLock()
         self.load_lock = threading.Lock()           # one load at a time; serving goes on meanwhile
         self.evicted = 0
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.bytes for s in self.models.values())
+        """What the models hold, counting those still finishing their requests."""
+        with self.lock:
+            return sum(s.bytes for s in [*self.models.values(), *self.retiring])
 
     def get(self, model_id: str | None) -> Served:
         with self.lock:
@@ -99,38 +112,57 @@ class ModelRegistry:
             served.touch()
             return served
 
-    def load(self, source: str | None, model_id: str | None = None, priority: int = 0) -> Served:
-        """Load (or hot-swap) a model; `source` is a path or a bundled model name."""
-        model_id = model_id or default_id(source)
+    def load(self, source: str | None, model_id: str | None = None, priority: int = 0, sha256: str | None = None) -> Served:
+        """Load (or hot-swap) a model; `source` is a path or a bundled model name, checked against
+        `sha256` where given."""
+        model_id = check_model_id(model_id) if model_id is not None else default_id(source)
         with self.load_lock:
-            model = self.runtime.load(source, n_ctx=self.n_ctx, progress=False, model_id=model_id)
-            size = model_bytes(model)
-            with self.lock:
-                old = self.models.get(model_id)
+            old = self.models.get(model_id)
+            model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id)
+            try:
+                size = model_bytes(model)
                 self._make_room(size, priority, keep=model_id)
+            except BaseException:                   # not served: the runtime lets it go (and keeps the one it replaced)
+                self.runtime.models.pop(model_id, None)
+                if old is not None:
+                    self.runtime.models[model_id] = old.model
+                raise
+            with self.lock:
                 served = Served(model_id, model, priority, size, source or "default")
                 if isinstance(model, Model):
                     served.scheduler = Scheduler(model.engine, self.max_batch, self.step_tokens)
+                old = self.models.get(model_id)
                 self.models[model_id] = served
-            if old is not None:
-                log.info("hot-swapped %s: new requests go to %s; the old one drains", model_id, served.source)
-                old.retire()
+                if old is not None:
+                    log.info("hot-swapped %s: new requests go to the new one; the old one drains", model_id)
+                    self._retire(old)
             log.info("loaded %s from %s (%.1f MB, priority %d)", model_id, served.source, size / 1e6, priority)
             return served
 
     def _make_room(self, size: int, priority: int, keep: str) -> None:
+        """Unload models of no higher priority, least recently used first, and wait for them to finish
+        their requests, until `size` more bytes fit the budget."""
         if size > self.budget:
             raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, over the server's whole budget of {self.budget / 1e6:.0f} MB")
-        victims = sorted((s for s in self.models.values() if s.id != keep and s.priority <= priority),
-                         key=lambda s: (s.priority, s.last_used))
-        while self.used_bytes + size > self.budget:
-            if not victims:
-                raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB; {self.used_bytes / 1e6:.0f} of "
-                                  f"{self.budget / 1e6:.0f} MB are held by models of higher priority")
-            victim = victims.pop(0)
-            log.info("unloading %s (priority %d) to make room", victim.id, victim.priority)
-            self._drop(victim.id)
-            self.evicted += 1
+        while True:
+            with self.lock:
+                if self.used_bytes + size <= self.budget:
+                    return
+                victims = sorted((s for s in self.models.values() if s.id != keep and s.priority <= priority),
+                                 key=lambda s: (s.priority, s.last_used))
+                if victims:
+                    draining = victims[0]
+                    log.info("unloading %s (priority %d) to make room", draining.id, draining.priority)
+                    self._drop(draining.id)
+                    self.evicted += 1
+                elif self.retiring:
+                    draining = self.retiring[0]
+                else:
+                    raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB; {self.used_bytes / 1e6:.0f} of "
+                                      f"{self.budget / 1e6:.0f} MB are held by models of higher priority")
+            if not draining.drained.wait(DRAIN_SECONDS):
+                raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, held by {draining.id!r}, which is still "
+                                  "finishing its requests; try again shortly")
 
     def unload(self, model_id: str) -> None:
         with self.lock:
@@ -141,7 +173,16 @@ class ModelRegistry:
         served = self.models.pop(model_id)
         if self.runtime.models.get(model_id) is served.model:
             del self.runtime.models[model_id]
-        served.retire()
+        self._retire(served)
+
+    def _retire(self, served: Served) -> None:
+        with self.lock:
+            self.retiring.append(served)
+
+        def gone(s: Served) -> None:
+            with self.lock:
+                self.retiring.remove(s)
+        served.retire(gone)
 
     def close(self) -> None:
         """Cancel what is still running (the HTTP server has stopped taking requests)."""

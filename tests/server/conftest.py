@@ -34,14 +34,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, uds: str | None = None):
-        self.port, self.uds = free_port(), uds
+    def __init__(self, *args: str, uds: str | None = None, env: dict | None = None, key: str | None = None):
+        """`key`: the API key this handle's requests send (the server's own comes from `args` or `env`)."""
+        self.port, self.uds, self.key = free_port(), uds, key
         self.url = f"http://127.0.0.1:{self.port}"
         where = ["--uds", uds] if uds else ["--port", str(self.port)]
         self.log = os.path.join(tempfile.mkdtemp(prefix="soma-serve-"), "server.log")
         with open(self.log, "w") as log:          # the child keeps its own handle
             self.proc = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", *where, *args],
-                                         stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -59,19 +60,24 @@ class ServerProcess:
         with open(self.log) as f:
             return f.read()
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict | str]:
+    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
+                full: bool = False) -> tuple:
+        """(status, JSON or text body), or with `full` (status, body, response headers)."""
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         conn = UnixConnection(self.uds) if self.uds else http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
+                **(headers or {})}
         try:
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(method, path, body=data, headers={k: v for k, v in sent.items() if v is not None})
             response = conn.getresponse()
-            status, raw = response.status, response.read().decode()
+            status, raw, got = response.status, response.read().decode(), dict(response.getheaders())
         finally:
             conn.close()
         try:
-            return status, json.loads(raw)
+            payload = json.loads(raw)
         except ValueError:
-            return status, raw
+            payload = raw
+        return (status, payload, got) if full else (status, payload)
 
     def get(self, path: str):
         return self.request("GET", path)
@@ -95,13 +101,6 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
-
-
-@pytest.fixture(scope="session")
-def server():
-    s = ServerProcess()
-    yield s
-    assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="session")

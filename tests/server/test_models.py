@@ -19,11 +19,11 @@ def test_load_unload_and_hot_swap_under_traffic(server, smol):
     for w in workers:
         w.start()
     try:
-        status, card = server.post("/v1/models/load", {"id": "second", "priority": 1})
+        status, card = server.post("/v1/models/load", {"path": "smollm2.gguf", "id": "second", "priority": 1})
         assert status == 200 and card["id"] == "second"
         assert sorted(m["id"] for m in server.get("/v1/models")[1]["data"]) == ["default", "second"]
         assert server.post("/v1/completions", {**PROMPT, "model": "second"})[1]["choices"][0]["text"] == expected
-        assert server.post("/v1/models/load", {"id": "default"})[0] == 200           # hot-swap while serving
+        assert server.post("/v1/models/load", {"path": "smollm2.gguf", "id": "default"})[0] == 200   # hot-swap while serving
         assert server.request("DELETE", "/v1/models/second")[0] == 200
         assert server.post("/v1/completions", {**PROMPT, "model": "second"})[0] == 404
         assert server.request("DELETE", "/v1/models/second")[0] == 404
