@@ -82,8 +82,10 @@ def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False
     if greedy_only:
         return result
     result["sampled_decode_tok_s"] = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS, **SAMPLED)["decode_tok_s"]
+    torch.cuda.reset_peak_memory_stats()
     result["batch32_decode_tok_s"] = batch_rate(model)
     result["batch32_sampled_tok_s"] = batch_rate(model, **SAMPLED)
+    result["batch32_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30       # weights, KV pool and a step's activations
     return result
 
 
@@ -159,12 +161,13 @@ def compiled(model):
 def report(rows: dict, results: dict, out: str) -> None:
     """Print the table and write the JSON (after every engine, so a cut-short run keeps what it has)."""
     print(f"\n{'model / engine':30s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'GB/s':>8s} {'of bw':>6s} {'sampled tok/s':>14s}"
-          f" {'batch32 tok/s':>14s} {'sampled':>8s}")
+          f" {'batch32 tok/s':>14s} {'sampled':>8s} {'peak GiB':>8s}")
     for name, r in rows.items():
         gbs = f"{r['GB/s']:8.0f} {r['bandwidth_share'] * 100:5.0f}%" if "GB/s" in r else f"{'':8s} {'':6s}"
         sampled = f"{r['sampled_decode_tok_s']:14.1f}" if "sampled_decode_tok_s" in r else f"{'':14s}"
         batch = f"{r['batch32_decode_tok_s']:14.0f}" if "batch32_decode_tok_s" in r else ""
         batch += f" {r['batch32_sampled_tok_s']:8.0f}" if "batch32_sampled_tok_s" in r else ""
+        batch += f" {r['batch32_peak_GiB']:7.1f}" if "batch32_peak_GiB" in r else ""
         print(f"{name:30s} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {gbs} {sampled} {batch}", flush=True)
     results["models"] = rows
     Path(out).mkdir(parents=True, exist_ok=True)

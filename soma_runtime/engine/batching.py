@@ -173,7 +173,8 @@ class Scheduler:
     def _batch(self) -> tuple[list, list[Job]]:
         """This step's rows: a token for every decoding stream, prompt chunks up to the step's budget."""
         decode = [job for job in self.running if not job.stream.prefilling]
-        budget = max(0, self.step_tokens - len(decode))
+        rows = self.engine.step_rows(self.step_tokens) if len(decode) < len(self.running) else self.step_tokens
+        budget = max(0, rows - len(decode))         # prompt chunks fill what the decode rows leave
         batch, jobs, leading = [], [], set()
         for job in self.running:
             stream = job.stream

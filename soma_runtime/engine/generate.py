@@ -26,6 +26,7 @@ from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows, log_softmax
 from soma_runtime.engine.stops import StopMatcher, check_stops
 from soma_runtime.errors import PromptTooLong, RequestError
+from soma_runtime.ir.passes import plan_memory
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,6 +35,8 @@ DEFAULT_CONTEXT = 4096    # tokens, or the model's own context where shorter
 GRAPH_ROWS = 32            # steps of up to this many rows replay as one device graph where the backend has them
 GRAPH_CONTEXT = 512        # ... with the context padded to a multiple of this (one graph per size)
 MAX_LOGPROBS = 20          # alternatives reported per token, as OpenAI allows
+ACTIVATION_SHARE = 0.5     # of free device memory, what one step's activations may take ...
+ACTIVATION_SLACK = 2       # ... each row counted at twice its planned peak (the caching allocator's rounding)
 KV_TOKENS = 32768          # default pool size: room for many sequences (pages are mapped as they fill)
 
 
@@ -184,10 +187,13 @@ class Engine:
         self.fetch = getattr(module, "fetch", None)       # logits come back to the host for sampling
         self.fetch_soon = getattr(module, "fetch_soon", None)   # ... or start back, while the next step is queued
         self.graphed = getattr(module, "graphed", None)   # decode steps captured and replayed as one launch
+        self.free_bytes = getattr(module, "free_bytes", None)   # device memory a step's activations may take
         self.graphs: dict[tuple[int, int, int], object] = {}
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(self.n_ctx, kv_tokens or KV_TOKENS),
                            dtype=kv_dtype, zeros=getattr(module, "zeros", None))
         self.plans: dict[tuple[int, int], Plan] = {}
+        self.placed: dict[str, object] = {}       # the weights on the device, shared by every plan
+        self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.metrics = Metrics()
@@ -202,8 +208,19 @@ class Engine:
         if key not in self.plans:
             k = self.pool.k[0]
             self.plans[key] = Plan(self.graph, self.backend, {"S": rows, "R": logit_rows, "P": k.shape[0], "BLK": k.shape[1]},
-                                   free=("T",))
+                                   free=("T",), placed=self.placed)
         return self.plans[key]
+
+    def step_rows(self, wanted: int) -> int:
+        """At most `wanted` rows for one step: fewer where the device's free memory cannot hold their
+        activations (prompts are then run in chunks), never fewer than one."""
+        free = self.free_bytes() if self.free_bytes else None
+        if free is None:
+            return wanted
+        if self.row_bytes is None:
+            plan = self.plan(1)
+            self.row_bytes = plan_memory(plan.graph, plan.metas).arena_bytes * ACTIVATION_SLACK
+        return max(1, min(wanted, int(free * ACTIVATION_SHARE // self.row_bytes)))
 
     def forward(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None) -> list[np.ndarray]:
         """Run each sequence's new tokens, appending them to its cache. Item (seq, tokens, want) asks for
@@ -263,6 +280,13 @@ class Engine:
         read = self.fetch_soon(result) if self.fetch_soon else functools.partial(self.fetch or np.asarray, result)
         return Step(choices, lambda: np.split(read(), np.cumsum([want for _, _, want in batch])[:-1]))
 
+    def prefill_all_but_last_step(self, stream: Stream) -> None:
+        """Run a prompt too long for one step's activations in chunks, up to what its last step takes."""
+        rows = self.step_rows(len(stream.pending))
+        while rows < len(stream.pending):
+            self.launch([(stream.seq, stream.take(rows), 0)]).wait()
+            rows = self.step_rows(len(stream.pending))
+
     def launch_next(self, streams: list[Stream], step: Step) -> Step:
         """The step after `step` for `streams` (all sampled on the model), queued before `step`'s tokens
         are read: each stream's row runs the token `step` chooses for it, fed on the device."""
@@ -308,6 +332,7 @@ class Engine:
         stream.start()
         try:
             t = time.perf_counter()
+            self.prefill_all_but_last_step(stream)
             step = self.launch([(stream.seq, stream.take(len(stream.pending)), 1)], stream.draws())
             while True:
                 prefill = stream.prefilling

@@ -68,7 +68,10 @@ def fits(actual: tuple, planned: tuple) -> bool:
 
 class Plan:
     def __init__(self, graph: Graph, backend: str = "cpu", bindings: dict[str, int] | None = None,
-                 memory_plan: bool = True, free: tuple[str, ...] = ()):
+                 memory_plan: bool = True, free: tuple[str, ...] = (), placed: dict | None = None):
+        """`placed`: the graph's constants already on a device backend, by name, shared by every plan of
+        the graph (its constants are the same in each: folding runs before shapes are bound), so the
+        weights go to the device once, not once a plan."""
         module = load_backend(backend)
         self.backend = backend
         self.fold_backend = getattr(module, "FALLBACK", backend)    # constants fold where they live: the host
@@ -86,10 +89,15 @@ class Plan:
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
         self.fixed = self._fix_views() if self.memory else {}
+        self.dead = self._last_reads() if self.memory is None else [()] * len(self.steps)
         self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
-        self.place = getattr(module, "place", None)             # weights go to a device backend once, here
+        self.place = getattr(module, "place", None)             # weights go to a device backend once
         if self.place:
-            g.constants = {name: self.place(value) for name, value in g.constants.items()}
+            placed = {} if placed is None else placed
+            for name, value in g.constants.items():
+                if name not in placed:
+                    placed[name] = self.place(value)
+            g.constants = {name: placed[name] for name in g.constants}
 
     @classmethod
     def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
@@ -143,6 +151,17 @@ class Plan:
         self.steps = kept
         return fixed
 
+    def _last_reads(self) -> list[tuple[str, ...]]:
+        """Per step, the intermediates no later step reads. Without an arena (a device backend's caching
+        allocator places them) they leave the run's values after it, so their memory serves the steps
+        after: a step holds what is live, not everything it has computed."""
+        kept = {*self.graph.outputs, *self.graph.constants, *self.graph.inputs}
+        last = {name: k for k, step in enumerate(self.steps) for name in step.inputs if name is not None and name not in kept}
+        dead: list[list[str]] = [[] for _ in self.steps]
+        for name, k in last.items():
+            dead[k].append(name)
+        return [tuple(names) for names in dead]
+
     def run(self, inputs: dict) -> list:
         env = {**self.graph.constants, **self.fixed}
         for name, shape in self.input_shapes.items():
@@ -159,7 +178,7 @@ class Plan:
         return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]
 
     def _run_steps(self, env: dict) -> None:
-        for step in self.steps:
+        for step, dead in zip(self.steps, self.dead):
             out = step.out
             result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=out, **step.attrs)
             if out is not None and result is not out:
@@ -169,3 +188,5 @@ class Plan:
                 env[step.outputs[0]] = result
             else:
                 env.update(zip(step.outputs, result))
+            for name in dead:
+                del env[name]

@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 the same kernels run on the CPU through Triton's interpreter 
 """
 from __future__ import annotations
 
-from soma_runtime.backends.cuda.device import INTERPRET, device, fetch, fetch_soon, place, zeros  # noqa: F401  (the backend's interface)
+from soma_runtime.backends.cuda.device import INTERPRET, device, fetch, fetch_soon, free_bytes, place, zeros  # noqa: F401  (the backend's interface)
 
 NAME = "cuda"
 FALLBACK = "cpu"           # where ops without a CUDA jet run

@@ -123,6 +123,15 @@ def strided_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def free_bytes() -> int | None:
+    """Device memory still to be had: what the driver has free plus what torch's caching allocator holds
+    unused (None without a GPU: the interpreter's tensors are host memory)."""
+    if device().type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
 def zeros(shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:
     return torch.zeros(shape, dtype=TORCH[dtype_name], device=device())
 
