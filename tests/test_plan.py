@@ -94,3 +94,69 @@ def test_views_of_the_arena_are_made_once_at_plan_time():
     for seed in (1, 2):
         inputs = {"x": np.random.default_rng(seed).standard_normal((3, 4)).astype(np.float32)}
         np.testing.assert_array_equal(plan.run(inputs)[0], reference.run(inputs)[0])
+
+
+class Watched(np.ndarray):
+    """An array a weak reference can follow (plain ndarrays take none)."""
+
+
+def test_without_an_arena_an_intermediate_goes_after_its_last_reader():
+    """A device backend's plan has no arena: each intermediate must be let go once no later step reads
+    it, so a step holds what is live, not all that the run has computed."""
+    import weakref
+    g = GraphBuilder()
+    x = g.input("x", (64,), "f32")
+    first = g.relu(x)
+    second = g.add(first, first)                  # first's last reader
+    graph = g.output(g.add(g.relu(second), second))
+    plan = Plan(graph, memory_plan=False)
+    kernels = [step.kernel for step in plan.steps]
+    seen = {}
+
+    def watch(k, kernel):
+        def run(*args, **kwargs):
+            if k == 2:                            # relu(second): first's reader has run
+                seen["first alive"] = seen["first"]() is not None
+            result = np.asarray(kernel(*args, **kwargs)).view(Watched)
+            if k == 0:
+                seen["first"] = weakref.ref(result)
+            return result
+        return run
+    for k, step in enumerate(plan.steps):
+        step.kernel = watch(k, kernels[k])
+    inputs = {"x": np.random.default_rng(0).standard_normal(64).astype(np.float32)}
+    out = plan.run(inputs)[0]
+    assert seen["first alive"] is False
+    np.testing.assert_allclose(out, Plan(graph).run(inputs)[0])
+
+
+def test_a_models_plans_share_its_weights_on_a_device(tmp_path):
+    """Every plan of a model reads the same device copy of each weight (a copy a plan held an 8B
+    model's 16 GB once a plan)."""
+    from tests.backends import BACKENDS
+    if "cuda" not in BACKENDS:
+        pytest.skip("needs a GPU or Triton (interpreted)")
+    from soma_runtime.api import Runtime
+    from tests.llm.tiny import build_model
+    build_model("qwen2", str(tmp_path))
+    engine = Runtime("cuda").load(str(tmp_path), progress=False).engine
+    one, many = engine.plan(1), engine.plan(7, 2)
+    weights = [name for name in one.graph.constants if name.startswith("blk.") and name in many.graph.constants]
+    assert weights and all(one.graph.constants[n] is many.graph.constants[n] for n in weights)
+
+
+def test_prompts_too_large_for_free_device_memory_run_in_chunks_with_the_same_tokens(smol, monkeypatch):
+    ids = smol.tokenize("Write a poem about the moon, the sea and the stars, in three short verses.")
+    expected = [t.id for t in smol.generate(ids, max_tokens=6, temperature=0)]
+    steps, launch = [], smol.engine.launch
+
+    def counted(batch, *args, **kwargs):
+        steps.append(sum(len(tokens) for _, tokens, _ in batch))
+        return launch(batch, *args, **kwargs)
+    monkeypatch.setattr(smol.engine, "free_bytes", lambda: 10**7)       # half of it is a step's: 5 MB ...
+    monkeypatch.setattr(smol.engine, "row_bytes", 2 * 10**6)            # ... for rows of 2 MB each
+    monkeypatch.setattr(smol.engine, "launch", counted)
+    assert smol.engine.step_rows(len(ids)) == 2
+    smol.engine.pool.clear_prefix_cache()                              # the whole prompt runs again
+    assert [t.id for t in smol.generate(ids, max_tokens=6, temperature=0)] == expected
+    assert max(steps) == 2 and sum(steps) == len(ids) + len(expected) - 1
