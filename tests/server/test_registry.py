@@ -45,3 +45,24 @@ def test_a_model_bigger_than_the_budget_is_refused(size):
     with pytest.raises(OutOfMemory, match="whole budget"):
         reg.load(None, "big")
     assert not reg.models
+
+
+def test_the_budget_counts_an_unloaded_model_until_it_has_finished_its_requests(size):
+    import queue
+    reg = ModelRegistry(Runtime(), memory_budget=int(1.5 * size))
+    try:
+        served = reg.load(None, "a")
+        inbox = queue.Queue()
+        model = served.model
+        served.scheduler.submit(model.request(model.tokenize("Tell a long story."), 60, temperature=0), inbox.put)
+        assert inbox.get(timeout=60) is not None                     # it is generating
+        reg.unload("a")
+        assert "a" not in reg.models and reg.used_bytes == served.bytes  # still live: finishing its request
+        reg.load(None, "b")                                          # waits for a to drain, then fits
+        assert served.drained.is_set() and reg.used_bytes == reg.models["b"].bytes
+        items = [inbox.get(timeout=60)]
+        while items[-1] is not None:                                 # its request ran to its end
+            items.append(inbox.get(timeout=60))
+        assert not any(isinstance(item, Exception) for item in items)
+    finally:
+        reg.close()
