@@ -95,8 +95,7 @@ def cmd_models_info(args) -> int:
 
 
 def cmd_models_hash(args) -> int:
-    from soma_runtime.loaders import resolve
-    from soma_runtime.loaders.integrity import model_digest
+    from soma_runtime.loaders import model_digest, resolve
     print(model_digest(resolve(args.path)))
     return 0
 
@@ -174,7 +173,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from soma_runtime.loaders.integrity import verify_sha256
+    from soma_runtime.loaders import verify_sha256
     from soma_runtime.loaders.soma import import_hf_dir
     if args.sha256:
         verify_sha256(args.src, args.sha256)

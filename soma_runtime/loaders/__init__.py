@@ -14,7 +14,7 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.errors import ModelLoadError
-from soma_runtime.loaders.integrity import check_finite, verify_sha256
+from soma_runtime.loaders.integrity import check_digest_text, check_finite, file_sha256, files_digest
 from soma_runtime.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -68,6 +68,29 @@ def resolve(path_or_name: str | None) -> str:
         raise ModelLoadError(f"{path_or_name}: no such file or directory (and not a known model name: "
                              f"{', '.join([DEFAULT_MODEL, *NAMED])})")
     return path_or_name
+
+
+def weight_files(directory: str) -> list[str]:
+    """The weight files of a model directory, by name: those a soma config.toml lists, or the
+    safetensors files of a Hugging Face directory."""
+    if os.path.isfile(os.path.join(directory, "config.toml")):
+        from soma_runtime.loaders.soma import soma_weight_files
+        return soma_weight_files(directory)
+    from soma_runtime.loaders.safetensors import checkpoint_files
+    return checkpoint_files(directory)
+
+
+def model_digest(path: str) -> str:
+    """The sha256 a model at `path` (a file, or a model directory) is pinned by (integrity.py)."""
+    return files_digest(path, weight_files(path)) if os.path.isdir(path) else file_sha256(path)
+
+
+def verify_sha256(path: str, expected: str) -> None:
+    """ModelLoadError unless the model at `path` has the digest `expected` (checked as text first)."""
+    expected = check_digest_text(expected)
+    got = model_digest(path)
+    if got != expected:
+        raise ModelLoadError(f"{path}: sha256 {got} does not match the expected {expected}; refusing to load it")
 
 
 def load(path_or_name: str | None, sha256: str | None = None) -> LoadedModel:

@@ -5,6 +5,7 @@ A file's digest is its sha256. A directory's digest is taken over its weight fil
 files a Hugging Face directory's index names, or all of them; the files a soma config.toml lists):
 the sha256 of the lines `<file sha256>  <file name>\n` in name order, which is what
 `sha256sum <the files, sorted> | sha256sum` prints. `soma-runtime models hash PATH` prints it.
+Which files a format holds its weights in is the loaders' to say; this module knows no format.
 """
 from __future__ import annotations
 
@@ -28,35 +29,16 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def weight_files(directory: str) -> list[str]:
-    """The weight files of a model directory, by name, in name order."""
-    from soma_runtime.loaders.safetensors import checkpoint_files
-    if os.path.isfile(os.path.join(directory, "config.toml")):
-        from soma_runtime.loaders.soma import soma_weight_files
-        return sorted(soma_weight_files(directory))
-    return sorted(checkpoint_files(directory))
-
-
-def model_digest(path: str) -> str:
-    """The sha256 a model at `path` (a file, or a model directory) is pinned by."""
-    if os.path.isdir(path):
-        lines = "".join(f"{file_sha256(os.path.join(path, name))}  {name}\n" for name in weight_files(path))
-        return hashlib.sha256(lines.encode()).hexdigest()
-    return file_sha256(path)
+def files_digest(directory: str, names: list[str]) -> str:
+    """The digest of a directory's weight files (see the module's docstring)."""
+    lines = "".join(f"{file_sha256(os.path.join(directory, name))}  {name}\n" for name in sorted(names))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def check_digest_text(expected: str) -> str:
     if not isinstance(expected, str) or not HEX_DIGEST.fullmatch(expected):
         raise ModelLoadError(f"a sha256 must be 64 hexadecimal digits, got {expected!r}")
     return expected.lower()
-
-
-def verify_sha256(path: str, expected: str) -> None:
-    """ModelLoadError unless the model at `path` has the digest `expected` (see the module's docstring)."""
-    expected = check_digest_text(expected)
-    got = model_digest(path)
-    if got != expected:
-        raise ModelLoadError(f"{path}: sha256 {got} does not match the expected {expected}; refusing to load it")
 
 
 def verify_pinned(directory: str, pins, source: str) -> None:

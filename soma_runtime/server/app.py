@@ -1,9 +1,10 @@
 """The HTTP server: OpenAI-compatible routes plus soma's model, health and metrics routes.
 
 Generation requests go to the model's continuous-batching scheduler; tokens come back from its
-thread into this event loop and out as SSE chunks or one JSON body. A client that leaves cancels
-its jobs, whose KV pages are freed at the next step. Errors are OpenAI error objects: 400 bad
-request, 404 unknown model, 503 overloaded, 507 a model that cannot fit.
+thread into this event loop and out as SSE chunks or one JSON body. A client that leaves, streaming or
+not, cancels its jobs, whose KV pages are freed at the next step. Errors are OpenAI error objects: 400
+bad request, 403 refused by policy, 404 unknown model, 503 overloaded, 507 a model that cannot fit
+(security.py's Guard answers 401, 408, 413 and 415 before a route runs).
 """
 from __future__ import annotations
 
