@@ -28,6 +28,7 @@ run: $(VENV)/.runtime
 	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --seed 42 --max-tokens 128
 
 test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 bench: $(VENV)/.test

@@ -1,7 +1,8 @@
 """LLM speed on CPU: ours vs llama.cpp (llama-cpp-python) vs HF transformers, same machine, same run.
 
 Models: the bundled SmolLM2-135M Q4_1 GGUF, and Llama-3.2-1B-shape GGUFs (q4_0, q8_0, f16) with
-random weights (written here; HF transformers runs the SmolLM2 and f16 ones). Each engine runs in its own process (so peak RSS is its own): a 128-token prompt,
+random weights (written here; HF transformers runs the SmolLM2 and f16 ones). Each engine runs in its own process (so peak RSS
+is its own): a 128-token prompt,
 then 128 greedy tokens, median of 3 runs after a warm-up. Decode GB/s counts the weight bytes one
 token reads, against this machine's measured matrix-vector read bandwidth.
 Run: python bench/llm_cpu.py [--threads 2] [--skip-1b] [--skip-hf]; JSON goes to bench/out/llm_cpu.json.
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository: bench/ and tests/fixtures
 
 import numpy as np
 
@@ -36,7 +39,7 @@ def prompt_ids(vocab: int) -> list[int]:
 def worker_ours(path, threads):
     from soma_runtime.api import Runtime
     model = Runtime(threads=threads).load(path, progress=False)
-    from soma_runtime.bench_llm import bench_model
+    from soma_runtime.cli.bench import bench_model
     r = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     return {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}
 
@@ -101,62 +104,6 @@ def decode_bytes(path) -> int:
     return total if "output.weight" not in tensors else total - int(tensors["token_embd.weight"].nbytes)
 
 
-def write_1b(path: str, kind: str) -> str:
-    """A Llama-3.2-1B-shape GGUF with random weights (finite scales) and a 128k vocabulary; `kind` is
-    q4_0, q8_0 (random blocks) or f16 (normal * 0.02)."""
-    import gguf
-
-    from soma_runtime.loaders import default_model_path
-    from soma_runtime.loaders.gguf import read_gguf
-    if os.path.exists(path):
-        return path
-    meta = read_gguf(default_model_path()).metadata
-    vocab, hidden, ffn, layers, heads, kv, hd = 128256, 2048, 8192, 16, 32, 8, 64
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(path, "llama")
-    for key, value in [("context_length", 8192), ("embedding_length", hidden), ("block_count", layers),
-                       ("feed_forward_length", ffn), ("attention.head_count", heads), ("attention.head_count_kv", kv)]:
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.rope.freq_base", 500000.0)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_uint32("llama.rope.dimension_count", hd)
-    tokens = list(meta["tokenizer.ggml.tokens"]) + [f"<unused_{i}>" for i in range(vocab - len(meta["tokenizer.ggml.tokens"]))]
-    types = list(meta["tokenizer.ggml.token_type"]) + [5] * (vocab - len(meta["tokenizer.ggml.token_type"]))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    block = {"q4_0": 18, "q8_0": 34}
-
-    def add_matrix(name, rows, cols):
-        if kind == "f16":
-            w.add_tensor(name, (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16))
-            return
-        blocks = rng.integers(0, 256, size=(rows * cols // 32, block[kind]), dtype=np.uint8)
-        blocks[:, :2] = (rng.standard_normal((len(blocks), 1)) * (0.004 if kind == "q4_0" else 0.0005)).astype(np.float16).view(np.uint8)
-        w.add_tensor(name, blocks.reshape(rows, -1), raw_shape=blocks.reshape(rows, -1).shape,
-                     raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
-
-    add_matrix("token_embd.weight", vocab, hidden)
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for i in range(layers):
-        p = f"blk.{i}"
-        w.add_tensor(f"{p}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"{p}.ffn_norm.weight", np.ones(hidden, np.float32))
-        for name, rows, cols in [("attn_q", heads * hd, hidden), ("attn_k", kv * hd, hidden), ("attn_v", kv * hd, hidden),
-                                 ("attn_output", hidden, heads * hd), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
-                                 ("ffn_down", hidden, ffn)]:
-            add_matrix(f"{p}.{name}.weight", rows, cols)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -181,8 +128,9 @@ def main():
     OUT.mkdir(exist_ok=True)
     models = {"SmolLM2-135M Q4_1": default_model_path()}
     if not args.skip_1b:
+        from tests.fixtures.decoders import random_llama_gguf  # here: the workers' memory is their engine's alone
         for kind in ("q4_0", "q8_0", "f16"):
-            models[f"Llama-3.2-1B shape {kind}"] = write_1b(str(OUT / f"llama-1b-shape.{kind}.gguf"), kind)
+            models[f"Llama-3.2-1B shape {kind}"] = random_llama_gguf(str(OUT / f"llama-1b-shape.{kind}.gguf"), kind)
     print(f"threads={args.threads}  prompt={PROMPT_TOKENS}  new={NEW_TOKENS}  bandwidth={bw:.1f} GB/s")
     print(f"{'model':26s} {'engine':10s} {'prefill t/s':>11s} {'decode t/s':>10s} {'decode GB/s':>11s} {'of bw':>6s} "
           f"{'RSS MB':>7s} {'decode vs llama.cpp':>20s}")
@@ -198,7 +146,8 @@ def main():
                 print(f"{label:26s} {e:10s} error: {r['error']}")
                 continue
             gbs = r["decode_tok_s"] * nbytes / 1e9
-            ratio = f"{r['decode_tok_s'] / peer:.2f}x / prefill {r['prefill_tok_s'] / results['llama.cpp']['prefill_tok_s']:.2f}x" if peer else ""
+            prefill_peer = results["llama.cpp"].get("prefill_tok_s")
+            ratio = f"{r['decode_tok_s'] / peer:.2f}x / prefill {r['prefill_tok_s'] / prefill_peer:.2f}x" if peer else ""
             print(f"{label:26s} {e:10s} {r['prefill_tok_s']:11.1f} {r['decode_tok_s']:10.1f} {gbs:11.2f} {gbs / bw:6.0%} "
                   f"{r['peak_rss_mb']:7.0f} {ratio:>20s}")
         print(f"{label:26s} {'limit':10s} {'':11s} {bw * 1e9 / nbytes:10.1f}")

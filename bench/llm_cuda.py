@@ -5,7 +5,7 @@ Random-weight Llama-3.2-1B-shape models (bf16, and q4_0 converted from it), a 51
 device), and batch-32 decode through the server's scheduler, greedy then sampled (median of 3 batches
 of 32 requests); the bf16 model
 again with an f32 KV cache (ours, as HF, keeps a bf16 model's cache in bf16 by default); and a
-Q4_K_M-mixed GGUF of random K-quant blocks (greedy only; tests/llm/kquant.py). Peers: HF eager, and HF
+Q4_K_M-mixed GGUF of random K-quant blocks (greedy only; tests/fixtures/kquant.py). Peers: HF eager, and HF
 with a static cache and torch.compile (batch 1). Decode rates exclude the prompt for every engine.
 Decode GB/s counts the weight bytes one token reads, against the measured device-to-device copy
 bandwidth.
@@ -18,12 +18,17 @@ import json
 import os
 import queue
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository: bench/ and tests/fixtures
+
 import numpy as np
 import torch
+
+from tests.fixtures.decoders import random_llama
 
 OUT = Path(__file__).parent / "out"
 PROMPT_TOKENS, NEW_TOKENS, RUNS, BATCH = 512, 128, 3, 32
@@ -49,34 +54,13 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start)
 
 
-def write_model(shape: str, directory: str):
-    """A random-weight HF Llama directory (bf16) with a small BPE tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.llm.tiny import build_tokenizer
-    os.makedirs(directory, exist_ok=True)
-    build_tokenizer(directory)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, rope_theta=500000.0, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.normal_(0, 0.02)
-            else:
-                p.fill_(1.0)
-    model.save_pretrained(directory)
-    return model
-
-
 def prompt(vocab: int, rows: int = 1) -> np.ndarray:
     return np.random.default_rng(0).integers(100, min(vocab, 300), (rows, PROMPT_TOKENS))
 
 
 def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False) -> dict:
     from soma_runtime.api import Runtime
-    from soma_runtime.bench_llm import bench_model
+    from soma_runtime.cli.bench import bench_model
     model = Runtime("cuda").load(path, n_ctx=1024, progress=False, kv_dtype=kv_dtype)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     if greedy_only:
@@ -94,16 +78,13 @@ def batch_rate(model, **sampling) -> float:
     each step launched before the tokens of the one before it are read): the tokens after every
     request's first, over the time they took. Greedy, or `sampling` seeded per request. Median of
     RUNS batches, after one that captures the step's graph."""
-    from soma_runtime.engine.batching import Scheduler
-    engine = model.engine
-    stop_ids, engine.stop_ids = engine.stop_ids, set()          # every request runs its full length
-    scheduler = Scheduler(engine, max_batch=BATCH, step_tokens=BATCH * PROMPT_TOKENS)   # the prompts in one step
+    scheduler = model.serve(max_batch=BATCH, step_tokens=BATCH * PROMPT_TOKENS)         # the prompts in one step
     rates, arrivals = [], queue.Queue()
     try:
         for _ in range(RUNS + 1):
             for i, row in enumerate(prompt(1000, BATCH)):
                 params = {**sampling, "seed": i} if sampling else {"temperature": 0}
-                scheduler.submit(model.request([int(t) for t in row], NEW_TOKENS, **params),
+                scheduler.submit(model.request([int(t) for t in row], NEW_TOKENS, ignore_eos=True, **params),
                                  lambda item, i=i: arrivals.put((time.perf_counter(), i, item)))
             firsts, after, done = set(), 0, 0
             while done < BATCH:
@@ -120,7 +101,6 @@ def batch_rate(model, **sampling) -> float:
             rates.append(after / (end - start))
     finally:
         scheduler.close()
-        engine.stop_ids = stop_ids
     return statistics.median(rates[1:])
 
 
@@ -160,7 +140,8 @@ def compiled(model):
 
 def report(rows: dict, results: dict, out: str) -> None:
     """Print the table and write the JSON (after every engine, so a cut-short run keeps what it has)."""
-    print(f"\n{'model / engine':30s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'GB/s':>8s} {'of bw':>6s} {'sampled tok/s':>14s}"
+    print(f"\n{'model / engine':30s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'GB/s':>8s} {'of bw':>6s} "
+          f"{'sampled tok/s':>14s}"
           f" {'batch32 tok/s':>14s} {'sampled':>8s} {'peak GiB':>8s}")
     for name, r in rows.items():
         gbs = f"{r['GB/s']:8.0f} {r['bandwidth_share'] * 100:5.0f}%" if "GB/s" in r else f"{'':8s} {'':6s}"
@@ -185,14 +166,15 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "copy_TB_s": bandwidth / 1e12, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, f"llama-{args.shape}-bf16")
-        hf_model = write_model(args.shape, hf_dir).eval()
+        hf_model = random_llama(SHAPES[args.shape], hf_dir, "cuda").eval()
         from soma_runtime.convert import convert_hf_to_gguf
-        from tests.llm.kquant import k_quant_gguf
+        from tests.fixtures.kquant import k_quant_gguf
         q4 = convert_hf_to_gguf(hf_dir, os.path.join(tmp, f"llama-{args.shape}.q4_0.gguf"), "q4_0")
         rows = {}
         k_mix = k_quant_gguf(q4, os.path.join(tmp, f"llama-{args.shape}.q4_K_M.gguf"), encode=False)
         for name, path, kv_dtype in ((f"{args.shape} bf16 / ours", hf_dir, None), (f"{args.shape} q4_0 / ours", q4, None),
-                                     (f"{args.shape} bf16, f32 KV / ours", hf_dir, "f32"), (f"{args.shape} q4_K_M / ours", k_mix, None)):
+                                     (f"{args.shape} bf16, f32 KV / ours", hf_dir, "f32"),
+                                     (f"{args.shape} q4_K_M / ours", k_mix, None)):
             rows[name] = r = bench_ours(path, kv_dtype, greedy_only=kv_dtype is not None or path == k_mix)
             r["bandwidth_share"] = r["GB/s"] * 1e9 / bandwidth
             report(rows, results, args.out)

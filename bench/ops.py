@@ -44,8 +44,8 @@ def main():
     import torch
     import torch.nn.functional as F
 
+    from soma_runtime.backends import run_op
     from soma_runtime.dtypes import QUANTIZED, QTensor, dtype, quantize
-    from soma_runtime.ir.jets import run_op
     from soma_runtime.quant.encode import ENCODERS
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -64,7 +64,8 @@ def main():
         rows.append(row)
         atoms_txt = f"{row['atoms_ms']:10.2f}" if t_atoms else f"{'—':>10s}"
         gbs = f"{row['weight_GBps']:6.1f} GB/s ({row['of_bandwidth']:4.0%})" if weight_bytes else ""
-        print(f"{name:34s} {row['cpu_ms']:9.3f} {row['torch_ms']:9.3f} {atoms_txt} {row['cpu_vs_torch']:7.2f}x  {gbs}", flush=True)
+        print(f"{name:34s} {row['cpu_ms']:9.3f} {row['torch_ms']:9.3f} {atoms_txt} {row['cpu_vs_torch']:7.2f}x  {gbs}",
+              flush=True)
 
     print(f"threads={args.threads}  measured matrix-vector read bandwidth: {bw:.1f} GB/s")
     print(f"{'op':34s} {'cpu ms':>9s} {'torch ms':>9s} {'atoms ms':>10s} {'torch/cpu':>8s}  weight read")

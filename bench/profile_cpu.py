@@ -77,7 +77,8 @@ def main() -> None:
     steps = len(model.engine.plans[(1, 1)].steps)
     print(f"decode: {args.tokens / plain:.1f} tok/s, {plain / args.tokens * 1e3:.2f} ms a token "
           f"({timed / args.tokens * 1e3:.2f} ms with kernels timed), {steps} plan steps a token")
-    print(f"in numba kernels: {inside / args.tokens * 1e3:.2f} ms a token; outside: {(timed - inside) / args.tokens * 1e3:.2f} ms "
+    per_token = 1e3 / args.tokens
+    print(f"in numba kernels: {inside * per_token:.2f} ms a token; outside: {(timed - inside) * per_token:.2f} ms "
           f"({(timed - inside) / timed * 100:.0f}% of the step)")
     for name, (seconds, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
         print(f"  {seconds / args.tokens * 1e6:9.1f} us  {calls / args.tokens:6.1f}x  {name}")

@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository: bench/ and tests/fixtures
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.llm_cuda import BATCH, PROMPT_TOKENS, SHAPES, prompt, write_model
+from bench.llm_cuda import BATCH, PROMPT_TOKENS, SHAPES, prompt
+from tests.fixtures.decoders import random_llama
 
 STEPS = 20
 
@@ -140,7 +145,7 @@ def main() -> None:
     from soma_runtime.convert import convert_hf_to_gguf
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
-        write_model(args.shape, path)
+        random_llama(SHAPES[args.shape], path, "cuda")
         torch.cuda.empty_cache()
         formats = args.formats.split(",")
         paths = {name: path if name == "bf16" else convert_hf_to_gguf(path, os.path.join(tmp, f"model.{name}.gguf"), name)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository: bench/ and tests/fixtures
+
 import torch
 
-from bench.llm_cuda import NEW_TOKENS, OUT, PROMPT_TOKENS, SHAPES, write_model
+from bench.llm_cuda import NEW_TOKENS, OUT, PROMPT_TOKENS, SHAPES
+from tests.fixtures.decoders import random_llama
 
 TILES = ((2, 2048, 2), (4, 1024, 2), (4, 2048, 4), (8, 512, 2), (8, 1024, 4), (16, 512, 4))
 
@@ -25,13 +29,14 @@ def products(shape: dict) -> dict[str, tuple[int, int]]:
     """A decoder's matrix-vector products as (rows N, row length K)."""
     D, I, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     H, KV = shape["num_attention_heads"], shape["num_key_value_heads"]
-    return {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * I, D), "down": (D, I), "head": (shape["vocab_size"], D)}
+    return {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * I, D), "down": (D, I),
+            "head": (shape["vocab_size"], D)}
 
 
 def decode_rate(model) -> float:
     """Greedy decode tok/s with fresh graphs (captured under the tiles in force)."""
-    from soma_runtime.bench_llm import bench_model
-    model.engine.graphs.clear()
+    from soma_runtime.cli.bench import bench_model
+    model.engine.captures = model.engine.backend.captures()
     return bench_model(model, PROMPT_TOKENS, NEW_TOKENS, 3)["decode_tok_s"]
 
 
@@ -50,7 +55,7 @@ def main() -> None:
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     variants = [("table", None, None)] + [(name, nk, t) for name, nk in shapes.items() for t in tiles if t != table(*nk)]
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(args.shape, tmp)
+        random_llama(SHAPES[args.shape], tmp, "cuda")
         torch.cuda.empty_cache()
         model = Runtime("cuda").load(tmp, n_ctx=1024, progress=False)
         rates = {v: [] for v in variants}

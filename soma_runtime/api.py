@@ -1,17 +1,23 @@
-"""The library surface (SPEC "library API"): Runtime loads models, Model generates and chats.
+"""The library surface (SPEC "library API"): Runtime loads models; a model is run by its task.
 
     rt = Runtime()
-    model = rt.load("model.gguf")              # or a HF/soma directory, or "default"
+    model = rt.load("model.gguf")              # or a HF/soma directory, or "default"  -> TextModel
     for token in model.generate("Once upon", max_tokens=32, temperature=0):
         print(token.text, end="")
     print(model.chat([{"role": "user", "content": "Hi"}], stream=False))
     model.metrics()                            # prefill/decode ms and tok/s, peak memory
+    rt.load("minilm").embed(["a text"])        # an encoder directory -> EncoderModel
+    rt.load(graph).run({"x": array})           # a Graph built in code -> GraphModel
+
+One Model class per task (`generate`, `encode`, `graph`) over a shared base; each holds its task's
+runner (engine/), built on the Backend the scheduling policy (schedule.py) gives it.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,18 +25,21 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from soma_runtime import loaders, schedule
-from soma_runtime.backends import BACKENDS, detect_all, gpu_available
-from soma_runtime.backends.cpu import amx, physical_cores
+from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.dtypes import FLOATS, dtype_of
+from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
+from soma_runtime.engine.graph import GraphRunner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.stops import check_stops
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
+from soma_runtime.ir.graph import Graph
 from soma_runtime.text.chat import ChatTemplate
 
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
+LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
 log = logging.getLogger("soma_runtime")
 
 
@@ -42,9 +51,43 @@ def checkpoint_dtype(weights) -> str:
 
 
 class Model:
-    def __init__(self, model_id: str, loaded: loaders.LoadedModel, engine: Engine):
-        self.id, self.loaded, self.engine = model_id, loaded, engine
-        self.tokenizer = loaded.tokenizer
+    """What every loaded model has: an id, what it was loaded from, its task and its backend."""
+
+    task = ""
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend):
+        self.id, self.loaded, self.backend = model_id, loaded, backend
+
+    @property
+    def format(self) -> str:
+        return self.loaded.format
+
+    @property
+    def path(self) -> str:
+        """Where the model was loaded from (a bundled model's file, or "graph" for one built in code)."""
+        return self.loaded.path
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the model may come to hold: its weights (and a generator's full context of KV cache)."""
+        return self.weight_bytes()
+
+    def weight_bytes(self) -> int:
+        return sum(int(w.nbytes) for w in self.loaded.weights.tensors.values()) if self.loaded.weights else 0
+
+    def info(self) -> dict:
+        return {"id": self.id, "task": self.task, "path": self.loaded.path, "format": self.loaded.format,
+                "backend": self.backend.name, "weight_bytes": self.weight_bytes()}
+
+
+class TextModel(Model):
+    """A text generator (decoder LLM): generate, chat, logits."""
+
+    task = "generate"
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, engine: Engine):
+        super().__init__(model_id, loaded, backend)
+        self.engine, self.tokenizer = engine, loaded.tokenizer
         try:                                                # the model's own defaults must make a request
             self.sampling()
             check_stops(self.stops(None))
@@ -58,13 +101,48 @@ class Model:
         except ModelLoadError as e:     # a broken template fails chats, with its reason; raw prompts still run
             self.template_error = ModelLoadError(f"{loaded.path}: {e}")
             log.warning("%s", self.template_error)
+        self.scheduler = Scheduler(engine, LIBRARY_BATCH, engine.n_ctx, thread=False)
+
+    @classmethod
+    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+             bar, autotune: bool) -> TextModel:
+        bar.set_postfix_str("graph")
+        engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
+                        precision.kv_dtype, precision.activations)
+        bar.update()
+        bar.set_postfix_str("kernels")
+        engine.plan(1)                        # compile the decode plan (numba caches on disk)
+        bar.update()
+        bar.set_postfix_str("autotune")
+        backend.prepare(engine.layer_weights(), precision, autotune)
+        bar.update()
+        return cls(model_id, loaded, backend, engine)
+
+    def serve(self, max_batch: int, step_tokens: int) -> Scheduler:
+        """Run the model's scheduling loop on a thread of its own (a server's): requests from any thread
+        join it; `generate` goes through it too."""
+        self.scheduler = Scheduler(self.engine, max_batch, step_tokens)
+        return self.scheduler
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.n_ctx
+
+    @property
+    def memory_bytes(self) -> int:
+        per_token = sum(page[0, 0].nbytes for page in self.engine.pool.pages)
+        return self.weight_bytes() + per_token * self.engine.n_ctx
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
-                **params) -> GenerationRequest:
+                ignore_eos: bool = False, **params) -> GenerationRequest:
         """A checked GenerationRequest: every argument of the wrong type or out of range is a RequestError
-        naming it; `max_tokens` is cut to what the context leaves after the prompt."""
+        naming it; `max_tokens` is cut to what the context leaves after the prompt. `ignore_eos` runs to
+        `max_tokens` past end-of-sequence tokens (benchmarks)."""
         max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
-        req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs)
+        if not isinstance(ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
+                                ignore_eos)
         self.engine.check(req)
         req.max_tokens = min(req.max_tokens, self.engine.n_ctx - len(req.prompt_ids))
         return req
@@ -84,8 +162,9 @@ class Model:
         return [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop or []
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, **params) -> Iterator[Token]:
-        """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason."""
-        return self.engine.generate(self.request(self.prompt_ids(prompt), max_tokens, stop, **params))
+        """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason. The
+        request runs through the model's scheduling loop (streams generated at once are batched)."""
+        return self.scheduler.run(self.request(self.prompt_ids(prompt), max_tokens, stop, **params))
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A raw prompt's token ids: text is tokenized (after a length check that needs no tokenizing),
@@ -102,8 +181,8 @@ class Model:
     def check_length(self, text: str) -> None:
         """PromptTooLong, from the character count alone, for text too long for any tokenization to fit
         the context (every token covers at most the vocabulary's longest piece)."""
-        if len(text) > self.engine.n_ctx * self.tokenizer.max_token_chars:
-            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.engine.n_ctx} tokens")
+        if len(text) > self.context_length * self.tokenizer.max_token_chars:
+            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.context_length} tokens")
 
     def complete(self, prompt: str | list[int], **params) -> str:
         return "".join(t.text for t in self.generate(prompt, **params))
@@ -137,25 +216,44 @@ class Model:
         return self.tokenizer.decode(ids)
 
     def metrics(self) -> dict:
+        """The latest request's: prefill and decode time and rate, tokens, peak memory."""
         return self.engine.metrics.as_dict()
+
+    def autotune(self) -> dict:
+        """Time every kernel variant for this model's weight shapes on its backend and cache the choices."""
+        engine = self.engine
+        precision = Precision(engine.kv_dtype, engine.activations)
+        return engine.backend.prepare(engine.layer_weights(), precision, tune=True, force=True)
 
     def info(self) -> dict:
         cfg = self.loaded.config
-        weights = self.loaded.weights.tensors.values()
-        n_params = sum(int(np.prod(w.shape)) for w in weights)
-        return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
-                "parameters": n_params, "weight_bytes": sum(int(w.nbytes) for w in weights), "layers": cfg.num_layers,
+        n_params = sum(int(np.prod(w.shape)) for w in self.loaded.weights.tensors.values())
+        return {**super().info(), "model_type": cfg.model_type, "parameters": n_params, "layers": cfg.num_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                 "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
-                "backend": self.engine.backend, "chat_template": self.chat_template is not None}
+                "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations,
+                "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions)}
 
 
-class EncoderModel:
+class EncoderModel(Model):
     """An encoder (BERT family): embeddings, and classification with the model's own or given labels."""
 
-    def __init__(self, model_id: str, loaded: loaders.LoadedModel, encoder: Encoder):
-        self.id, self.loaded, self.encoder = model_id, loaded, encoder
-        self.tokenizer = loaded.tokenizer
+    task = "encode"
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, encoder: Encoder):
+        super().__init__(model_id, loaded, backend)
+        self.encoder, self.tokenizer = encoder, loaded.tokenizer
+
+    @classmethod
+    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+             bar, autotune: bool) -> EncoderModel:
+        return cls(model_id, loaded, backend, Encoder(loaded.config, loaded.weights, loaded.tokenizer, loaded.pooling,
+                                                      loaded.max_tokens, backend, precision.activations))
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether the model's embeddings are L2-normalized (a cut to fewer dimensions is renormalized)."""
+        return self.loaded.pooling.normalize
 
     def embed(self, texts: str | list[str], batch_size: int = 32, truncate: bool = True) -> np.ndarray:
         """One vector per text ([D] for a single string, [N, D] for a list), pooled and normalized as
@@ -182,7 +280,8 @@ class EncoderModel:
             entail = next((i for i, name in own.items() if name.lower().startswith("entail")), None)
             if entail is None:
                 raise RequestError(f"model {self.id} is not an NLI model (no 'entailment' label); classify without labels")
-            logits = self.encoder.classify([text] * len(labels), [template.format(x) for x in labels], truncate=truncate)[:, entail]
+            hypotheses = [template.format(x) for x in labels]
+            logits = self.encoder.classify([text] * len(labels), hypotheses, truncate=truncate)[:, entail]
             names = list(labels)
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
@@ -197,18 +296,56 @@ class EncoderModel:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.hf.encode(text, add_special_tokens=True).ids
 
+    def weight_bytes(self) -> int:
+        return sum(int(w.nbytes) for w in self.encoder.weights.tensors.values())     # as run: bf16 copies
+
     def info(self) -> dict:
         cfg = self.loaded.config
-        held = self.encoder.weights.tensors.values()          # as run: bf16 copies, stacked projections
-        return {"id": self.id, "path": self.loaded.path, "format": self.loaded.format, "model_type": cfg.model_type,
-                "task": "encode", "activations": self.encoder.precision,
+        return {**super().info(), "model_type": cfg.model_type, "activations": self.encoder.precision,
                 "parameters": sum(int(np.prod(w.shape)) for w in self.loaded.weights.tensors.values()),
-                "weight_bytes": sum(int(w.nbytes) for w in held), "layers": cfg.num_layers,
-                "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "max_tokens": self.encoder.max_tokens,
-                "pooling": self.loaded.pooling.mode, "normalize": self.loaded.pooling.normalize,
-                "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "backend": self.encoder.backend}
+                "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_heads,
+                "max_tokens": self.encoder.max_tokens, "pooling": self.loaded.pooling.mode, "normalize": self.normalizes,
+                "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "fusions": dict(self.encoder.fusions)}
 
 
+class GraphModel(Model):
+    """A bare graph: named inputs in, named outputs out."""
+
+    task = "graph"
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: GraphRunner):
+        super().__init__(model_id, loaded, backend)
+        self.runner = runner
+
+    @classmethod
+    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+             bar, autotune: bool) -> GraphModel:
+        return cls(model_id, loaded, backend, GraphRunner(loaded.graph, backend))
+
+    @property
+    def inputs(self) -> dict:
+        """Input name -> TensorMeta (shape, symbolic dims included, and dtype)."""
+        return self.runner.inputs
+
+    @property
+    def outputs(self) -> dict:
+        return self.runner.outputs
+
+    def run(self, inputs: dict) -> dict[str, np.ndarray]:
+        """The graph's outputs by name, for arrays given by input name."""
+        return self.runner.run(inputs)
+
+    def weight_bytes(self) -> int:
+        return sum(int(v.nbytes) for v in self.loaded.graph.constants.values())
+
+    def info(self) -> dict:
+        meta = lambda m: {"shape": [str(d) for d in m.shape], "dtype": m.dtype}
+        return {**super().info(), "inputs": {n: meta(m) for n, m in self.inputs.items()},
+                "outputs": {n: meta(m) for n, m in self.outputs.items()},
+                "ops": dict(sorted(Counter(n.op for n in self.loaded.graph.nodes).items())), "fusions": dict(self.runner.fusions)}
+
+
+TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel}
 KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
 
 
@@ -222,27 +359,22 @@ def check_load_options(n_ctx, kv_dtype, activations) -> None:
 
 class Runtime:
     def __init__(self, backend: str = "auto", threads: int | None = None):
-        import numba
-        threads = threads or physical_cores()          # SMT siblings share the core's SIMD units
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-        if backend == "auto":
-            backend = "cuda" if gpu_available() else "cpu"
-        elif backend not in BACKENDS:
-            raise RequestError(f"unknown backend {backend!r}; known: auto, {', '.join(BACKENDS)}")
-        elif backend == "cuda" and not (cuda := detect_all()["cuda"]).get("available"):
-            raise RequestError(f"the cuda backend is not available here: {cuda.get('error')}")
-        self.backend = backend
+        """`backend`: auto (cuda where a GPU is present, else cpu), cpu, cuda or reference; `threads`: the
+        CPU's (default: its physical cores)."""
+        self.backend = schedule.check_backend(backend)
+        schedule.use_threads(threads)
         self.models: dict[str, Model] = {}
         self._ids = itertools.count()
 
     def backends(self) -> dict:
-        return detect_all()
+        return schedule.detect()
 
-    def load(self, path_or_name: str | None = None, n_ctx: int | None = None, sha256: str | None = None,
+    def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool | None = None, model_id: str | None = None) -> Model | EncoderModel:
-        """Load a model. Precision follows each format's reference engine unless set: GGUF models run
-        like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
+             autotune: bool | None = None, model_id: str | None = None) -> Model:
+        """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
+        class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
+        run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
         transformers (the KV cache in the checkpoint's dtype: f32, or a 16-bit model's own; f32
         activations). `kv_dtype="f32", activations="f32"` is exact f32 arithmetic.
         `activations="bf16"` rounds matmul inputs to bf16 (an encoder also stores its projections in
@@ -251,37 +383,22 @@ class Runtime:
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py)."""
         check_load_options(n_ctx, kv_dtype, activations)
-        bar = tqdm(total=4, desc="loading", unit="step", disable=None if progress is None else not progress, delay=0.5, leave=False)
+        if autotune is None:
+            autotune = os.environ.get("SOMA_AUTOTUNE", "1") != "0"
+        bar = tqdm(total=4, desc="loading", unit="step", disable=None if progress is None else not progress, delay=0.5,
+                   leave=False)
         with bar, logging_redirect_tqdm():             # log lines print above the bar, never on it
             bar.set_postfix_str("weights")
-            loaded = loaders.load(path_or_name, sha256)
+            loaded = loaders.LoadedModel.of_graph(source) if isinstance(source, Graph) else loaders.load(source, sha256)
             bar.update()
-            if loaded.is_encoder:
-                # encoders run on the CPU backend for now (their sdpa has no CUDA jet yet)
-                return self._add(EncoderModel, loaded, Encoder(loaded.config, loaded.weights, loaded.tokenizer,
-                                                               loaded.pooling, loaded.max_tokens, "cpu",
-                                                               activations or ("bf16" if amx.available() else "f32")),
-                                 model_id)
-            bar.set_postfix_str("graph")
-            gguf = loaded.format == "gguf"
-            engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, self.backend, n_ctx,
-                            kv_dtype or ("f16" if gguf else checkpoint_dtype(loaded.weights)), activations or ("q8" if gguf else "f32"))
-            bar.update()
-            bar.set_postfix_str("kernels")
-            engine.plan(1)                        # compile the decode plan (numba caches on disk)
-            bar.update()
-            bar.set_postfix_str("autotune")
-            if autotune is None:
-                autotune = os.environ.get("SOMA_AUTOTUNE", "1") != "0"
-            if autotune and engine.activations == "q8" and self.backend == "cpu":
-                schedule.tune(engine.layer_weights())
-            bar.update()
-        return self._add(Model, loaded, engine, model_id)
-
-    def _add(self, kind, loaded, engine, model_id=None):
-        model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
-        self.models[model_id] = kind(model_id, loaded, engine)
-        return self.models[model_id]
+            backend = schedule.backend_for(loaded.task, self.backend)
+            stored = checkpoint_dtype(loaded.weights) if loaded.task == "generate" else "f32"
+            defaults = backend.defaults(loaded.task, loaded.format, stored)
+            precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)
+            model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
+            model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
+        self.models[model_id] = model
+        return model
 
     def unload(self, model_id: str) -> None:
         if model_id not in self.models:
@@ -292,4 +409,4 @@ class Runtime:
         return [m.info() for m in self.models.values()]
 
     def memory_stats(self) -> dict:
-        return {"peak_rss_mb": peak_rss_mb(), "per_model_weight_bytes": {k: m.info()["weight_bytes"] for k, m in self.models.items()}}
+        return {"peak_rss_mb": peak_rss_mb(), "per_model_weight_bytes": {k: m.weight_bytes() for k, m in self.models.items()}}

@@ -1,10 +1,12 @@
-"""Kernel-variant choices measured on this machine, cached on disk (the autotune table).
+"""Where each op runs (SPEC "scheduling"): the op -> backend policy.
 
-Some ops have several correct CPU kernels whose speed depends on the CPU: a many-row matmul of q8
-activations by 32-block weights runs as integer block dots (VNNI where present) or as f32 BLAS on
-dequantized tiles. `tune` times the variants for each weight shape of a model, once per machine
-and thread count, and stores the winner; kernels ask `choice` and fall back to their default.
-The table lives in $SOMA_CACHE_DIR (default ~/.cache/soma-runtime)/autotune.json.
+Level 0, static rules: a backend runs every op it has a jet for, and the ops it has none for on its
+fallback (the host), each said once in the log (ir/jets.py); models of a task with no device kernels
+yet (encoders: attention over whole sequences) run on the CPU. Level 1, capability detection: `auto`
+is CUDA where a GPU is present, else the CPU. Level 2, the autotune dispatch table: some ops have
+several correct kernels whose speed depends on the machine; a backend times them per shape (its
+`prepare`), and the winners are cached on disk per machine, in $SOMA_CACHE_DIR (default
+~/.cache/soma-runtime)/autotune.json, where kernels ask `choice`.
 """
 from __future__ import annotations
 
@@ -15,11 +17,43 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-PREFILL_ROWS = 128           # the activation rows a prefill variant is timed with
+from soma_runtime.backends import BACKENDS, Backend, detect_all, get, gpu_available
+from soma_runtime.errors import RequestError
+
+HOST_TASKS = ("encode",)        # tasks whose models run on the CPU whatever the machine has
 
 _lock = threading.Lock()
 _table: dict | None = None
 
+
+def check_backend(requested: str) -> str:
+    """The backend `requested` names here ("auto": cuda where a GPU is present, else cpu); RequestError
+    for an unknown name or an unavailable one."""
+    if requested == "auto":
+        return "cuda" if gpu_available() else "cpu"
+    if requested not in BACKENDS:
+        raise RequestError(f"unknown backend {requested!r}; known: auto, {', '.join(BACKENDS)}")
+    if requested == "cuda" and not (cuda := detect_all()["cuda"]).get("available"):
+        raise RequestError(f"the cuda backend is not available here: {cuda.get('error')}")
+    return requested
+
+
+def detect() -> dict[str, dict]:
+    """What each backend found on this machine."""
+    return detect_all()
+
+
+def use_threads(threads: int | None) -> None:
+    """The CPU (every backend's fallback) computes on `threads` threads (default: its physical cores)."""
+    get("cpu").use_threads(threads)
+
+
+def backend_for(task: str, chosen: str) -> Backend:
+    """The Backend a model of `task` runs on, given the machine's choice (from `check_backend`)."""
+    return get("cpu" if task in HOST_TASKS and chosen == "cuda" else chosen)
+
+
+# --- the dispatch table ------------------------------------------------------------------------------
 
 def cache_path() -> Path:
     root = os.environ.get("SOMA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "soma-runtime")
@@ -71,20 +105,3 @@ def fastest(variants: dict[str, Callable[[], object]], repeats: int = 3) -> tupl
             best = min(best, time.perf_counter() - start)
         times[name] = best
     return min(times, key=times.get), times
-
-
-def tune(weights, force: bool = False) -> dict[str, dict]:
-    """Time the kernel variants for every distinct weight shape in `weights` (name -> tensor) that the
-    table does not cover yet (all of them when `force`); record the winners. Returns
-    {key: {"choice": name, "seconds": {variant: best time}}} for what was measured."""
-    from soma_runtime.backends.cpu import qmatmul
-    measured = {}
-    for w in weights:
-        key = qmatmul.prefill_key(w)
-        if key is None or key in measured or (not force and choice(key) is not None):
-            continue
-        best, times = fastest(qmatmul.prefill_variants(w, PREFILL_ROWS))
-        measured[key] = {"choice": best, "seconds": times}
-    if measured:
-        record({k: v["choice"] for k, v in measured.items()})
-    return measured

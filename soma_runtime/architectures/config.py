@@ -48,7 +48,8 @@ class DecoderConfig:
         """ModelLoadError, naming `source`, for fields that disagree with each other."""
         problems = [
             (self.vocab_size >= 1, "no vocabulary (vocab_size, or the tokenizer's tokens)"),
-            (self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} attention heads cannot share {self.num_kv_heads} kv heads"),
+            (self.num_heads % self.num_kv_heads == 0,
+             f"{self.num_heads} attention heads cannot share {self.num_kv_heads} kv heads"),
             (self.rotary_dim is None or 2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
              f"the rotary dims ({self.rotary_dim}) must be even and at most the head dim ({self.head_dim})"),
             (self.head_dim % 2 == 0, f"the head dim ({self.head_dim}) must be even for rotary positions"),

@@ -25,7 +25,8 @@ from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.fields import ENCODER_FIELDS, check_fields, reading
 from soma_runtime.dtypes import dtype, dtype_of
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
-from soma_runtime.ir.graph import Graph, GraphBuilder
+from soma_runtime.ir.builder import GraphBuilder
+from soma_runtime.ir.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_f
 
 def modernbert_config(hf: dict) -> EncoderConfig:
     every, half = hf.get("global_attn_every_n_layers", 3), hf.get("local_attention", 128) // 2
-    types = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(hf["num_hidden_layers"])]
+    types = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
     rope = hf.get("rope_parameters") or {}
     act = hf.get("hidden_activation", "gelu")
     if act not in GELU:
@@ -179,7 +181,8 @@ def encoder_config_from_hf(hf: dict, source: str = "config.json") -> EncoderConf
     hf = {k: v for k, v in hf.items() if v is not None}           # null means unset in HF configs
     with reading(source):
         cfg = encoder_config(hf)
-    problems = [(cfg.hidden_size % cfg.num_heads == 0, f"hidden_size {cfg.hidden_size} is not a multiple of {cfg.num_heads} heads"),
+    problems = [(cfg.hidden_size % cfg.num_heads == 0,
+                 f"hidden_size {cfg.hidden_size} is not a multiple of {cfg.num_heads} heads"),
                 (cfg.pad_token_id < cfg.vocab_size, f"pad_token_id {cfg.pad_token_id} is outside the vocabulary"),
                 (cfg.max_tokens >= 1, "no room for a token in the position table"),
                 (all(w >= 0 for w in cfg.layer_windows), "attention windows must be >= 0")]
@@ -279,23 +282,6 @@ def matmul_weights_in(weights: Weights, precision: str) -> Weights:
                     for name, t in weights.tensors.items()}, weights.source)
 
 
-def fused_qkv(weights: Weights, cfg: EncoderConfig) -> Weights:
-    """The weights with each layer's q, k and v projections stacked into one attn_qkv (as ModernBERT
-    stores them): one matmul instead of three, where a call's fixed cost dominates. The separate
-    ones stay only where DeBERTa's relative terms project through them."""
-    if cfg.modern:
-        return weights
-    tensors = dict(weights.tensors)
-    for i in range(cfg.num_layers):
-        for part in ("weight", "bias"):
-            names = [f"blk.{i}.attn_{n}.{part}" for n in "qkv"]
-            if all(n in tensors for n in names):
-                tensors[f"blk.{i}.attn_qkv.{part}"] = np.concatenate([np.asarray(tensors[n]) for n in names])
-                for name in names if not cfg.pos_att else ():
-                    del tensors[name]
-    return Weights(tensors, weights.source)
-
-
 def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
     D, F = cfg.hidden_size, cfg.intermediate_size
     want = {"tok_embd.weight": (cfg.vocab_size, D), "embd_norm.weight": (D,)}
@@ -332,11 +318,10 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
         t = weights[name]
         return g.const(name, np.asarray(t, dtype=np.float32) if t.ndim == 1 else t)
 
-    def linear(x, name, epilogue="none"):
+    def linear(x, name):
         w = weights[f"{name}.weight"]            # bf16 weights take bf16 activations, as transformers runs them
-        bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
-        return g.matmul(x, const(f"{name}.weight"), bias, transpose_b=True, epilogue=epilogue,
-                        activations="bf16" if dtype_of(w) == "bf16" else "f32")
+        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations="bf16" if dtype_of(w) == "bf16" else "f32")
+        return g.add(y, const(f"{name}.bias")) if f"{name}.bias" in weights else y
 
     def norm(x, name):
         bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
@@ -356,16 +341,12 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
     relative = RelativeScores(g, cfg, weights, linear, norm) if cfg.pos_att else None
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
-        if f"{p}.attn_qkv.weight" in weights:
-            qkv = g.reshape(linear(x, f"{p}.attn_qkv"), shape=("B", "S", 3 * H, hd))
-            q, k, v = (g.transpose(t, dim0=1, dim1=2) for t in g.split(qkv, sizes=(H, H, H), axis=2))
-        else:
-            q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
+        q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
         bias, scale = (mask, None) if relative is None else relative(p, q, k, mask)
         attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2),
                          shape=("B", "S", D))
         x = norm(g.add(x, linear(attn, f"{p}.attn_output")), f"{p}.attn_norm")
-        h = linear(x, f"{p}.ffn_up", epilogue="gelu_tanh" if cfg.gelu == "tanh" else "gelu")
+        h = g.gelu(linear(x, f"{p}.ffn_up"), approximate=cfg.gelu)
         x = norm(g.add(x, linear(h, f"{p}.ffn_down")), f"{p}.ffn_norm")
     if head is None:
         return g.output(x)
@@ -373,7 +354,10 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
         return g.output(linear(x, "classifier"))
     first = g.reshape(g.slice(x, axis=1, start=0, stop=1), shape=("B", D))      # the [CLS] / <s> token
     pooled = linear(first, "pooler")
-    pooled = g.tanh(pooled) if cfg.pooler_act == "tanh" else g.gelu(pooled, approximate="tanh" if cfg.pooler_act == "gelu_tanh" else "none")
+    if cfg.pooler_act == "tanh":
+        pooled = g.tanh(pooled)
+    else:
+        pooled = g.gelu(pooled, approximate="tanh" if cfg.pooler_act == "gelu_tanh" else "none")
     return g.output(linear(pooled, "classifier"))
 
 

@@ -43,6 +43,14 @@ BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "p
                 "gemma2": "gemma2", "gemma3": "gemma3_text"}
 
 
+def register(spec: ArchSpec) -> ArchSpec:
+    """Add a family: a llama-like model is one entry (its traits are flags of the shared template); a
+    GGUF architecture name of its own maps its files to it."""
+    ARCHITECTURES[spec.model_type] = spec
+    BY_GGUF_ARCH.setdefault(spec.gguf_arch, spec.model_type)
+    return spec
+
+
 def lookup(model_type: str) -> ArchSpec:
     spec = ARCHITECTURES.get(ALIASES.get(model_type, model_type))
     if spec is None:

@@ -89,8 +89,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_models_info(args) -> int:
-    model = load_model(args)
-    print(json.dumps(model.info(), indent=2))
+    info = load_model(args).info()
+    if args.fusions:
+        for rule, count in sorted(info["fusions"].items(), key=lambda item: (-item[1], item[0])):
+            print(f"{rule:28s} {count}")
+        return 0
+    print(json.dumps(info, indent=2))
     return 0
 
 
@@ -101,7 +105,7 @@ def cmd_models_hash(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from soma_runtime.bench_llm import bench_model
+    from soma_runtime.cli.bench import bench_model
     result = bench_model(load_model(args), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -117,10 +121,9 @@ def read_texts(args) -> list[str]:
 
 
 def load_encoder(args):
-    from soma_runtime.api import EncoderModel
     model = load_model(args)
-    if not isinstance(model, EncoderModel):
-        raise RequestError(f"{args.model or 'the default model'} is a text generator, not an encoder; "
+    if model.task != "encode":
+        raise RequestError(f"{args.model or 'the default model'} is not an encoder (it runs the {model.task} task); "
                            "give an encoder with --model (e.g. a sentence-transformers directory)")
     return model
 
@@ -145,7 +148,7 @@ def cmd_autotune(args) -> int:
     from soma_runtime import schedule
     from soma_runtime.api import Runtime
     model = Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256, autotune=False)
-    measured = schedule.tune(model.engine.layer_weights(), force=True)
+    measured = model.autotune()
     for key, result in measured.items():
         times = "  ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in result["seconds"].items())
         print(f"{key:44s} -> {result['choice']:5s} ({times})")
@@ -215,8 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = models.add_parser("info", help="architecture, size, context and backend of a model")
     info.add_argument("path", nargs="?", default=None, help="model path or name (default: the bundled SmolLM2)")
     add_sha256_arg(info)
-    info.set_defaults(run=lambda a: cmd_models_info(argparse.Namespace(model=a.path, ctx=None, sha256=a.sha256, threads=None)))
-    digest = models.add_parser("hash", help="print the sha256 that --sha256 checks: a file's, or a directory's over its weight files")
+    info.add_argument("--fusions", action="store_true", help="print what the fuse pass did to the model's graph: rule, count")
+    info.set_defaults(run=lambda a: cmd_models_info(argparse.Namespace(model=a.path, ctx=None, sha256=a.sha256, threads=None,
+                                                                       fusions=a.fusions)))
+    digest = models.add_parser("hash",
+                               help="print the sha256 that --sha256 checks: a file's, or a directory's over its weight files")
     digest.add_argument("path", help="model path or name")
     digest.set_defaults(run=cmd_models_hash)
 

@@ -1,4 +1,6 @@
-"""Continuous batching: an iteration-level scheduler over one Engine (vLLM-style).
+"""Continuous batching: an iteration-level scheduler over one Engine (vLLM-style), the one scheduling
+loop of generation: a server runs it on a thread of its own, the library's generate steps it on the
+caller's thread (`run`), so both batch, chunk prompts and run ahead alike.
 
 Requests join and leave the running batch between steps. Each step runs, as one forward, a decode
 row for every running stream plus chunks of the prompts being prefilled, up to `step_tokens` rows,
@@ -10,15 +12,16 @@ next step. Tokens go back through each job's callback, from the scheduler's thre
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
+from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token, peak_rss_mb
 from soma_runtime.engine.kv import prefix_hashes
 from soma_runtime.engine.sampling import greedy_rows
 from soma_runtime.errors import RequestError
@@ -37,9 +40,18 @@ class Job:
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    done: bool = False
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+@dataclass(frozen=True)
+class PageCounts:
+    """The KV pool's pages: held by sequences, kept for prefix reuse by nobody, in all."""
+    in_use: int
+    cached: int
+    total: int
 
 
 @dataclass
@@ -58,20 +70,24 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 16, step_tokens: int = 256, run_ahead: bool | None = None):
+    def __init__(self, engine: Engine, max_batch: int = 16, step_tokens: int = 256, run_ahead: bool | None = None,
+                 thread: bool = True):
         """`run_ahead` (default: where the engine's results come back asynchronously, as on a GPU): a
         decode step whose streams all go on is followed by the next one, launched before its tokens are
-        read (they feed it on the device), so the host's work between steps overlaps the model's."""
+        read (they feed it on the device), so the host's work between steps overlaps the model's.
+        `thread`: the loop runs on a thread of its own; else `run` steps it on the caller's."""
         self.engine, self.max_batch, self.step_tokens = engine, max_batch, step_tokens
-        self.run_ahead = engine.fetch_soon is not None if run_ahead is None else run_ahead
+        self.run_ahead = engine.backend.asynchronous if run_ahead is None else run_ahead
         self.ahead: tuple[list[Job], object] | None = None      # the step launched ahead: its jobs, its Step
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.stats = SchedulerStats()
         self.wake = threading.Condition()
         self.closing = False
-        self.thread = threading.Thread(target=self._loop, name="soma-scheduler", daemon=True)
-        self.thread.start()
+        self.driving = threading.Lock()           # one caller steps the loop at a time (without a thread)
+        self.thread = threading.Thread(target=self._loop, name="soma-scheduler", daemon=True) if thread else None
+        if self.thread is not None:
+            self.thread.start()
 
     def submit(self, req: GenerationRequest, emit: Callable) -> Job:
         """Queue a request; raises RequestError at once for one that can never run."""
@@ -92,6 +108,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.waiting)
 
+    @property
+    def pages(self) -> PageCounts:
+        pool = self.engine.pool
+        return PageCounts(pool.in_use, len(pool.idle), pool.num_pages - 1)
+
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; finish the queued and running ones (drain) or cancel them."""
         with self.wake:
@@ -100,7 +121,33 @@ class Scheduler:
                 for job in [*self.waiting, *self.running]:
                     job.cancel()
             self.wake.notify()
-        self.thread.join(timeout)
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def run(self, req: GenerationRequest) -> Iterator[Token]:
+        """One request's tokens as they come, from the loop's thread, or by stepping the loop here where it
+        has none. A caller that stops early cancels the request, whose pages go back at once."""
+        if self.thread is not None:
+            received: queue.SimpleQueue = queue.SimpleQueue()
+            job = self.submit(req, received.put)
+            try:
+                yield from tokens(received.get)
+            finally:
+                job.cancel()
+            return
+        received = deque()
+        job = self.submit(req, received.append)
+        try:
+            while not job.done:
+                with self.driving:
+                    self._step_safely()
+                yield from tokens(received.popleft, lambda: bool(received))
+            yield from tokens(received.popleft, lambda: bool(received))
+        finally:
+            job.cancel()
+            with self.driving:
+                while not job.done:
+                    self._step_safely()
 
     def _loop(self) -> None:
         while True:
@@ -109,14 +156,17 @@ class Scheduler:
                     self.wake.wait()
                 if self.closing and not (self.waiting or self.running):
                     return
-            try:
-                self.step()
-            except Exception as exc:      # a failing step ends the requests it held, never the loop
-                log.exception("scheduler step failed; ending the %d requests it held", len(self.running))
-                self.ahead = None
-                with self.wake:
-                    for job in list(self.running):
-                        self._finish(job, exc)
+            self._step_safely()
+
+    def _step_safely(self) -> None:
+        try:
+            self.step()
+        except Exception as exc:      # a failing step ends the requests it held, never the loop
+            log.exception("scheduler step failed; ending the %d requests it held", len(self.running))
+            self.ahead = None
+            with self.wake:
+                for job in list(self.running):
+                    self._finish(job, exc)
 
     def _admit(self) -> None:
         pool = self.engine.pool
@@ -224,8 +274,13 @@ class Scheduler:
     def _finish(self, job: Job, error: Exception | None) -> None:
         if job in self.running:
             self.running.remove(job)
+        if job in self.waiting:
+            self.waiting.remove(job)
         if job.stream is not None:
             self.engine.pool.release(job.stream.seq)
+            job.stream.metrics.peak_rss_mb = peak_rss_mb()
+            self.engine.metrics = job.stream.metrics          # the model's latest request, as `metrics()` reports
+        job.done = True
         if job.cancelled:
             self.stats.cancelled += 1
         else:
@@ -241,3 +296,15 @@ class Scheduler:
         except Exception:
             log.warning("a request's receiver failed; the request ends", exc_info=True)
             return False
+
+
+def tokens(take, more=lambda: True) -> Iterator[Token]:
+    """A job's items as `take` hands them over, while `more` says there are some: tokens, until the end
+    (None) or an error (raised)."""
+    while more():
+        item = take()
+        if item is None:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item

@@ -3,19 +3,20 @@
 Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
 bucket of at most 1/16 of it, so plans are reused; the most recent ones are kept); the key mask
 keeps padding out of attention and pooling.
-Pooling follows sentence-transformers' Pooling config (mean, cls, max, last token), then an
-optional L2 normalization (its Normalize module).
+Pooling follows the model's (architectures/pooling.py).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
 
 import numpy as np
 
 from soma_runtime.architectures.decoder import Weights
-from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, fused_qkv, matmul_weights_in
+from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
+from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import Tokenizer, check_text
 
@@ -30,44 +31,16 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // bucket) * bucket
 
 
-@dataclass
-class Pooling:
-    mode: str = "mean"            # mean | cls | max | last
-    normalize: bool = False
-
-    @classmethod
-    def from_sentence_transformers(cls, config: dict, normalize: bool) -> Pooling:
-        for key, mode in (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
-                          ("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean")):
-            if config.get(key):
-                return cls(mode, normalize)
-        return cls("mean", normalize)
-
-    def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """hidden [B, S, D], mask [B, S] (1 for tokens) -> [B, D]."""
-        if self.mode == "cls":
-            out = hidden[:, 0]
-        elif self.mode == "last":
-            out = hidden[np.arange(len(hidden)), mask.sum(1).astype(np.int64) - 1]
-        elif self.mode == "max":
-            out = np.where(mask[..., None] > 0, hidden, -np.inf).max(1)
-        else:
-            m = mask[..., None].astype(np.float32)
-            out = (hidden * m).sum(1) / np.maximum(m.sum(1), np.float32(1e-9))
-        if self.normalize:
-            out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
-        return out.astype(np.float32)
-
-
 class Encoder:
     def __init__(self, cfg: EncoderConfig, weights: Weights, tokenizer: Tokenizer, pooling: Pooling,
                  max_tokens: int | None = None, backend: str = "cpu", precision: str = "f32"):
         """`precision` "bf16" stores the projections in bf16 and rounds their inputs to it (f32
         accumulation): the matrix units' format, within 1e-4 cosine of f32 embeddings."""
         self.cfg, self.tokenizer, self.pooling, self.backend, self.precision = cfg, tokenizer, pooling, backend, precision
-        self.weights = fused_qkv(matmul_weights_in(weights, precision), cfg)
+        self.weights = matmul_weights_in(weights, precision)
         self.max_tokens = min(max_tokens or cfg.max_tokens, cfg.max_tokens)
         self.graphs: dict = {}
+        self.fusions = Counter()                 # what the fuse pass did to each head's graph
         self.plans: dict[tuple, Plan] = {}
         self._truncating = None
 
@@ -78,6 +51,7 @@ class Encoder:
         else:
             if head not in self.graphs:
                 self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
+                self.fusions += fuse(self.graphs[head])
             self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
             if len(self.plans) > PLANS_KEPT:             # each holds an arena sized for its batch
                 del self.plans[next(iter(self.plans))]
@@ -97,7 +71,8 @@ class Encoder:
         encodings = self.tokenizer.hf.encode_batch(inputs, add_special_tokens=True)
         long = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_tokens]
         if long and not truncate:
-            raise RequestError(f"text {long[0]} has {len(encodings[long[0]].ids)} tokens; the model takes at most {self.max_tokens}")
+            raise RequestError(f"text {long[0]} has {len(encodings[long[0]].ids)} tokens; "
+                               f"the model takes at most {self.max_tokens}")
         if long:
             log.warning("%d text(s) longer than %d tokens were truncated", len(long), self.max_tokens)
             cut = self.truncating().encode_batch([inputs[i] for i in long], add_special_tokens=True)

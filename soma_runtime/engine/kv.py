@@ -1,4 +1,5 @@
-"""The paged KV cache: every layer's K and V live in fixed-size pages drawn from one pool.
+"""The paged KV cache: every layer's K and V live in fixed-size pages drawn from one pool, shaped by
+the model's cache spec (architectures/contract.py), and each step's attention inputs built from it.
 
 A sequence owns a block table (its pages, in order); token position p lives in slot
 `table[p // block] * block + p % block`. Page 0 is never handed out: padded context slots point
@@ -11,14 +12,15 @@ holds stays cached until the pool needs it back, least recently used first.
 """
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.dtypes import DTYPES
+from soma_runtime.architectures.contract import Attention, PagedKV
 from soma_runtime.errors import RequestError
+
+BUCKET = 128        # a sequence's segment of a step's context is a multiple of this many slots
 
 
 @dataclass
@@ -37,26 +39,15 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
     return hashes
 
 
-def mapped_zeros(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
-    """Zeros in memory mapped from the OS for this array alone: a page becomes resident when a token's
-    K/V is first written to it, and all of them go back when the pool does (from malloc's heap, calloc
-    would zero every page up front and a freed pool would stay resident)."""
-    dt = DTYPES[dtype_name].numpy
-    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dt, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
-
-
 class KVPool:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int, block: int = 16,
-                 dtype: str = "f32", zeros=None):
-        """`zeros(shape, dtype)` allocates the pages where the backend computes (default: host memory
-        mapped lazily, so memory grows with the tokens actually cached)."""
-        self.block, self.dtype = block, dtype
+    def __init__(self, cache: PagedKV, max_tokens: int, zeros, block: int = 16):
+        """The pages of a model's `cache` for `max_tokens` tokens; `zeros(shape, dtype)` allocates them where
+        the backend computes (on the host: memory mapped lazily, so it grows with the tokens actually cached)."""
+        self.block, self.dtype = block, cache.dtype
         self.num_pages = -(-max_tokens // block) + 1
-        shape = (self.num_pages, block, kv_heads, head_dim)
-        zeros = zeros or mapped_zeros
-        self.k = [zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype) for _ in range(num_layers)]
+        shape = (self.num_pages, block, cache.kv_heads, cache.head_dim)
+        self.k = [zeros(shape, cache.dtype) for _ in range(cache.layers)]
+        self.v = [zeros(shape, cache.dtype) for _ in range(cache.layers)]
         self.free = list(range(self.num_pages - 1, 0, -1))
         self.refs = np.zeros(self.num_pages, np.int32)
         self.by_hash: dict[int, int] = {}          # prefix hash -> page
@@ -89,6 +80,39 @@ class KVPool:
         if need > self.available:
             raise RequestError(f"KV cache full: {total_tokens} tokens need {need} more pages, {self.available} free")
         seq.pages.extend(self._take() for _ in range(max(0, need)))
+
+    @property
+    def pages(self) -> list:
+        """Every layer's key and value pages, in the graph's order (k, v per layer)."""
+        return [p for pair in zip(self.k, self.v) for p in pair]
+
+    def keep(self, pages: list) -> None:
+        """The pages a step returns (a backend that updates out of place gives new ones)."""
+        self.k, self.v = list(pages[0::2]), list(pages[1::2])
+
+    def attention(self, batch: list[tuple[Sequence, int]], windows: list[int], context_for) -> Attention:
+        """The attention inputs of a step running `n` new tokens of each sequence (their pages reserved).
+        Each sequence's context sits in a segment of its own, BUCKET-aligned, its padding pointing at
+        scratch page 0, and each row reads the span of it that it sees (causal, the last w under a
+        window w), never another row's: a sequence gets the same numbers alone or batched.
+        `context_for(slots)` gives the context length a step of that many slots runs with."""
+        rows = sum(n for _, n in batch)
+        buckets = [-(-(seq.length + n) // BUCKET) * BUCKET for seq, n in batch]
+        ctx = np.zeros(context_for(sum(buckets)), np.int64)
+        spans = {w: np.zeros((rows, 2), np.int64) for w in windows}
+        positions, written, row, offset = [], [], 0, 0
+        for (seq, n), bucket in zip(batch, buckets):
+            start, stop = seq.length, seq.length + n
+            slots = self.slots(seq, 0, stop)                  # the context read, ending in the slots written
+            ctx[offset: offset + stop] = slots
+            written.append(slots[start:])
+            query = np.arange(start, stop)
+            for w, span in spans.items():
+                span[row: row + n, 0] = offset + (np.maximum(query - w + 1, 0) if w else 0)
+                span[row: row + n, 1] = offset + query + 1
+            positions.append(query)
+            row, offset = row + n, offset + bucket
+        return Attention(np.concatenate(positions).astype(np.int64), np.concatenate(written), ctx, spans)
 
     def slots(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
         pages = np.asarray(seq.pages[start // self.block: -(-stop // self.block)], np.int64)

@@ -1,10 +1,10 @@
 """The sampling pipeline, in SPEC order: repetition penalty (and OpenAI's presence/frequency
 penalties over the generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw.
-Temperature 0 is greedy. Each stage is a small function over a logits vector.
+Temperature 0 is greedy.
 
-After the penalties, a choice is `choose(logits, row)` with row = (temperature, top_k, top_p, min_p,
-u), u the step's uniform: the decoder graph's `sample` op takes the same rows, so a stream without
-penalties or logprobs is sampled where the model runs, and only its token comes back."""
+After the penalties, a choice is `choose(logits, row)` (ir/sampling.py) with row = (temperature,
+top_k, top_p, min_p, u), u the step's uniform: the decoder graph's `sample` op takes the same rows,
+so a stream without penalties or logprobs is sampled where the model runs, and only its token comes back."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.sampling import choose
 
 MAX_TOP_K = 2**31            # top_k and repeat_last_n: at most a vocabulary's (or a context's) size
 SEED_LIMIT = 2**64           # what numpy's generators take
@@ -82,66 +83,6 @@ def apply_openai_penalties(logits: np.ndarray, generated: list[int], presence: f
     out = logits.copy()
     out[ids] -= frequency * counts + presence
     return out
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, np.float64)
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())
-
-
-def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
-    if k <= 0 or k >= logits.size:
-        return logits
-    kth = np.partition(logits, -k)[-k]
-    return np.where(logits >= kth, logits, -np.inf)
-
-
-def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """The indices `top_k_filter` keeps, in order. Filtered tokens weigh nothing in what follows, so
-    top-p, min-p and the draw (one uniform against the cumulative sum, in token order) may run over
-    these alone: the same choice, without sorting the whole vocabulary every token."""
-    if k <= 0 or k >= logits.size:
-        return np.arange(logits.size)
-    return np.flatnonzero(logits >= np.partition(logits, -k)[-k])
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max())
-    return e / e.sum()
-
-
-def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose probability reaches p."""
-    if p >= 1.0:
-        return logits
-    order = np.argsort(-logits, kind="stable")
-    cumulative = np.cumsum(softmax(logits)[order])
-    keep = order[: int(np.searchsorted(cumulative, p)) + 1]
-    out = np.full_like(logits, -np.inf)
-    out[keep] = logits[keep]
-    return out
-
-
-def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
-    """Drop tokens whose probability is below min_p times the top token's."""
-    if min_p <= 0:
-        return logits
-    probs = softmax(logits)
-    return np.where(probs >= min_p * probs.max(), logits, -np.inf)
-
-
-def choose(logits: np.ndarray, row) -> int:
-    """One token from penalized logits and a row (temperature, top_k, top_p, min_p, u): the draw is
-    numpy's Generator.choice with u as its uniform (the first token, in token order, whose share of
-    the cumulative probability exceeds u)."""
-    temperature, top_k, top_p, min_p, u = (float(v) for v in row)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    logits = np.asarray(logits, np.float64) / temperature
-    ids = top_k_ids(logits, int(top_k))          # the later stages and the draw see only top-k's survivors
-    cdf = np.cumsum(softmax(min_p_filter(top_p_filter(logits[ids], top_p), min_p)))
-    return int(ids[np.searchsorted(cdf / cdf[-1], u, side="right")])
 
 
 def greedy_rows(n: int) -> np.ndarray:

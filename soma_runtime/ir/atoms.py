@@ -7,24 +7,25 @@ reference backend: slow, obvious and right. Modes are a closed set:
   add     add sub                               a + b, a - b
   cmp     max min lt le eq select               elementwise max/min, comparisons -> bool,
                                                 select(cond, a, b)
-  exp     exp log sqrt rsqrt recip sin cos      unary transcendental functions
-          tanh erf floor
+  exp     exp log sqrt rsqrt recip sin cos      unary transcendental functions (round: half to
+          tanh erf floor round pow              even), and pow(x, y)
   read    take take_along reshape expand        indexed lookup and views: take = index along an
-          transpose permute slice cast          axis (embedding), take_along = torch.gather,
-          dequant iota fill                     dequant = decode quantized blocks, iota = positions
-                                                0..n-1 along an axis, fill = a constant tensor
+          broadcast transpose permute slice     axis (embedding), take_along = torch.gather,
+          cast dequant iota arange fill         expand = a new axis of size 1, broadcast = to a
+                                                shape, dequant = decode quantized blocks, iota =
+                                                positions 0..n-1 along an axis, arange = 0..v-1
+                                                for a value v (a size known only at run time),
+                                                fill = a constant tensor
   write   place scatter                         store src into a copy of dst: place at a
                                                 (strided) offset along an axis, scatter at indices
-  reduce  sum max min mean argmax topk          collapse an axis (topk: indices of the k largest)
+  reduce  sum max min mean prod argmax topk     collapse axes (topk: indices of the k largest)
   slide   window                                sliding windows over axes (conv, pooling)
 
-A node's `struct` attrs (modes, target dtypes) and literals enter the formula hash; its `params`
-(axes, sizes, eps, offsets) do not: the same formula at any size or epsilon hashes the same.
+A node's `struct` attrs (modes, target dtypes) and literals enter the formula hash (formula.py); its
+`params` (axes, sizes, eps, offsets) do not: the same formula at any size or epsilon hashes the same.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -36,11 +37,11 @@ ATOMS: dict[str, tuple[str, ...]] = {
     "mul": ("mul",),
     "add": ("add", "sub"),
     "cmp": ("max", "min", "lt", "le", "eq", "select"),
-    "exp": ("exp", "log", "sqrt", "rsqrt", "recip", "sin", "cos", "tanh", "erf", "floor"),
-    "read": ("take", "take_along", "reshape", "expand", "transpose", "permute", "slice", "cast",
-             "dequant", "iota", "fill"),
+    "exp": ("exp", "log", "sqrt", "rsqrt", "recip", "sin", "cos", "tanh", "erf", "floor", "round", "pow"),
+    "read": ("take", "take_along", "reshape", "expand", "broadcast", "transpose", "permute", "slice", "cast",
+             "dequant", "iota", "arange", "fill"),
     "write": ("place", "scatter"),
-    "reduce": ("sum", "max", "min", "mean", "argmax", "topk"),
+    "reduce": ("sum", "max", "min", "mean", "prod", "argmax", "topk"),
     "slide": ("window",),
 }
 
@@ -92,7 +93,7 @@ class AtomGraph:
     def add(self, a, b): return self._add("add", "add", (a, b))
     def sub(self, a, b): return self._add("add", "sub", (a, b))
     def cmp(self, mode, *args): return self._add("cmp", mode, args)
-    def exp(self, mode, a): return self._add("exp", mode, (a,))
+    def exp(self, mode, *args): return self._add("exp", mode, args)
 
     def read(self, mode, *args, struct=(), **params):
         if mode == "slice" and params.get("step", 1) != 1:
@@ -109,22 +110,6 @@ class AtomGraph:
     def slide(self, a, **params):
         return self._add("slide", "window", (a,), **params)
 
-    def canonical(self) -> list:
-        """The DAG as plain data: structure, modes, struct attrs and literals; no params, no sizes."""
-        out = []
-        for n in self.nodes:
-            if n.atom == "param":
-                out.append(["param"])
-            elif n.atom in ("input", "literal"):
-                out.append([n.atom, n.mode])
-            else:
-                out.append([n.atom, n.mode, list(n.struct), list(n.args)])
-        return [out, self.outputs]
-
-    def formula_hash(self) -> str:
-        text = json.dumps(self.canonical(), separators=(",", ":"), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
-
 
 # --- interpreter -------------------------------------------------------------------------------
 
@@ -132,11 +117,11 @@ _erf = np.vectorize(math.erf, otypes=[np.float64])
 _UNARY = {
     "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x),
     "recip": lambda x: 1.0 / x, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
-    "erf": lambda x: _erf(x) if np.size(x) else np.asarray(x, np.float64), "floor": np.floor,
+    "erf": lambda x: _erf(x) if np.size(x) else np.asarray(x, np.float64), "floor": np.floor, "round": np.round,
 }
 _CMP = {"max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal, "eq": np.equal,
         "select": np.where}
-_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}
+_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "prod": np.prod}
 
 
 def _as_compute(x):
@@ -157,6 +142,8 @@ def _read(mode, args, p, struct):
         return x.reshape(p["shape"])
     if mode == "expand":
         return np.expand_dims(x, p["axis"])
+    if mode == "broadcast":
+        return np.broadcast_to(x, p["shape"])
     if mode == "transpose":
         return np.swapaxes(x, p["axis1"], p["axis2"])
     if mode == "permute":
@@ -176,6 +163,8 @@ def _read(mode, args, p, struct):
         shape = [1] * p["ndim"]
         shape[p["axis"]] = p["n"]
         return np.arange(p["n"], dtype=np.int64).reshape(shape)
+    if mode == "arange":
+        return np.arange(max(0, int(np.ceil(x))), dtype=np.int64)
     if mode == "fill":
         return np.full(p["shape"], p["value"], dtype=np.float64)
     raise AssertionError(mode)
@@ -235,8 +224,11 @@ def interpret(graph: AtomGraph, inputs: list) -> list:
         elif n.atom == "cmp":
             vals[i] = _CMP[n.mode](*a)
         elif n.atom == "exp":
-            with np.errstate(divide="ignore", invalid="ignore"):
-                vals[i] = _UNARY[n.mode](np.asarray(a[0], np.float64))
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                if n.mode == "pow":
+                    vals[i] = np.power(np.asarray(a[0], np.float64), a[1])
+                else:
+                    vals[i] = _UNARY[n.mode](np.asarray(a[0], np.float64))
         elif n.atom == "read":
             vals[i] = _read(n.mode, a, n.params, n.struct)
         elif n.atom == "write":

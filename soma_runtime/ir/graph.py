@@ -1,8 +1,8 @@
-"""The graph IR: typed tensors (`TensorMeta`), op nodes (`Node`), the DAG (`Graph`) and its builder.
+"""The graph IR: typed tensors (`TensorMeta`), op nodes (`Node`) and the DAG (`Graph`), as plain data.
 
 A dim is an int or a `Sym` (a named size such as `B`, `S`, or an expression like `T+S`),
-bound to ints when a Plan is made. The graph knows op names and shape rules (from ops.py),
-nothing about backends or models.
+bound to ints when a Plan is made. The graph knows op names, nothing about what they compute
+(ops/), how they are built (builder.py), backends or models.
 """
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ class Sym:
 
 Dim = int | Sym
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+DYNAMIC = Sym("dynamic")       # what a shape rule says of a size only the data decides (a range's length)
+
+
+def dynamic_dim(node: str, output: int) -> Sym:
+    """The size a node's data decides, named after the node: known once the node has run."""
+    return Sym(f"dyn_{re.sub(r'[^A-Za-z0-9_]', '_', node)}_{output}")
+
+
+def is_dynamic(d: Dim) -> bool:
+    return isinstance(d, Sym) and any(name.startswith("dyn_") for name in _NAME.findall(d.expr))
 
 
 def dim(d) -> Dim:
@@ -102,8 +112,9 @@ def meta_of(value) -> TensorMeta:
     return TensorMeta(tuple(int(s) for s in value.shape), dtype_of(value))
 
 
-@dataclass
+@dataclass(eq=False)
 class Node:
+    """One op application. Nodes are told apart by identity (two may read alike)."""
     op: str
     inputs: list[str | None]      # tensor names; None for an absent optional input
     outputs: list[str]
@@ -126,118 +137,27 @@ class Graph:
         return {o: n for n in self.nodes for o in n.outputs}
 
     def toposort(self) -> None:
-        """Order nodes so each comes after its producers; a cycle raises GraphError naming a node."""
+        """Order nodes so each comes after its producers (depth first, without recursion: a deep model
+        is a long chain); a cycle raises GraphError naming a node."""
         producer = self.producers()
-        state: dict[str, int] = {}
+        state: dict[int, int] = {}            # by node identity: 1 on the path, 2 placed
         order: list[Node] = []
-
-        def visit(node: Node):
-            mark = state.get(node.name, 0)
-            if mark == 2:
-                return
-            if mark == 1:
-                raise GraphError(f"node {node.name!r} ({node.op}) is part of a cycle")
-            state[node.name] = 1
-            for t in node.inputs:
-                if t is not None and t in producer:
-                    visit(producer[t])
-            state[node.name] = 2
-            order.append(node)
-
-        for n in self.nodes:
-            visit(n)
+        for root in self.nodes:
+            stack = [(root, iter(root.inputs))]
+            while stack:
+                node, pending = stack[-1]
+                state[id(node)] = state.get(id(node), 1)
+                for t in pending:
+                    before = producer.get(t) if t is not None else None
+                    if before is None or state.get(id(before)) == 2:
+                        continue
+                    if state.get(id(before)) == 1:
+                        raise GraphError(f"node {before.name!r} ({before.op}) is part of a cycle")
+                    stack.append((before, iter(before.inputs)))
+                    break
+                else:
+                    stack.pop()
+                    if state[id(node)] != 2:
+                        state[id(node)] = 2
+                        order.append(node)
         self.nodes = order
-
-    def validate(self) -> None:
-        """Check ops exist, inputs are defined, and every node's shapes/dtypes agree with its op."""
-        from soma_runtime.ir.ops import OPS
-        self.toposort()
-        known = dict(self.inputs)
-        known.update({k: meta_of(v) for k, v in self.constants.items()})
-        for n in self.nodes:
-            if n.op not in OPS:
-                raise GraphError(f"node {n.name!r}: unknown op {n.op!r}")
-            metas = []
-            for t in n.inputs:
-                if t is not None and t not in known:
-                    raise GraphError(f"node {n.name!r} ({n.op}): input {t!r} is not produced by any node")
-                metas.append(None if t is None else known[t])
-            out = OPS[n.op].infer(metas, n.attrs, n.name)
-            for name, meta in zip(n.outputs, out):
-                known[name] = meta
-        for o in self.outputs:
-            if o not in known:
-                raise GraphError(f"graph output {o!r} is not produced by any node")
-        self.tensors = known
-
-
-class Value:
-    """A tensor handle returned by the builder; `g.rmsnorm(x, w, eps=1e-6)` reads like the model."""
-
-    __slots__ = ("builder", "meta", "name")
-
-    def __init__(self, builder: GraphBuilder, name: str, meta: TensorMeta):
-        self.builder, self.name, self.meta = builder, name, meta
-
-    @property
-    def shape(self):
-        return self.meta.shape
-
-    @property
-    def dtype(self):
-        return self.meta.dtype
-
-    def __repr__(self):
-        return f"Value({self.name}, {list(self.shape)}, {self.dtype})"
-
-
-class GraphBuilder:
-    """Builds a Graph node by node, inferring and checking shapes as it goes."""
-
-    def __init__(self):
-        self.graph = Graph()
-        self._count: dict[str, int] = {}
-
-    def _fresh(self, base: str) -> str:
-        k = self._count.get(base, 0)
-        self._count[base] = k + 1
-        return f"{base}_{k}" if k else base
-
-    def input(self, name: str, shape, dtype: str) -> Value:
-        meta = TensorMeta.of(shape, dtype)
-        self.graph.inputs[name] = meta
-        self.graph.tensors[name] = meta
-        return Value(self, name, meta)
-
-    def const(self, name: str, value) -> Value:
-        name = self._fresh(name)
-        self.graph.constants[name] = value
-        meta = meta_of(value)
-        self.graph.tensors[name] = meta
-        return Value(self, name, meta)
-
-    def op(self, op: str, *inputs: Value | None, name: str | None = None, **attrs):
-        from soma_runtime.ir.ops import OPS
-        if op not in OPS:
-            raise GraphError(f"unknown op {op!r}")
-        node_name = self._fresh(name or op)
-        inputs = OPS[op].pad(inputs)
-        metas = [None if v is None else v.meta for v in inputs]
-        out_metas = OPS[op].infer(metas, attrs, node_name)
-        outs = [node_name if len(out_metas) == 1 else f"{node_name}:{i}" for i in range(len(out_metas))]
-        self.graph.nodes.append(Node(op, [None if v is None else v.name for v in inputs], outs, dict(attrs), node_name))
-        values = [Value(self, o, m) for o, m in zip(outs, out_metas)]
-        for v in values:
-            self.graph.tensors[v.name] = v.meta
-        return values[0] if len(values) == 1 else tuple(values)
-
-    def __getattr__(self, op: str):
-        from soma_runtime.ir.ops import OPS
-        if op in OPS:
-            return lambda *inputs, **attrs: self.op(op, *inputs, **attrs)
-        raise AttributeError(op)
-
-    def output(self, *values: Value) -> Graph:
-        self.graph.outputs = [v.name for v in values]
-        self.graph.validate()
-        return self.graph

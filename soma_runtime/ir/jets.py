@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import JetMismatchError
 from soma_runtime.ir.atoms import interpret
@@ -34,7 +35,14 @@ def tolerance(opdef: OpDef, out_dtype: str) -> float:
 
 def _variants(opdef: OpDef, pattern: tuple):
     """Every structural variant of an op for one dtype pattern: (input metas, attrs)."""
-    ranks = opdef.ranks
+    if opdef.any_rank:
+        for rank in range(1, 7):
+            yield from _variants_at(opdef, pattern, (rank, *opdef.ranks[1:]))
+    else:
+        yield from _variants_at(opdef, pattern, opdef.ranks)
+
+
+def _variants_at(opdef: OpDef, pattern: tuple, ranks: tuple):
     n_inputs = len(pattern)
     struct_choices = [[(k, v) for v in values] for k, values in opdef.struct.items()]
     for combo in itertools.product(*struct_choices):
@@ -66,58 +74,57 @@ class JetRegistry:
                 full = pattern[:1] * n if opdef.variadic else tuple(pattern)
                 for metas, attrs in _variants(opdef, full):
                     entries = self._jets.setdefault((opdef.formula_hash(metas, attrs), backend), [])
-                    if (full, kernel) not in entries:
-                        entries.append((full, kernel))
+                    entry = (full, frozenset(opdef.attrs), kernel)
+                    if entry not in entries:
+                        entries.append(entry)
         self._chosen.clear()
 
-    def lookup(self, formula_hash: str, backend: str, dtypes: tuple[str, ...]):
-        for pattern, kernel in self._jets.get((formula_hash, backend), ()):
-            if len(pattern) == len(dtypes) and all(_matches(p, d) for p, d in zip(pattern, dtypes)):
+    def lookup(self, formula_hash: str, backend: str, dtypes: tuple[str, ...], attrs=None):
+        """The kernel registered for a formula on a backend for these input dtypes; with `attrs` (names),
+        only one that takes them: two ops may compute one formula with other attributes (a split into
+        one part is a slice)."""
+        for pattern, takes, kernel in self._jets.get((formula_hash, backend), ()):
+            if (attrs is None or takes == frozenset(attrs)) and len(pattern) == len(dtypes) and \
+                    all(_matches(p, d) for p, d in zip(pattern, dtypes)):
                 return kernel
         return None
 
-    def kernel_for(self, opdef: OpDef, metas: list, attrs: dict, backend: str):
-        """The kernel that runs this op here: the jet, or the atoms on a miss; wrapped by verify mode."""
+    def kernel_for(self, opdef: OpDef, metas: list, attrs: dict, backend: Backend):
+        """The kernel that runs this op on `backend`: its jet, else its fallback's (inputs carried over), else
+        the atoms; wrapped by verify mode."""
         dtypes = tuple("none" if m is None else m.dtype for m in metas)
-        key = (opdef.name, backend, dtypes, repr(sorted(opdef.full_attrs(attrs).items())), os.environ.get("SOMA_VERIFY"))
+        key = (opdef.name, backend.name, dtypes, repr(sorted(opdef.full_attrs(attrs).items())), os.environ.get("SOMA_VERIFY"))
         if key not in self._chosen:
             self._chosen[key] = self._choose(opdef, metas, attrs, backend, dtypes)
         return self._chosen[key]
 
-    def _choose(self, opdef: OpDef, metas: list, attrs: dict, backend: str, dtypes: tuple):
+    def _choose(self, opdef: OpDef, metas: list, attrs: dict, backend: Backend, dtypes: tuple):
         jet = None
-        if backend != "reference":
-            jet = self.lookup(opdef.formula_hash(metas, attrs), backend, dtypes)
-            fallback = backend_fallback(backend)
-            if jet is None and fallback:
-                if (opdef.name, backend, dtypes) not in self._missed:
-                    self._missed.add((opdef.name, backend, dtypes))
-                    log.warning("no %s jet for %s%s; running it on %s (inputs copied there)", backend, opdef.name, dtypes,
-                                fallback)
+        if backend.name != "reference":
+            jet = self.lookup(opdef.formula_hash(metas, attrs), backend.name, dtypes, opdef.attrs)
+            fallback = backend.fallback
+            if jet is None and fallback is not None:
+                self._miss(opdef, backend, dtypes, f"running it on {fallback.name} (inputs copied there)")
                 return on_other_backend(self._choose(opdef, metas, attrs, fallback, dtypes), backend)
-            if jet is None and (opdef.name, backend, dtypes) not in self._missed:
-                self._missed.add((opdef.name, backend, dtypes))
-                log.warning("no %s jet for %s%s; running its atoms", backend, opdef.name, dtypes)
+            if jet is None:
+                self._miss(opdef, backend, dtypes, "running its atoms")
         if jet is None:
             return reference_kernel(opdef)
         if os.environ.get("SOMA_VERIFY") == "1":
-            return verified(opdef, jet, backend)
+            return verified(opdef, jet, backend.name)
         return jet
 
+    def _miss(self, opdef: OpDef, backend: Backend, dtypes: tuple, what: str) -> None:
+        if (opdef.name, backend.name, dtypes) not in self._missed:
+            self._missed.add((opdef.name, backend.name, dtypes))
+            log.warning("no %s jet for %s%s; %s", backend.name, opdef.name, dtypes, what)
 
-def backend_fallback(backend: str) -> str | None:
-    """Where a backend runs ops it has no jet for (a device backend: the host), if anywhere."""
-    from soma_runtime.backends import BACKENDS, load_backend
-    return getattr(load_backend(backend), "FALLBACK", None) if backend in BACKENDS else None
 
-
-def on_other_backend(kernel, backend: str):
+def on_other_backend(kernel, backend: Backend):
     """Run a host kernel for a device backend: inputs fetched to the host, results placed back."""
-    from soma_runtime.backends import fetch, place
-
     def run(*inputs, out=None, **attrs):
-        result = kernel(*[fetch(backend, x) for x in inputs], **attrs)
-        return tuple(place(backend, r) for r in result) if isinstance(result, tuple) else place(backend, result)
+        result = kernel(*[backend.fetch(x) for x in inputs], **attrs)
+        return tuple(backend.place(r) for r in result) if isinstance(result, tuple) else backend.place(result)
     return run
 
 
@@ -147,10 +154,13 @@ def reference_kernel(opdef: OpDef):
 
 
 def max_error(got, want) -> tuple[float, float]:
-    got = np.asarray(got).astype(np.float64)
-    want = np.asarray(want).astype(np.float64)
+    """The largest difference and the scale it is judged at; infinite where a value that is not finite
+    (NaN, an infinity) stands in one and not as the same in the other."""
+    with np.errstate(invalid="ignore"):
+        got = np.asarray(got).astype(np.float64)
+        want = np.asarray(want).astype(np.float64)
     finite = np.isfinite(want)
-    if not np.array_equal(finite, np.isfinite(got)) or not np.array_equal(got[~finite], want[~finite]):
+    if not np.array_equal(finite, np.isfinite(got)) or not np.array_equal(got[~finite], want[~finite], equal_nan=True):
         return float("inf"), 1.0
     err = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
     scale = max(1.0, float(np.max(np.abs(want[finite]), initial=0.0)))
@@ -185,17 +195,3 @@ def jet(op: str, backend: str, dtypes: list[tuple]):
         REGISTRY.register(op, backend, dtypes, kernel)
         return kernel
     return register
-
-
-def run_op(op: str, *inputs, backend: str = "cpu", **attrs):
-    """Run one op eagerly on a backend (used by tests and constant folding)."""
-    from soma_runtime.backends import load_backend
-    load_backend(backend)
-    opdef = OPS[op]
-    inputs = opdef.pad(inputs)
-    metas = [None if x is None else meta_of(x) for x in inputs]
-    opdef.infer(metas, attrs, op)
-    with np.errstate(all="ignore"):
-        result = REGISTRY.kernel_for(opdef, metas, attrs, backend)(*inputs, **opdef.full_attrs(attrs))
-    from soma_runtime.backends import fetch  # results on the host, whichever backend ran them
-    return tuple(fetch(backend, r) for r in result) if isinstance(result, tuple) else fetch(backend, result)

@@ -5,7 +5,9 @@ node's kernel from the jet registry once, and lays intermediates out in one aren
 (reshapes, splits) are made then too. Running it is a loop over prepared steps: no lookups, no
 shape inference, no allocation for planned tensors.
 A dim left `free` may take any size per run; only graph inputs may carry it (the decoder's
-context length: its slots and masks vary per step, no intermediate does).
+context length: its slots and spans vary per step, no intermediate does). A dim only the data decides
+(a range's length) is known once its node has run: such tensors, and what follows from them, are
+left out of the arena and sized by their kernels.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from soma_runtime.backends import load_backend
+from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import GraphError
-from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, meta_of, resolve
+from soma_runtime.ir.builder import validate
+from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, resolve
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS
 from soma_runtime.ir.passes import eliminate_dead_nodes, fold_constants, plan_memory
@@ -67,41 +70,39 @@ def fits(actual: tuple, planned: tuple) -> bool:
 
 
 class Plan:
-    def __init__(self, graph: Graph, backend: str = "cpu", bindings: dict[str, int] | None = None,
+    def __init__(self, graph: Graph, backend: Backend, bindings: dict[str, int] | None = None,
                  memory_plan: bool = True, free: tuple[str, ...] = (), placed: dict | None = None):
         """`placed`: the graph's constants already on a device backend, by name, shared by every plan of
         the graph (its constants are the same in each: folding runs before shapes are bound), so the
         weights go to the device once, not once a plan."""
-        module = load_backend(backend)
         self.backend = backend
-        self.fold_backend = getattr(module, "FALLBACK", backend)    # constants fold where they live: the host
+        self.fold_backend = backend.fallback or backend       # constants fold where they live: the host
         self.bindings = dict(bindings or {})
         self.free = frozenset(free)
         g = copy.copy(graph)
         g.nodes = [copy.copy(n) for n in graph.nodes]
         g.constants = dict(graph.constants)
-        g.validate()
+        validate(g)
         eliminate_dead_nodes(g)
         fold_constants(g, self._run_once)
         self.graph = g
         self.metas = self._bind_metas(g)
-        self.memory = plan_memory(g, self.metas) if memory_plan and getattr(module, "HOST_ARENA", True) else None
+        self.memory = plan_memory(g, self.metas) if memory_plan and backend.host_arena else None
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
         self.fixed = self._fix_views() if self.memory else {}
         self.dead = self._last_reads() if self.memory is None else [()] * len(self.steps)
         self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
-        self.place = getattr(module, "place", None)             # weights go to a device backend once
-        if self.place:
+        if backend.device:                                      # weights go to a device backend once
             placed = {} if placed is None else placed
             for name, value in g.constants.items():
                 if name not in placed:
-                    placed[name] = self.place(value)
+                    placed[name] = backend.place(value)
             g.constants = {name: placed[name] for name in g.constants}
 
     @classmethod
-    def for_inputs(cls, graph: Graph, inputs: dict, **kw) -> Plan:
-        return cls(graph, bindings=bindings_from(graph, inputs), **kw)
+    def for_inputs(cls, graph: Graph, backend: Backend, inputs: dict, **kw) -> Plan:
+        return cls(graph, backend, bindings=bindings_from(graph, inputs), **kw)
 
     def _run_once(self, node: Node, inputs: list):
         metas = [None if x is None else meta_of(x) for x in inputs]
@@ -115,7 +116,7 @@ class Plan:
             n.attrs = bind_attrs(n.attrs, self.bindings)
             ins = [None if i is None else metas[i] for i in n.inputs]
             for name, meta in zip(n.outputs, OPS[n.op].infer(ins, n.attrs, n.name)):
-                if any(isinstance(d, Sym) for d in meta.shape):
+                if any(isinstance(d, Sym) and not is_dynamic(d) for d in meta.shape):
                     raise GraphError(f"{n.name}: output {name!r} has shape {list(meta.shape)}; free dims may only size inputs")
                 metas[name] = meta
         return metas
@@ -169,7 +170,7 @@ class Plan:
             got = None if value is None else tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
             if got is None or not fits(got, shape):
                 raise GraphError(f"input {name!r}: expected shape {list(shape)}, got {None if got is None else list(got)}")
-            env[name] = self.place(value) if self.place else value
+            env[name] = self.backend.place(value) if self.backend.device else value
         with np.errstate(all="ignore"):       # inf/nan follow IEEE semantics; no warning per op
             self._run_steps(env)
         if not self.memory:

@@ -8,33 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
 
-from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights
-from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.integrity import check_digest_text, check_finite, file_sha256, files_digest
-from soma_runtime.text.tokenizer import Tokenizer
+from soma_runtime.loaders.model import LoadedModel
 
 DEFAULT_MODEL = "smollm2"
-
-
-@dataclass
-class LoadedModel:
-    path: str
-    format: str                      # gguf | hf | soma
-    config: DecoderConfig | EncoderConfig
-    weights: Weights
-    tokenizer: Tokenizer
-    sampling: dict = field(default_factory=dict)    # the model's own generation defaults
-    metadata: dict = field(default_factory=dict)
-    pooling: object = None                           # encoders: how token states become one embedding
-    max_tokens: int | None = None                    # encoders: the longest input the model was trained on
-
-    @property
-    def is_encoder(self) -> bool:
-        return self.pooling is not None
 
 
 def default_model_path() -> str:

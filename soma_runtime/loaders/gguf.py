@@ -15,6 +15,7 @@ import numpy as np
 from soma_runtime.dtypes import BY_GGML_ID, QTensor
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.integrity import check_disjoint
+from soma_runtime.loaders.model import LoadedModel
 
 GGUF_MAGIC = b"GGUF"
 
@@ -101,7 +102,8 @@ def read_gguf(path: str) -> GGUFFile:
     if version not in (2, 3):
         raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2, 3)")
     if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_BYTES > cur.left():
-        raise ModelLoadError(f"{path}: truncated in the header: {n_kv} metadata entries and {n_tensors} tensors cannot fit {size} bytes")
+        raise ModelLoadError(f"{path}: truncated in the header: {n_kv} metadata entries and {n_tensors} tensors "
+                             f"cannot fit {size} bytes")
     metadata = {}
     for _ in range(n_kv):
         key = cur.string()
@@ -119,7 +121,8 @@ def read_gguf(path: str) -> GGUFFile:
         if name in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} appears twice")
         if shape[-1] % kind.block_size:
-            raise ModelLoadError(f"{path}: tensor {name!r} has rows of {shape[-1]}, not whole {kind.name} blocks of {kind.block_size}")
+            raise ModelLoadError(f"{path}: tensor {name!r} has rows of {shape[-1]}, "
+                                 f"not whole {kind.name} blocks of {kind.block_size}")
         if offset % align:
             raise ModelLoadError(f"{path}: tensor {name!r} at offset {offset} is not aligned to {align}")
         nbytes = math.prod(shape[:-1]) * kind.row_bytes(shape[-1])
@@ -148,7 +151,6 @@ def tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 def load_gguf_model(path: str):
     from soma_runtime.architectures.decoder import Weights
     from soma_runtime.architectures.registry import config_for_gguf
-    from soma_runtime.loaders import LoadedModel
     from soma_runtime.text.tokenizer import Tokenizer
     f = read_gguf(path)
     _, cfg = config_for_gguf(f.metadata, set(f.tensors), path)

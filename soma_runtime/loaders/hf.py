@@ -7,8 +7,10 @@ import os
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import canonical_encoder_weights, check_encoder_shapes, encoder_config_from_hf, is_encoder
 from soma_runtime.architectures.fields import check_token_ids
+from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.errors import ModelLoadError
+from soma_runtime.loaders.model import LoadedModel
 from soma_runtime.loaders.safetensors import read_checkpoint
 from soma_runtime.text.tokenizer import Tokenizer, read_json
 
@@ -24,7 +26,6 @@ def sampling_defaults(generation_config: dict) -> dict:
 
 
 def load_hf_dir(directory: str):
-    from soma_runtime.loaders import LoadedModel
     config_path = os.path.join(directory, "config.json")
     hf_config = read_json(config_path)
     if not hf_config:
@@ -46,8 +47,6 @@ def load_hf_dir(directory: str):
 def load_hf_encoder_dir(directory: str, hf_config: dict):
     """An encoder directory, with sentence-transformers' pooling, normalization and length limit when
     it carries them (modules.json, 1_Pooling/config.json, sentence_bert_config.json)."""
-    from soma_runtime.engine.encode import Pooling
-    from soma_runtime.loaders import LoadedModel
     cfg = encoder_config_from_hf(hf_config, os.path.join(directory, "config.json"))
     weights = Weights(canonical_encoder_weights(read_checkpoint(directory)), directory)
     check_encoder_shapes(cfg, weights)

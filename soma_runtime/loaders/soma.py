@@ -23,6 +23,7 @@ from soma_runtime.architectures.registry import canonical_hf_weights, config_for
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.hf import sampling_defaults
 from soma_runtime.loaders.integrity import file_sha256, verify_pinned
+from soma_runtime.loaders.model import LoadedModel
 from soma_runtime.loaders.safetensors import plain_file_name, read_safetensors
 from soma_runtime.text.tokenizer import Tokenizer, read_json, token_text
 
@@ -61,7 +62,6 @@ def soma_weight_files(directory: str) -> list[str]:
 
 
 def load_soma_dir(directory: str):
-    from soma_runtime.loaders import LoadedModel
     config, weights, source = weights_table(directory)
     files = soma_weight_files(directory)
     if "sha256" in weights:
@@ -80,7 +80,8 @@ def load_soma_dir(directory: str):
     for key in ("bos_token", "eos_token", "template"):
         if not isinstance(chat.get(key, ""), str):
             raise ModelLoadError(f"{os.path.join(directory, 'chat.toml')}: {key} must be text")
-    tokenizer = Tokenizer(hf, chat.get("bos_token"), chat.get("eos_token"), chat.get("add_bos_token", False), chat.get("template"))
+    tokenizer = Tokenizer(hf, chat.get("bos_token"), chat.get("eos_token"), chat.get("add_bos_token", False),
+                          chat.get("template"))
     sampling = {k: v for k, v in read_toml(os.path.join(directory, "sampling.toml")).items() if k in SAMPLING_NAMES}
     return LoadedModel(directory, "soma", cfg, Weights(canonical_hf_weights(tensors, spec), directory), tokenizer,
                        sampling, metadata=config)
@@ -134,7 +135,8 @@ def import_hf_dir(src: str, dst: str) -> str:
             os.link(os.path.join(src, shard), target)
         except OSError:
             shutil.copyfile(os.path.join(src, shard), target)
-    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+    skipped = ("transformers_version", "dtype", "torch_dtype")
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in skipped}
     config["weights"] = {"files": names, "sha256": {name: file_sha256(os.path.join(dst, name)) for name in names}}
     with open(os.path.join(dst, "config.toml"), "w") as f:
         f.write(dump_toml(config))

@@ -44,7 +44,8 @@ def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
         ("soma_generation_requests_total", "counter", "Generation requests submitted.", lambda st, sc: st.requests),
         ("soma_generation_cancelled_total", "counter", "Requests ended by a client leaving.", lambda st, sc: st.cancelled),
         ("soma_prompt_tokens_total", "counter", "Prompt tokens received.", lambda st, sc: st.prompt_tokens),
-        ("soma_prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.", lambda st, sc: st.cached_tokens),
+        ("soma_prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.", lambda st,
+         sc: st.cached_tokens),
         ("soma_generated_tokens_total", "counter", "Tokens generated.", lambda st, sc: st.generated_tokens),
         ("soma_decode_steps_total", "counter", "Batched forward steps run.", lambda st, sc: st.steps),
         ("soma_decode_steps_ahead_total", "counter", "Steps launched before the tokens of the one before them were read.",
@@ -55,9 +56,9 @@ def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
         ("soma_running_sequences", "gauge", "Sequences in the running batch.", lambda st, sc: len(sc.running)),
         ("soma_batch_size", "gauge", "Sequences in the latest step.", lambda st, sc: st.last_batch),
         ("soma_batch_size_max", "gauge", "Most sequences one step has run.", lambda st, sc: st.max_batch),
-        ("soma_kv_pages_in_use", "gauge", "KV cache pages held by sequences.", lambda st, sc: sc.engine.pool.in_use),
-        ("soma_kv_pages_cached", "gauge", "KV pages kept for prefix reuse, held by nobody.", lambda st, sc: len(sc.engine.pool.idle)),
-        ("soma_kv_pages_total", "gauge", "KV cache pages in the pool.", lambda st, sc: sc.engine.pool.num_pages - 1),
+        ("soma_kv_pages_in_use", "gauge", "KV cache pages held by sequences.", lambda st, sc: sc.pages.in_use),
+        ("soma_kv_pages_cached", "gauge", "KV pages kept for prefix reuse, held by nobody.", lambda st, sc: sc.pages.cached),
+        ("soma_kv_pages_total", "gauge", "KV cache pages in the pool.", lambda st, sc: sc.pages.total),
     ]
     for name, kind, help_text, read in per_model:
         family(name, kind, help_text, [({"model": mid}, read(sc.stats, sc)) for mid, sc in schedulers])

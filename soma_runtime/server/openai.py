@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from soma_runtime.api import Model
+from soma_runtime.api import TextModel
 from soma_runtime.engine.generate import GenerationRequest, Token
 from soma_runtime.engine.sampling import MAX_TOP_K, SEED_LIMIT
 from soma_runtime.errors import RequestError
@@ -36,13 +36,14 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
 
-    def requests(self, model: Model, prompt_ids: list[int], logprobs: int | None, default_max: int | None) -> list[GenerationRequest]:
+    def requests(self, model: TextModel, prompt_ids: list[int], logprobs: int | None,
+                 default_max: int | None) -> list[GenerationRequest]:
         """One engine request per choice; with a seed, choice i draws from seed + i (-1: unseeded, as llama.cpp)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         params = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                                 "presence_penalty", "frequency_penalty")}
-        max_tokens = self.max_tokens or default_max or model.engine.n_ctx        # cut to what the context leaves
+        max_tokens = self.max_tokens or default_max or model.context_length       # cut to what the context leaves
         seeded = self.seed is not None and self.seed != -1
         return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs,
                               seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params) for i in range(self.n)]
@@ -71,10 +72,10 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def prompt_ids(self, model: Model) -> list[int]:
+    def prompt_ids(self, model: TextModel) -> list[int]:
         return model.chat_ids([m.as_dict() for m in self.messages])
 
-    def engine_requests(self, model: Model) -> list[GenerationRequest]:
+    def engine_requests(self, model: TextModel) -> list[GenerationRequest]:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self.requests(model, self.prompt_ids(model), (self.top_logprobs or 0) if self.logprobs else None, None)
@@ -86,7 +87,7 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = 16          # OpenAI's default for completions
 
-    def prompt_ids(self, model: Model) -> list[int]:
+    def prompt_ids(self, model: TextModel) -> list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -94,7 +95,7 @@ class CompletionRequest(Sampling):
             prompt = prompt[0]
         return model.prompt_ids(prompt)
 
-    def engine_requests(self, model: Model) -> list[GenerationRequest]:
+    def engine_requests(self, model: TextModel) -> list[GenerationRequest]:
         return self.requests(model, self.prompt_ids(model), self.logprobs, 16)
 
 
@@ -114,7 +115,7 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
 class Choice:
     """One choice being generated: its text, logprobs and finish, in chat or completion shape."""
 
-    def __init__(self, index: int, model: Model, chat: bool):
+    def __init__(self, index: int, model: TextModel, chat: bool):
         self.index, self.model, self.chat = index, model, chat
         self.text, self.tokens, self.finish_reason = "", 0, None
         self.logprobs: list[tuple[Token, str]] = []

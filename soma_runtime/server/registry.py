@@ -1,7 +1,7 @@
 """The models a server holds: loading within a memory budget, priorities, LRU eviction, hot-swap.
 
-Each text generator gets its own continuous-batching Scheduler; encoders run one call at a time
-under a lock. Loading a model that does not fit the budget first unloads loaded models of no
+Each text generator runs its scheduling loop on a thread of its own; other models run one call at a
+time under a lock. Loading a model that does not fit the budget first unloads loaded models of no
 higher priority, least recently used first. Loading under the id of a running model is a hot-swap:
 the new one is loaded beside it, new requests go to it from then on, and the old one finishes the
 requests it holds before it is dropped. An unloaded model likewise drains before it goes.
@@ -15,9 +15,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from soma_runtime.api import EncoderModel, Model, Runtime
+from soma_runtime.api import Model, Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.graph import Graph
 from soma_runtime.memory import give_back_freed
 from soma_runtime.server.security import check_model_id, safe_model_id
 
@@ -36,7 +37,7 @@ class OutOfMemory(RequestError):
 @dataclass
 class Served:
     id: str
-    model: Model | EncoderModel
+    model: Model
     priority: int
     bytes: int
     source: str
@@ -45,10 +46,6 @@ class Served:
     drained: threading.Event = field(default_factory=threading.Event)
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float = field(default_factory=time.time)
-
-    @property
-    def is_generator(self) -> bool:
-        return self.scheduler is not None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -63,16 +60,6 @@ class Served:
             gc.collect()                    # the model's cycles (plans, graphs) go now, not at some later collection
             give_back_freed()
         threading.Thread(target=drain, name=f"drain-{self.id}", daemon=True).start()
-
-
-def model_bytes(model: Model | EncoderModel) -> int:
-    """Weights plus, for a generator, a full context of KV cache: what it may come to hold."""
-    size = model.info()["weight_bytes"]
-    if isinstance(model, Model):
-        pool = model.engine.pool
-        per_token = sum(k[0, 0].nbytes for k in pool.k) * 2
-        size += per_token * model.engine.n_ctx
-    return size
 
 
 def default_budget() -> int:
@@ -112,15 +99,18 @@ class ModelRegistry:
             served.touch()
             return served
 
-    def load(self, source: str | None, model_id: str | None = None, priority: int = 0, sha256: str | None = None) -> Served:
+    def load(self, source: str | Graph | None, model_id: str | None = None, priority: int = 0,
+             sha256: str | None = None) -> Served:
         """Load (or hot-swap) a model; `source` is a path or a bundled model name, checked against
-        `sha256` where given."""
-        model_id = check_model_id(model_id) if model_id is not None else default_id(source)
+        `sha256` where given, or a Graph built in code."""
+        if model_id is None:
+            model_id = "graph" if isinstance(source, Graph) else default_id(source)
+        model_id = check_model_id(model_id)
         with self.load_lock:
             old = self.models.get(model_id)
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id)
             try:
-                size = model_bytes(model)
+                size = model.memory_bytes
                 self._make_room(size, priority, keep=model_id)
             except BaseException:                   # not served: the runtime lets it go (and keeps the one it replaced)
                 self.runtime.models.pop(model_id, None)
@@ -128,9 +118,9 @@ class ModelRegistry:
                     self.runtime.models[model_id] = old.model
                 raise
             with self.lock:
-                served = Served(model_id, model, priority, size, source or "default")
-                if isinstance(model, Model):
-                    served.scheduler = Scheduler(model.engine, self.max_batch, self.step_tokens)
+                served = Served(model_id, model, priority, size, source if isinstance(source, str) else model.path)
+                if model.task == "generate":
+                    served.scheduler = model.serve(self.max_batch, self.step_tokens)
                 old = self.models.get(model_id)
                 self.models[model_id] = served
                 if old is not None:
@@ -143,7 +133,8 @@ class ModelRegistry:
         """Unload models of no higher priority, least recently used first, and wait for them to finish
         their requests, until `size` more bytes fit the budget."""
         if size > self.budget:
-            raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, over the server's whole budget of {self.budget / 1e6:.0f} MB")
+            raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, "
+                              f"over the server's whole budget of {self.budget / 1e6:.0f} MB")
         while True:
             with self.lock:
                 if self.used_bytes + size <= self.budget:

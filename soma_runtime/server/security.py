@@ -84,7 +84,8 @@ class Guard:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return b"", (408, "invalid_request_error", f"the request body did not arrive within {self.policy.body_seconds:g} s")
+                return b"", (408, "invalid_request_error",
+                             f"the request body did not arrive within {self.policy.body_seconds:g} s")
             if message["type"] == "http.disconnect":
                 return b"", (400, "invalid_request_error", "the client left before sending its body")
             chunk = message.get("body", b"")

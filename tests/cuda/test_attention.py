@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soma_runtime.ir.jets import max_error, run_op
+from soma_runtime.backends import run_op
+from soma_runtime.ir.jets import max_error
 from tests.backends import BACKENDS
-from tests.test_ops import kv_append_ref, long_decode_inputs, paged_attention_ref, rope_ref
+from tests.backends.test_ops import kv_append_ref, long_decode_inputs, paged_attention_ref, rope_ref
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 
@@ -32,8 +33,8 @@ def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
     rows, heads, kv_heads, dim = 3, 4, 2, 8
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn((rows, (heads + 2 * kv_heads) * dim), generator=generator)          # on the host, as the references run
-    views = lambda x: [t.reshape(rows, n, dim) for t, n in zip(torch.split(x, [heads * dim, kv_heads * dim, kv_heads * dim], dim=1),
-                                                               (heads, kv_heads, kv_heads))]
+    widths = [heads * dim, kv_heads * dim, kv_heads * dim]
+    views = lambda x: [t.reshape(rows, n, dim) for t, n in zip(torch.split(x, widths, dim=1), (heads, kv_heads, kv_heads))]
     pages = torch.randn((2, 4, 4, kv_heads, dim), generator=generator)                     # keys, values: 16 slots
     slots, positions, inv_freq = torch.tensor([5, 0, 6]), torch.tensor([7, 8, 9]), torch.rand(dim // 2, generator=generator)
     ctx = torch.tensor([9, 10, 11, 5, 0, 1, 2, 3, 6])
@@ -48,7 +49,8 @@ def test_queries_keys_and_values_read_in_place_from_a_fused_qkv_product():
     for strided, packed in zip(*results):
         assert torch.equal(strided, packed)
     q, k, v = views(qkv)
-    want_k, want_v = kv_append_ref(pages[0], rope_ref("neox", dim)(k, positions, inv_freq), slots), kv_append_ref(pages[1], v, slots)
+    want_k = kv_append_ref(pages[0], rope_ref("neox", dim)(k, positions, inv_freq), slots)
+    want_v = kv_append_ref(pages[1], v, slots)
     want = paged_attention_ref()(rope_ref("neox", dim)(q, positions, inv_freq), want_k, want_v, ctx, torch.zeros((1, 1, rows, 9)))
     for got, expected in zip(results[0], (want_k, want_v, want)):
         err, scale = max_error(got.cpu(), expected)

@@ -11,7 +11,7 @@ from soma_runtime.backends import gpu_available
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.sampling import greedy_rows
 from tests.backends import BACKENDS
-from tests.llm.tiny import FAMILIES, build_model
+from tests.fixtures.decoders import FAMILIES, build_model
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 # On Triton's interpreter (CI) a tiny model takes minutes: there one family stands for all (gemma2: sliding
@@ -28,7 +28,8 @@ def agree(cpu, cuda, ids, tol):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == INTERPRETED_FAMILY else needs_gpu) for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == INTERPRETED_FAMILY else needs_gpu)
+                                    for f in sorted(FAMILIES)])
 def test_tiny_family_same_logits_and_tokens(family, tmp_path):
     build_model(family, str(tmp_path))
     cpu = Runtime("cpu").load(str(tmp_path), progress=False)
@@ -68,7 +69,7 @@ def test_k_quant_gguf_runs_on_cuda_within_q8_rounding_of_the_cpu(tmp_path):
     within q8's rounding, and the CPU's top-1 wherever its choice is clear, over the prompt and over
     decode steps fed the CPU's greedy tokens."""
     from soma_runtime.convert import convert_hf_to_gguf
-    from tests.llm.kquant import Q4_K, Q5_K, k_quant_gguf
+    from tests.fixtures.kquant import Q4_K, Q5_K, k_quant_gguf
     build_model("llama", str(tmp_path / "hf"), hidden_size=256, intermediate_size=256, head_dim=64)
     q4 = convert_hf_to_gguf(str(tmp_path / "hf"), str(tmp_path / "q4_0.gguf"), "q4_0")
     path = k_quant_gguf(q4, str(tmp_path / "k_quants.gguf"), mains=(Q4_K, Q5_K))
@@ -119,19 +120,21 @@ def test_queued_greedy_steps_end_where_single_steps_do(tmp_path):
         [t.text for t in cpu.generate(ids, temperature=0, max_tokens=40, stop=[stop])]
 
 
-def test_sampled_streams_choose_on_the_device_as_the_cpu_does(tmp_path):
+def test_sampled_streams_choose_on_the_device_as_the_cpu_does(tmp_path, monkeypatch):
     """Seeded sampling (temperature, top-k, top-p, min-p) runs on the device: the same tokens as the
     CPU's, and nothing but token ids comes back per step."""
     build_model("llama", str(tmp_path))
     cpu, cuda = Runtime("cpu").load(str(tmp_path), progress=False), Runtime("cuda").load(str(tmp_path), progress=False)
     ids = cpu.tokenize(PROMPT)
-    fetched, fetch_soon = [], cuda.engine.fetch_soon
+    fetched, fetch_soon = [], cuda.engine.backend.fetch_soon
 
     def watched(x):
         fetched.append(tuple(x.shape))
         return fetch_soon(x)
 
-    cuda.engine.fetch_soon = watched
-    for params in ({"temperature": 0.9, "top_k": 40, "seed": 3}, {"temperature": 1.5, "top_k": 8, "top_p": 0.8, "min_p": 0.1, "seed": 4}):
-        assert [t.id for t in cuda.generate(ids, max_tokens=6, **params)] == [t.id for t in cpu.generate(ids, max_tokens=6, **params)]
+    monkeypatch.setattr(cuda.engine.backend, "fetch_soon", watched)
+    for params in ({"temperature": 0.9, "top_k": 40, "seed": 3},
+                   {"temperature": 1.5, "top_k": 8, "top_p": 0.8, "min_p": 0.1, "seed": 4}):
+        want = [t.id for t in cpu.generate(ids, max_tokens=6, **params)]
+        assert [t.id for t in cuda.generate(ids, max_tokens=6, **params)] == want
     assert fetched and set(fetched) == {(1,)}

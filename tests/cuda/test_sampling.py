@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soma_runtime.ir.jets import run_op
+from soma_runtime.backends import run_op
 from tests.backends import BACKENDS
-from tests.test_ops import sampling_rows, torch_sample
+from tests.backends.test_ops import sampling_rows, torch_sample
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from soma_runtime.ir.jets import run_op
+from soma_runtime.backends import run_op
 from tests.cuda.sm90 import LAUNCHES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def test_every_launched_kernel_compiles_for_sm90(tmp_path):
     if not LAUNCHES:                           # run on its own: the op test's cases launch the kernels
-        from tests.test_ops import CASES
+        from tests.backends.test_ops import CASES
         for case in CASES:
             op, make, _, dtype, attrs = case.values
             run_op(op, *make(dtype), backend="cuda", **attrs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from soma_runtime.api import Runtime
-from tests.encoders.tiny import FAMILIES, build
+from tests.fixtures.encoders import FAMILIES, build
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "this is a tiny test of encoders and some more words",
          "caf\u00e9 na\u00efve tokyo"]

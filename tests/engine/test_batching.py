@@ -14,7 +14,8 @@ PROMPTS = ["The capital of France is", "Write a poem about the moon.", "def fibo
 
 
 def solo(model, ids, max_tokens, **params):
-    return [t.id for t in model.engine.generate(model.request(ids, max_tokens, temperature=0, **params))]
+    """The request alone through the library's loop."""
+    return [t.id for t in model.generate(ids, max_tokens, temperature=0, **params)]
 
 
 def run_all(scheduler, requests) -> list[list[int]]:
@@ -89,10 +90,11 @@ def test_cancelled_jobs_free_their_pages_and_others_finish(smol, run_ahead):
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_sampled_requests_follow_their_seed(smol, run_ahead):
     ids = smol.tokenize(PROMPTS[3])
-    expected = [t.id for t in smol.engine.generate(smol.request(ids, 16, temperature=0.9, seed=7))]
+    expected = [t.id for t in smol.generate(ids, 16, temperature=0.9, seed=7)]
     scheduler = Scheduler(smol.engine, run_ahead=run_ahead)
     try:
-        reqs = [smol.request(ids, 16, temperature=0.9, seed=7), smol.request(smol.tokenize(PROMPTS[4]), 16, temperature=0.9, seed=1)]
+        reqs = [smol.request(ids, 16, temperature=0.9, seed=7),
+                smol.request(smol.tokenize(PROMPTS[4]), 16, temperature=0.9, seed=1)]
         assert run_all(scheduler, reqs)[0] == expected
         assert (scheduler.stats.ran_ahead > 0) == run_ahead
     finally:

@@ -16,8 +16,8 @@ import pytest
 from soma_runtime.api import Runtime
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.loaders import load
+from tests.fixtures.decoders import build_model
 from tests.hardening.files import ARRAY, STRING, U32, U64, Gguf, nested_arrays, safetensors_bytes
-from tests.llm.tiny import build_model
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,8 @@ GGUF_CASES = {
     "scores of the wrong length": (set_kv("tokenizer.ggml.scores", ARRAY, (6, [0.0] * 3)), "tokenizer.ggml.scores"),
     "200,000 nested arrays": (lambda g: g.raw_kv.append(struct.pack("<Q", 4) + b"deep" + struct.pack("<I", ARRAY)
                                                          + nested_arrays(200_000)), "nested"),
-    "an array longer than the file": (lambda g: g.raw_kv.append(struct.pack("<Q", 4) + b"long" + struct.pack("<IIQ", ARRAY, STRING, 2**40)),
-                                       "array"),
+    "an array longer than the file": (lambda g: g.raw_kv.append(struct.pack("<Q", 4) + b"long"
+                                                                + struct.pack("<IIQ", ARRAY, STRING, 2**40)), "array"),
     "a string longer than the file": (lambda g: g.raw_kv.append(struct.pack("<Q", 2**60) + b"x"), "string"),
     "NaN weights": (nan_in("blk.0.attn_q.weight"), "blk.0.attn_q.weight.*NaN"),
 }
@@ -149,7 +149,8 @@ HF_CASES = {
     "max_position_embeddings 0": (lambda c: {**c, "max_position_embeddings": 0}, "config.json.*max_position_embeddings"),
     "heads that do not share kv heads": (lambda c: {**c, "num_key_value_heads": 3}, "config.json.*kv heads"),
     "rope_parameters a string": (lambda c: {**c, "rope_parameters": "yes"}, "config.json.*rope_parameters"),
-    "rope_parameters without a factor": (lambda c: {**c, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "config.json.*rope.*factor"),
+    "rope_parameters without a factor": (lambda c: {**c, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+                                         "config.json.*rope.*factor"),
     "nested 100,000 deep": (lambda c: b"[" * 100_000 + b"]" * 100_000, "config.json.*invalid JSON"),
 }
 
@@ -174,6 +175,11 @@ def edited_header(edit):
     return make
 
 
+def span(entry: dict) -> int:
+    """The bytes a safetensors entry's data takes."""
+    return entry["data_offsets"][1] - entry["data_offsets"][0]
+
+
 def one_entry(change):
     def edit(header):
         name = next(k for k in header if k != "__metadata__")
@@ -187,10 +193,12 @@ SAFETENSORS_CASES = {
     "an entry without data_offsets": (edited_header(one_entry(lambda e: {k: v for k, v in e.items() if k != "data_offsets"})),
                                       "data_offsets"),
     "a negative shape": (edited_header(one_entry(lambda e: {**e, "shape": [-1, *e["shape"][1:]]})), "shape"),
-    "a shape that lies": (edited_header(one_entry(lambda e: {**e, "shape": [e["shape"][0] * 1000, *e["shape"][1:]]})), "does not fit"),
+    "a shape that lies": (edited_header(one_entry(lambda e: {**e, "shape": [e["shape"][0] * 1000, *e["shape"][1:]]})),
+                          "does not fit"),
     "an unknown dtype": (edited_header(one_entry(lambda e: {**e, "dtype": "F8_E9M9"})), "dtype"),
-    "overlapping tensors": (edited_header(lambda h: {**h, **{k: {**v, "data_offsets": [0, v["data_offsets"][1] - v["data_offsets"][0]]}
-                                                              for k, v in h.items() if k != "__metadata__"}}), "overlap|does not fit"),
+    "overlapping tensors": (edited_header(lambda h: {**h, **{k: {**v, "data_offsets": [0, span(v)]}
+                                                              for k, v in h.items() if k != "__metadata__"}}),
+                            "overlap|does not fit"),
     "a header longer than the file": (lambda d: safetensors_bytes({}, header_len=2**40), "header of"),
     "eight bytes": (lambda d: struct.pack("<Q", 0), "header|JSON"),
     "three bytes": (lambda d: b"abc", "safetensors"),

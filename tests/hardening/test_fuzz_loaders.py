@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
+from tests.fixtures.decoders import build_model
 from tests.hardening.files import safetensors_bytes
-from tests.llm.tiny import build_model
 
 MEMORY_CAP = 2 * 2**30          # address space a load may add on top of the worker's own
 CASES = {"gguf": 300, "safetensors": 150, "config": 150, "toml": 60}

@@ -13,7 +13,7 @@ from soma_runtime.api import Runtime
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.loaders import default_model_path, load
 from soma_runtime.loaders.gguf import read_gguf
-from tests.llm.tiny import build_model
+from tests.fixtures.decoders import build_model
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
 """Every decoder family against HF transformers on a tiny random model: logits and greedy tokens."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from soma_runtime.api import Runtime
-from tests.llm.tiny import FAMILIES, build_model
+from tests.fixtures.decoders import FAMILIES, build_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
 GAP = 1e-3     # compare greedy tokens up to the first position where HF's top-2 gap is below this
@@ -47,8 +49,7 @@ def test_greedy_tokens_match_hf(family):
     name, hf_model, tok, ours = family
     ids = tok.encode(PROMPT).ids
     want, clear = hf_greedy(hf_model, ids, 32)
-    ours.engine.stop_ids = set()
-    got = [t.id for t in ours.generate(ids, max_tokens=32, temperature=0)]
+    got = [t.id for t in ours.generate(ids, max_tokens=32, temperature=0, ignore_eos=True)]
     assert clear >= 8, f"{name}: the random model has a near-tie at step {clear}; rescale its weights"
     assert got[:clear] == want[:clear], f"{name}: greedy tokens differ within the first {clear} (clear-gap) steps"
 
@@ -65,3 +66,25 @@ def test_bf16_checkpoint_caches_in_bf16(tmp_path):
     got = ours.logits(ids)
     scale = float(np.abs(want).max())
     assert np.max(np.abs(got - want)) <= 5e-3 * scale, f"max logit error {np.max(np.abs(got - want)):.3g} of {scale:.3g}"
+
+
+def test_a_new_llama_like_family_is_one_registry_entry(tmp_path, monkeypatch):
+    """A model_type the registry does not know is refused until one entry names it; then it runs through
+    the shared template, its logits transformers' for the llama it is."""
+    from soma_runtime.architectures import registry
+    from soma_runtime.errors import UnsupportedModelError
+    hf_model, tok = build_model("llama", str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama_next"}))
+    with pytest.raises(UnsupportedModelError, match="llama_next"):
+        Runtime().load(str(tmp_path), progress=False)
+    monkeypatch.setattr(registry, "ARCHITECTURES", dict(registry.ARCHITECTURES))
+    monkeypatch.setattr(registry, "BY_GGUF_ARCH", dict(registry.BY_GGUF_ARCH))
+    registry.register(registry.ArchSpec("llama_next", "llama_next", registry.LLAMA_LIKE, gguf_rope_style="interleaved"))
+    ours = Runtime().load(str(tmp_path), progress=False)
+    ids = tok.encode(PROMPT).ids
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits[0].numpy()
+    got = ours.logits(ids)
+    assert ours.info()["model_type"] == "llama_next"
+    assert np.max(np.abs(got - want)) <= 1e-4 * max(1.0, float(np.abs(want).max()))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from soma_runtime.api import Runtime
-from tests.llm.tiny import build_model
+from tests.fixtures.decoders import build_model
 
 
 def test_stop_string_ends_generation_and_is_not_emitted(smol):

@@ -7,16 +7,15 @@ import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.convert import convert_hf_to_gguf
+from tests.fixtures.decoders import build_model
 from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
-from tests.llm.tiny import build_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "phi3"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
 
 
 def greedy(model, ids, n=32):
-    model.engine.stop_ids = set()
-    return [t.id for t in model.generate(ids, max_tokens=n, temperature=0)]
+    return [t.id for t in model.generate(ids, max_tokens=n, temperature=0, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

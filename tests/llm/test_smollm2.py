@@ -59,8 +59,9 @@ def test_greedy_chat_matches_llama_cpp(default, llama):
     assert [llama.tokenize(p.encode(), add_bos=False, special=True) for p in prompts] == ids
     wanted = [llama_greedy(llama, prompt, 64) for prompt in ids]
     tie = near_tie(wanted)
-    matched = [check_greedy(repr(q), [t.id for t in default.generate(prompt, max_tokens=len(want.tokens), temperature=0)], want, tie)
-               for q, prompt, want in zip(QUESTIONS, ids, wanted)]
+    ours = [[t.id for t in default.generate(prompt, max_tokens=len(want.tokens), temperature=0)]
+            for prompt, want in zip(ids, wanted)]
+    matched = [check_greedy(repr(q), got, want, tie) for q, got, want in zip(QUESTIONS, ours, wanted)]
     assert sum(matched) >= 48, f"too few tokens compared ({matched}); pick better-conditioned prompts"
 
 
@@ -69,7 +70,8 @@ def test_gguf_tokenizer_matches_hf_and_llama_cpp(path, default, llama):
     hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     texts = [TEXT, "Hello, world! 12345 + 678 = 13023", "Caf\u00e9 na\u00efve \u00fcber \u00e9t\u00e9",
              "\u041f\u0440\u0438\u0432\u0435\u0442, \u043a\u0430\u043a \u0434\u0435\u043b\u0430?",
-             "\u6771\u4eac\u306f\u65e5\u672c\u306e\u9996\u90fd\u3067\u3059\u3002", "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645",
+             "\u6771\u4eac\u306f\u65e5\u672c\u306e\u9996\u90fd\u3067\u3059\u3002",
+             "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645",
              "emoji \U0001F600\U0001F680 and tabs\tand\nnewlines  double  spaces", "<|im_start|>user\nhi<|im_end|>\n",
              "def f(x):\n    return x ** 2  # code"]
     for text in texts:

@@ -9,7 +9,7 @@ import numpy as np
 import tomllib
 
 from soma_runtime.api import Runtime
-from tests.llm.tiny import build_model
+from tests.fixtures.decoders import build_model
 
 
 def test_import_writes_a_soma_directory_that_loads_the_same_model(tmp_path):

@@ -28,7 +28,8 @@ def test_embeddings_over_a_unix_socket(uds_server):
     np.testing.assert_allclose(np.array([d["embedding"] for d in body["data"]]), expected, atol=1e-6)
     assert body["usage"]["prompt_tokens"] > len(TEXTS)
     _, packed = uds_server.post("/v1/embeddings", {"model": "mini", "input": TEXTS[0], "encoding_format": "base64"})
-    np.testing.assert_allclose(np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), np.float32), expected[0], atol=1e-6)
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), np.float32), expected[0],
+                               atol=1e-6)
 
 
 def test_embedding_dimensions_truncate_and_renormalize(uds_server):

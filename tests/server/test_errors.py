@@ -48,7 +48,8 @@ def test_unknown_route_and_method(server):
 
 def test_a_client_that_disconnects_frees_its_pages(server, smol):
     cancelled = server.metric("soma_generation_cancelled_total")
-    body = json.dumps({**CHAT, "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell a long story."}]})
+    messages = [{"role": "user", "content": "Tell a long story."}]
+    body = json.dumps({**CHAT, "max_tokens": 400, "stream": True, "messages": messages})
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}".encode())

@@ -6,7 +6,7 @@ import numpy as np
 import openai
 import pytest
 
-from soma_runtime.engine.sampling import log_softmax
+from soma_runtime.ir.sampling import log_softmax
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

@@ -4,7 +4,8 @@ A weight [N, K] of bf16 bits is read in place as AMX's A operand: 16 weight rows
 per tile. The activations, rounded to bf16 once per call, are packed as the B operand (pairs of
 K interleaved per activation row, 16 rows per tile). Each program owns 32 weight rows: two weight
 tiles times two activation tiles into four f32 accumulator tiles, over all of K, for every block
-of 32 activation rows; the accumulators, [weight rows, activation rows], are written transposed. f32 accumulation, bf16 inputs: the precision of torch's and llama.cpp's bf16 matmuls.
+of 32 activation rows; the accumulators, [weight rows, activation rows], are written transposed. f32 accumulation, bf16 inputs:
+the precision of torch's and llama.cpp's bf16 matmuls.
 
 Linux hands out the tile registers on request (arch_prctl); `available()` asks once. Where the
 CPU, the kernel or numba's target (NUMBA_CPU_NAME) rules AMX out, callers keep their f32 paths.

@@ -32,7 +32,8 @@ def binary_jet(ufunc):
     general = float_kernel(lambda a, b: ufunc(a, b))
 
     def run(a, b, out=None):
-        if out is not None and all_f32(a, b, out) and out.flags.c_contiguous and np.broadcast_shapes(a.shape, b.shape) == out.shape:
+        fits = out is not None and all_f32(a, b, out) and out.flags.c_contiguous
+        if fits and np.broadcast_shapes(a.shape, b.shape) == out.shape:
             return ufunc(a, b, out=out)           # residual and bias adds straight into the planned buffer
         return general(a, b, out=out)
     run.__name__ = ufunc.__name__

@@ -5,8 +5,8 @@ import numpy as np
 
 from soma_runtime.backends.cpu.common import ANY, CPU, INT, F, deliver
 from soma_runtime.dtypes import DTYPES, dtype_of
-from soma_runtime.engine.sampling import choose
 from soma_runtime.ir.jets import jet
+from soma_runtime.ir.sampling import choose
 
 
 @jet("reshape", CPU, [(ANY,)])

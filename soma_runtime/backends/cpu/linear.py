@@ -88,7 +88,9 @@ def decode_q8(a, b, bias, residual, norm, activations, epilogue) -> bool:
 
 def own_f32(result: np.ndarray) -> np.ndarray:
     """The product as a writable contiguous f32 buffer (itself when it already is one)."""
-    return result if all_f32(result) and result.flags.writeable and result.flags.c_contiguous else np.array(f32(result), order="C")
+    if all_f32(result) and result.flags.writeable and result.flags.c_contiguous:
+        return result
+    return np.array(f32(result), order="C")
 
 
 def product(a, b, out, transpose_b, activations):

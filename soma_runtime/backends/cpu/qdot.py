@@ -112,8 +112,8 @@ def matmul_q8(x: np.ndarray, data: np.ndarray, fmt: int, norm=None, eps: float =
     """x [M, K] f32 times packed weights [N, row_bytes] of a 32-block format -> [M, N] f32 (into
     `out` if given); x rmsnorm'd by `norm` (f32 [K]) first and `residual` (f32 [M, N]) added, where given."""
     out = np.empty((x.shape[0], data.shape[0]), np.float32) if out is None else out
-    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, TILE_ROWS, NONE_1D if norm is None else norm, np.float32(eps),
-                NONE_2D if residual is None else residual)
+    MATMUL[fmt](data, np.ascontiguousarray(x, dtype=np.float32), out, TILE_ROWS, NONE_1D if norm is None else norm,
+                np.float32(eps), NONE_2D if residual is None else residual)
     return out
 
 

@@ -138,6 +138,25 @@ def prefill_key(w) -> str | None:
     return f"matmul_q8/{w.dtype.name}/{w.shape[0]}x{w.shape[1]}/prefill/{','.join(names)}"
 
 
+PREFILL_ROWS = 128           # the activation rows a prefill variant is timed with
+
+
+def tune(weights, force: bool = False) -> dict[str, dict]:
+    """Time the prefill variants for every distinct weight shape in `weights` that the dispatch table
+    does not cover yet (all of them when `force`); record the winners. Returns {key: {"choice": name,
+    "seconds": {variant: best time}}} for what was measured."""
+    measured = {}
+    for w in weights:
+        key = prefill_key(w)
+        if key is None or key in measured or (not force and schedule.choice(key) is not None):
+            continue
+        best, times = schedule.fastest(prefill_variants(w, PREFILL_ROWS))
+        measured[key] = {"choice": best, "seconds": times}
+    if measured:
+        schedule.record({k: v["choice"] for k, v in measured.items()})
+    return measured
+
+
 def prefill_variants(w: QTensor, rows: int) -> dict:
     """The kernels a prefill matmul with `w` can run, as calls on random activations: integer block
     dots (32-block formats), dequantized tiles through BLAS (the activations q8-rounded for those

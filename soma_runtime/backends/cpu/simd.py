@@ -117,7 +117,8 @@ def dot_groups(builder, unsigned, signed, acc, vnni: str | None):
     lanes = acc.type.count
     if vnni == "avx512" or (vnni == "avx" and lanes == 8):
         name = f"llvm.x86.avx512.vpdpbusd.{lanes * 32}" if vnni == "avx512" else "llvm.x86.avxvnni.vpdpbusd.256"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type, unsigned.type, signed.type]), name)
+        signature = ir.FunctionType(acc.type, [acc.type, unsigned.type, signed.type])
+        fn = cgutils.get_or_insert_function(builder.module, signature, name)
         return builder.call(fn, [acc, unsigned, signed])
     if vnni == "avx":                                 # 256-bit VNNI only: two halves
         halves = [dot_groups(builder, *(builder.shuffle_vector(v, v, const_vec(I32, list(range(h * n, h * n + n))))
@@ -189,8 +190,8 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, groups, m0, n, out):
 
         def step(b, count):
             """Blocks b .. b + count - 1 (count 1 or 2) into every row's accumulator."""
-            decoded = [decode_block(builder, builder.gep(row, [builder.mul(builder.add(b, const(i)), const(layout.size))]), layout)
-                       for i in range(count)]
+            decoded = [decode_block(builder, builder.gep(row, [builder.mul(builder.add(b, const(i)), const(layout.size))]),
+                                    layout) for i in range(count)]
             weights = decoded[0][0] if count == 1 else concat(builder, decoded[0][0], decoded[1][0])
             scales = [splat(builder, x[1]) for x in decoded]
             scales = scales[0] if count == 1 else concat(builder, *scales)
@@ -203,17 +204,19 @@ def row_dots(typingctx, fmt, rows, portable, w, qs, d, s, groups, m0, n, out):
                 quants = load(builder, qs.data, builder.add(builder.mul(m, k), builder.mul(b, const(32))), vec(I8, 32 * count))
                 start = zeros(vec(I32, 8 * count))
                 if layout.bias:                                        # -bias * (sum of each 4 activations)
-                    sums = load(builder, groups.data, builder.add(builder.mul(m, builder.udiv(k, const(4))), builder.mul(b, const(8))),
-                                vec(I32, 8 * count))
+                    at = builder.add(builder.mul(m, builder.udiv(k, const(4))), builder.mul(b, const(8)))
+                    sums = load(builder, groups.data, at, vec(I32, 8 * count))
                     start = builder.sub(start, builder.shl(sums, const_vec(I32, [layout.bias.bit_length() - 1] * 8 * count)))
                 total = dot_groups(builder, weights, quants, start, vnni)
                 act = load(builder, d.data, builder.add(builder.mul(m, blocks), b), vec(F32, count))
-                act = builder.fmul(scales, builder.shuffle_vector(act, act, const_vec(I32, [i for i in range(count) for _ in range(8)])))
+                spread = const_vec(I32, [i for i in range(count) for _ in range(8)])
+                act = builder.fmul(scales, builder.shuffle_vector(act, act, spread))
                 term = builder.sitofp(total, vec(F32, 8 * count))
                 acc = builder.load(accs[r])
                 for i in range(count):         # block by block into 8 lanes: ggml's order of float sums
                     lanes = const_vec(I32, list(range(8 * i, 8 * i + 8)))
-                    acc = fmuladd(builder, builder.shuffle_vector(term, term, lanes), builder.shuffle_vector(act, act, lanes), acc)
+                    terms, acts = builder.shuffle_vector(term, term, lanes), builder.shuffle_vector(act, act, lanes)
+                    acc = fmuladd(builder, terms, acts, acc)
                 builder.store(acc, accs[r])
 
         pairs = builder.udiv(blocks, const(2))

@@ -2,8 +2,8 @@
 row's context) reads its slots in tiles, the query heads of the group together (GQA), with an online
 softmax; the last share of a (row, kv head) to finish merges them all (flash-decoding in one kernel:
 a count per pair, in device memory). Products run on the tensor cores in f32 accuracy: tf32x3, or
-two tf32 passes against a 16-bit cache, whose values tf32 holds exactly (as fp32 FMA dots, 128-wide
-heads took 94 us a layer on an H200). With `spans`, a row reads only its own span of the context: a
+two tf32 passes against a 16-bit cache, whose values tf32 holds exactly (fp32 FMA dots are several
+times slower). With `spans`, a row reads only its own span of the context: a
 batch's rows each read their own sequence, never the others' segments or the padding. Masked-out
 keys weigh nothing. Prefill and decode share it."""
 from __future__ import annotations
@@ -60,23 +60,23 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, scale, softcap, half, HAS_MASK: tl.constexpr,
-                            HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, ROUND_Q: tl.constexpr,
-                            EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                            BV: tl.constexpr, CHUNK: tl.constexpr):
+                            count_ptr, out_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, scale, softcap, half,
+                            HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr,
+                            ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
+                            BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr):
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
     share's unnormalized output, running max and sum for each query head of the group; the last share
     to finish merges them all (with one share, it stores its own). The span, the first tile's slots
     and mask and the queries' rope angles load before the wait (the step's inputs: none of its kernels
-    writes them), each next tile's a tile ahead. (On an H200, 1B decode: storing a decode row's new key
-    and value here, kv_append's work, its first tile's keys and values loaded before the wait, lost 3%;
-    the first tile's older keys and values alone loaded before the wait, 0.5%.)"""
+    writes them), each next tile's a tile ahead; keys and values load after the wait (earlier lost:
+    bench/results/design-notes.md)."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
     lo, hi = 0, T
     if HAS_SPANS:
-        lo, hi = tl.maximum(tl.load(spans_ptr + 2 * s).to(tl.int32), 0), tl.minimum(tl.load(spans_ptr + 2 * s + 1).to(tl.int32), T)
+        lo = tl.maximum(tl.load(spans_ptr + 2 * s).to(tl.int32), 0)
+        hi = tl.minimum(tl.load(spans_ptr + 2 * s + 1).to(tl.int32), T)
     share = tl.cdiv(tl.cdiv(hi - lo, splits), BT) * BT
     begin = lo + c * share
     end = tl.minimum(hi, begin + share)
@@ -165,8 +165,8 @@ def tiling(width: int, shares: bool) -> tuple[int, int, int]:
     is split in shares (a decode) or not (a prompt's rows). 64 slots, three stages, as a rule; for heads
     wider than 128 (Gemma's 256) 32 and two (their 64-slot tiles spill 0.5-1.6 KB of registers on sm_90,
     and three stages of 32 spill with an f32 cache). Eight warps for heads 128 wide (four spill) and a
-    decode's shares; at 64 dims and fewer, its shares take 32 slots and four warps (1B decode on an H200,
-    graphed: 6.0 -> 5.4 us a layer); a prompt's rows narrower than 128 keep four (eight spilled)."""
+    decode's shares; at 64 dims and fewer, its shares take 32 slots and four warps (faster, as swept on an
+    H200); a prompt's rows narrower than 128 keep four (eight spilled)."""
     if width > 128:
         return 32, 2, 8
     if shares and width <= 64:
@@ -199,14 +199,15 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     part = torch.empty((S * H * splits, Dv), dtype=torch.float32, device=q.device)
     top, total = (torch.empty(S * H * splits, dtype=torch.float32, device=q.device) for _ in range(2))
     out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
-    BD, BV, G, SPLITS = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv)), triton.next_power_of_2(H // KV), \
-        triton.next_power_of_2(splits)
+    BD, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    G, SPLITS = triton.next_power_of_2(H // KV), triton.next_power_of_2(splits)
     # 16-bit caches hold values exact in tf32: their products need two passes, not three
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, q.stride(0), T, splits, H, KV, D, Dv, float(1 / math.sqrt(D) if scale is None else scale),
-        float(softcap), 0 if rope is None else inv_freq.shape[0], HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
+        total, finished_counts(q.device), out, q.stride(0), T, splits, H, KV, D, Dv,
+        float(1 / math.sqrt(D) if scale is None else scale), float(softcap), 0 if rope is None else inv_freq.shape[0],
+        HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
         CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=warps, num_stages=stages)

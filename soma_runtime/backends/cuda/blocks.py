@@ -10,7 +10,11 @@ import triton.language as tl
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, DeviceQTensor, F, device_jet
 from soma_runtime.ir.jets import jet
+from soma_runtime.quant import formats
 
+# the GGUF type ids kernels branch on, as constants the JIT reads
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (tl.constexpr(formats.Q4_0), tl.constexpr(formats.Q4_1), tl.constexpr(formats.Q8_0),
+                                      tl.constexpr(formats.Q4_K), tl.constexpr(formats.Q5_K), tl.constexpr(formats.Q6_K))
 QUANTIZED = ("q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K")       # the formats the device decodes
 
 
@@ -36,24 +40,24 @@ def decode_int8(rows, b, blocks, FMT: tl.constexpr):
     32-weight formats planar, q4_K as GGUF stores it) -> (q [S..., 32] int8, scale [S...], min [S...]):
     a weight is scale * q (+ min for q4_1 and q4_K)."""
     j = tl.arange(0, 32)
-    if FMT == 12 or FMT == 13:                              # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
-        base = rows + (b // 8) * (144 if FMT == 12 else 176)   # q5_K: 32 bytes of high bits before the qs
+    if FMT == Q4_K or FMT == Q5_K:                              # q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 qs
+        base = rows + (b // 8) * (144 if FMT == Q4_K else 176)   # q5_K: 32 bytes of high bits before the qs
         sub = b % 8
         sc, mn = scale_min(tl.load(base + 4 + sub % 4), tl.load(base + 8 + sub % 4), tl.load(base + 12 + sub % 4), sub)
-        byte = tl.load(tl.expand_dims(base + (16 if FMT == 12 else 48) + (sub // 2) * 32, -1) + j)
+        byte = tl.load(tl.expand_dims(base + (16 if FMT == Q4_K else 48) + (sub // 2) * 32, -1) + j)
         q = (byte >> tl.expand_dims((sub % 2) * 4, -1)) & 15
-        if FMT == 13:                                       # bit `sub` of high byte j: weight j's fifth bit
+        if FMT == Q5_K:                                       # bit `sub` of high byte j: weight j's fifth bit
             q |= ((tl.load(tl.expand_dims(base + 16, -1) + j) >> tl.expand_dims(sub, -1)) & 1) << 4
         return q.to(tl.int8), f16_at(base) * sc, -(f16_at(base + 2) * mn)
-    quant_bytes: tl.constexpr = 32 if FMT == 8 else 16
+    quant_bytes: tl.constexpr = 32 if FMT == Q8_0 else 16
     scales = rows + blocks * quant_bytes + 2 * b
     d = f16_at(scales)
-    if FMT == 8:                                            # q8_0: 32 x int8
+    if FMT == Q8_0:                                            # q8_0: 32 x int8
         q = tl.load(tl.expand_dims(rows + b * 32, -1) + j).to(tl.int8, bitcast=True)
         return q, d, d * 0.0
     byte = tl.load(tl.expand_dims(rows + b * 16, -1) + j % 16)
     q = ((byte >> ((j // 16) * 4)) & 15).to(tl.int8)        # low nibbles hold weights 0..15
-    if FMT == 2:                                            # q4_0: q - 8
+    if FMT == Q4_0:                                            # q4_0: q - 8
         return q - 8, d, d * 0.0
     return q, d, f16_at(scales + 2 * blocks)               # q4_1: a min after the scales
 
@@ -76,7 +80,7 @@ def q6k_int8(rows, b, blocks):
 @triton.jit
 def decode_f32(rows, b, blocks, FMT: tl.constexpr):
     """Weights b*32 .. b*32+31 of each row, decoded to f32 [S..., 32] (shapes as `decode_int8`)."""
-    if FMT == 14:
+    if FMT == Q6_K:
         q, first, second = q6k_int8(rows, b, blocks)
         return tl.where(tl.arange(0, 32) < 16, tl.expand_dims(first, -1), tl.expand_dims(second, -1)) * q.to(tl.float32)
     q, d, m = decode_int8(rows, b, blocks, FMT)

@@ -1,9 +1,8 @@
 """Programmatic dependent launch (Hopper and later) inside CUDA graphs: each kernel of a captured
 decode step is launched while the one before it still runs, and waits inside for that one's
 results. A decode step is ~200 small dependent kernels; each one's launch and ramp-up then overlaps
-the tail of the one before instead of following it (1B decode on an H200: bf16 +11%, q4_0 +17%).
-Kernels launched outside a graph (a prompt's large ones) are not chained: a q4_0 prefill lost a
-fifth of its speed chained.
+the tail of the one before instead of following it. Kernels launched outside a graph (a prompt's
+large ones) are not chained: they lose by it (bench/results/design-notes.md).
 
 A `chained` kernel's body starts with `after_prior()`: launched early, it must wait before it reads
 anything. Without PDL (older GPUs, the interpreter) both are plain launches and no-ops."""

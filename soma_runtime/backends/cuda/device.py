@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from soma_runtime.dtypes import QTensor, dtype
+from soma_runtime.quant import formats
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = "cuda"                           # the backend's name, as jets register under it
@@ -35,8 +36,8 @@ def device() -> torch.device:
 
 
 # GGML ids of the formats stored planar -> the byte ranges of a block that become planes, in plane order
-PLANES = {2: ((2, 18), (0, 2)), 3: ((4, 20), (0, 2), (2, 4)), 8: ((2, 34), (0, 2)),
-          14: ((0, 128), (128, 192), (192, 208), (208, 210))}
+PLANES = {formats.Q4_0: ((2, 18), (0, 2)), formats.Q4_1: ((4, 20), (0, 2), (2, 4)), formats.Q8_0: ((2, 34), (0, 2)),
+          formats.Q6_K: ((0, 128), (128, 192), (192, 208), (208, 210))}
 
 
 class DeviceQTensor:
@@ -117,8 +118,8 @@ def blocked(rows: torch.Tensor, kind, n: int) -> torch.Tensor:
 
 def strided_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x as rows of `width` contiguous values, however far apart the rows lie: a batch's queries, keys
-    and values are views into its fused qkv product, read where they are (copied, three a layer, they
-    took 78 us of a 1B batch-32 decode step on an H200); copied only where a row's values are not contiguous."""
+    and values are views into its fused qkv product, read where they are (three copies a layer cost a
+    batched decode step dearly); copied only where a row's values are not contiguous."""
     rows = x.reshape(-1, width)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 

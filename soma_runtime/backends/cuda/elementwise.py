@@ -11,8 +11,10 @@ from soma_runtime.backends.cuda.device import CUDA, TORCH, F, device_jet
 from soma_runtime.ir.jets import jet
 
 BLOCK = 1024
-BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
-UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5}
+BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "minimum": 5, "maximum": 6}
+UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5, "exp": 7, "log": 8, "sqrt": 9,
+         "rsqrt": 10, "reciprocal": 11, "erf": 12, "sin": 13, "cos": 14, "floor": 15, "ceil": 16, "round": 17, "neg": 18,
+         "abs": 19, "clip": 20}
 GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
 
 
@@ -32,7 +34,28 @@ def _erf(x):
 
 
 @triton.jit
-def activate(x, kind: tl.constexpr, slope):
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _power(a, b):
+    """a ** b for any sign of a: |a| ** b through exp2 and log2, negated for a < 0 and an odd integer b,
+    NaN for a < 0 and a fractional b, 1 for b = 0."""
+    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
+    whole = tl.floor(b) == b
+    odd = whole & ((b - 2.0 * tl.floor(b * 0.5)) != 0.0)
+    signed = tl.where(odd, -magnitude, magnitude)
+    y = tl.where(a < 0, tl.where(whole, signed, float("nan")), magnitude)
+    return tl.where(b == 0, 1.0, y)
+
+
+@triton.jit
+def activate(x, kind: tl.constexpr, a, b):
+    """The unary function `kind` (UNARY's numbers) of x; `a` is leaky_relu's slope and clip's low bound,
+    `b` clip's high one."""
     if kind == 0:
         y = x * tl.sigmoid(x)
     elif kind == 1:
@@ -42,11 +65,39 @@ def activate(x, kind: tl.constexpr, slope):
     elif kind == 3:
         y = tl.maximum(x, 0.0)
     elif kind == 4:
-        y = tl.where(x >= 0, x, x * slope)
+        y = tl.where(x >= 0, x, x * a)
     elif kind == 5:
         y = 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
-    else:                                          # gelu, tanh approximation
+    elif kind == 6:                                # gelu, tanh approximation
         y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif kind == 7:
+        y = tl.exp(x)
+    elif kind == 8:
+        y = tl.log(x)
+    elif kind == 9:
+        y = tl.sqrt(x)
+    elif kind == 10:
+        y = 1.0 / tl.sqrt(x)
+    elif kind == 11:
+        y = 1.0 / x
+    elif kind == 12:
+        y = _erf(x)
+    elif kind == 13:
+        y = tl.sin(x)
+    elif kind == 14:
+        y = tl.cos(x)
+    elif kind == 15:
+        y = tl.floor(x)
+    elif kind == 16:
+        y = tl.ceil(x)
+    elif kind == 17:
+        y = _round_half_even(x)
+    elif kind == 18:
+        y = -x
+    elif kind == 19:
+        y = tl.abs(x)
+    else:
+        y = tl.minimum(tl.maximum(x, a), b)
     return y
 
 
@@ -64,19 +115,25 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constex
         y = a - b
     elif op == 2:
         y = a * b
-    else:
+    elif op == 3:
         y = a / b
+    elif op == 4:
+        y = _power(a, b)
+    elif op == 5:
+        y = tl.minimum(a, b)
+    else:
+        y = tl.maximum(a, b)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @chained
 @triton.jit
-def _unary_kernel(x_ptr, out_ptr, n, kind: tl.constexpr, slope, BLOCK: tl.constexpr):
+def _unary_kernel(x_ptr, out_ptr, n, kind: tl.constexpr, a, b, BLOCK: tl.constexpr):
     after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
-    tl.store(out_ptr + offs, activate(x, kind, slope).to(out_ptr.dtype.element_ty), mask=keep)
+    tl.store(out_ptr + offs, activate(x, kind, a, b).to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @chained
@@ -88,7 +145,7 @@ def _gated_kernel(gate_ptr, up_ptr, out_ptr, n, step, kind: tl.constexpr, BLOCK:
     keep = offs < n
     g = tl.load(gate_ptr + offs * step, mask=keep).to(tl.float32)
     u = tl.load(up_ptr + offs * step, mask=keep).to(tl.float32)
-    tl.store(out_ptr + offs, (activate(g, kind, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
+    tl.store(out_ptr + offs, (activate(g, kind, 0.0, 0.0) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @chained
@@ -119,16 +176,18 @@ for _name, _op in BINARY.items():
     jet(_name, CUDA, [(F, F)])(binary_jet(_op))
 
 
-def unary(x, kind: int, negative_slope=0.01, approximate="none"):
+def unary(x, kind: int, negative_slope=0.01, approximate="none", min=None, max=None):
     x = x.contiguous()
     out = torch.empty_like(x)
     code = GELU_TANH if kind == UNARY["gelu"] and approximate == "tanh" else kind
-    _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, slope=float(negative_slope), BLOCK=BLOCK)
+    low = float(negative_slope) if kind == UNARY["leaky_relu"] else -float("inf") if min is None else float(min)
+    _unary_kernel[flat_grid(x.numel())](x, out, x.numel(), kind=code, a=low, b=float("inf") if max is None else float(max),
+                                        BLOCK=BLOCK)
     return out
 
 
 def unary_jet(kind: int):
-    return device_jet(lambda x, negative_slope=0.01, approximate="none": unary(x, kind, negative_slope, approximate))
+    return device_jet(lambda x, **attrs: unary(x, kind, **attrs))
 
 
 for _name, _kind in UNARY.items():

@@ -20,7 +20,7 @@ def store_products(out_ptr, res_ptr, m, N, pn, y, HAS_RES: tl.constexpr, GATE: t
     PAIRS: tl.constexpr = 1 if GATE < 0 else 2
     if GATE >= 0:
         gate, up = tl.split(tl.reshape(y, (BN // 2, 2)))
-        y = activate(gate, GATE, 0.0) * up
+        y = activate(gate, GATE, 0.0, 0.0) * up
     _store_row(out_ptr, res_ptr, m, N // PAIRS, pn * (BN // PAIRS) + tl.arange(0, BN // PAIRS), y, HAS_RES)
 
 

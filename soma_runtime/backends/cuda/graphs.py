@@ -1,19 +1,22 @@
 """CUDA graphs: a plan's whole run captured once and replayed, so a decode step costs one launch
-from Python instead of hundreds. The host inputs of a step (tokens, positions, slots, masks, ...)
-live in one device buffer and cross in one copy from one pinned buffer of the same layout: a copy
-per input cost a 1B decode step on an H200 40-50 us of copy-engine turns, one copy ~15 (+1.7%). Inputs
-that come as device tensors (an earlier step's tokens) are copied on the device; shared inputs (the
-KV pages) are captured as themselves and must be the same tensors every time, as the pool's are.
-The captured kernels are chained (chain.py): each launched while the one before it finishes."""
+from Python instead of hundreds. The host inputs of a step (tokens, positions, slots, spans, ...)
+live in one device buffer and cross in one copy from one pinned buffer of the same layout (a copy per
+input costs a turn of the copy engine each). Inputs that come as device tensors (an earlier step's
+tokens) are copied on the device; shared inputs (the KV pages) are captured as themselves and must be
+the same tensors every time, as the pool's are. The captured kernels are chained (chain.py): each
+launched while the one before it finishes."""
 from __future__ import annotations
 
 import torch
 
+from soma_runtime.backends.base import Captures
 from soma_runtime.backends.cuda.chain import chaining
 from soma_runtime.backends.cuda.device import place
 from soma_runtime.errors import GraphError
 
 ALIGN = 256            # each input's offset in the packed buffers
+GRAPH_ROWS = 32        # steps of up to this many rows replay as one graph ...
+GRAPH_CONTEXT = 512    # ... with the context padded to a multiple of this (one graph per size)
 
 
 class GraphedPlan:
@@ -66,5 +69,19 @@ class GraphedPlan:
         return self.outputs
 
 
-def graphed(plan, inputs: dict, shared: set) -> GraphedPlan:
-    return GraphedPlan(plan, inputs, shared)
+class GraphedSteps(Captures):
+    """A model's decode-sized steps, each shape captured once and replayed."""
+
+    def __init__(self):
+        self.graphs: dict[tuple[int, int], GraphedPlan] = {}
+
+    def context(self, rows: int, needed: int) -> int:
+        return -(-needed // GRAPH_CONTEXT) * GRAPH_CONTEXT if rows <= GRAPH_ROWS else needed
+
+    def run(self, plan, inputs: dict, shared: set, rows: int, context: int) -> list:
+        if rows > GRAPH_ROWS:
+            return plan.run(inputs)
+        key = (id(plan), context)
+        if key not in self.graphs:
+            self.graphs[key] = GraphedPlan(plan, inputs, shared)
+        return self.graphs[key].run(inputs)

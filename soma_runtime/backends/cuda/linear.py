@@ -18,14 +18,14 @@ from soma_runtime.ir.jets import jet
 
 BF16_DOT = tl.constexpr(not INTERPRET)
 SKINNY_ROWS = 64       # up to this many activation rows, against bf16 weights, the decode-batch kernel
-# dense matrix-vector (BN, BK, warps) for N rows up to K long: the first (longest K, most N) that holds, as swept on an
-# H200, graphed and chained, L2 cold; the 1B decode's products, each in its place in a step (us):
+# dense matrix-vector (BN, BK, warps) for N rows up to K long: the first (longest K, most N) that holds, as swept
+# on an H200 in place in decode steps (bench/sweep_cuda.py): the o projection, qkv, gate_up, a vocabulary head, 8B
 GEMV_TILES = ((1024, None, (4, 1024, 2)),
-              (2048, 2048, (4, 2048, 4)),      # the o projection, after attention: 4.47 -> 3.91
-              (2048, 8191, (4, 1024, 2)),      # qkv (with 2048-wide steps and four warps: 1.5% slower decode)
-              (2048, 65535, (8, 512, 2)),      # gate_up: 19.5 -> 19.1
-              (2048, None, (8, 1024, 4)),      # a vocabulary head: 127.0 -> 121.1 (4.34 TB/s)
-              (8191, None, (8, 512, 2)), (8192, None, (4, 2048, 4)), (None, None, (8, 1024, 4)))   # 8B shapes: 1B tiles lost 2%
+              (2048, 2048, (4, 2048, 4)),
+              (2048, 8191, (4, 1024, 2)),
+              (2048, 65535, (8, 512, 2)),
+              (2048, None, (8, 1024, 4)),
+              (8191, None, (8, 512, 2)), (8192, None, (4, 2048, 4)), (None, None, (8, 1024, 4)))
 
 
 @chained
@@ -34,13 +34,8 @@ def _gemv_kernel(x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, swn, swk, eps, NOR
                  GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One activation row times BN dense weight rows (any float type, read once, f32 math). With NORM,
     of the row rms-normalized by weight g: the products of x * g, scaled by the row's 1/rms, whose
-    squares are summed in the same pass; with a GATE, over (gate, up) row pairs (8B bf16 decode on an
-    H200: 222.6 -> 227.0 tok/s). (Loading each step's weights a step ahead, the first before the wait,
-    cost 3% at 1B and 8% at 8B; so did a bulk L2 prefetch of a program's rows before the wait, 14% and
-    21%; the next products' weights asked of L2 during attention, 4-13% at 1B; a grid-stride loop over
-    row blocks in fewer programs, 1-24%; a layer's o, gate_up and down in one launch, phases joined by
-    in-kernel barriers, 8%; a one-tile program's weights loaded before the wait, the o projection's
-    during attention, 2%: bench/results/h200-llm_cuda.json.)"""
+    squares are summed in the same pass; with a GATE, over (gate, up) row pairs. Weights load after the
+    wait, in one pass: every earlier load tried lost (bench/results/design-notes.md)."""
     after_prior()
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
@@ -73,8 +68,10 @@ def _matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sab, sam, sak, sbb, sbn, sbk,
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in tl.range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + batch * sab + m[:, None] * sam + k[None, :] * sak, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + batch * sbb + n[:, None] * sbn + k[None, :] * sbk, mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + batch * sab + m[:, None] * sam + k[None, :] * sak, mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        b = tl.load(b_ptr + batch * sbb + n[:, None] * sbn + k[None, :] * sbk, mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0)
         if F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="tf32x3")
         else:
@@ -113,8 +110,7 @@ def _skinny_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, sbn, BN: tl.constexpr,
         rest = x - high.to(tl.float32)
         mid = rest.to(tl.bfloat16)
         low = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-        # a step's products sum apart, then join in one rounded f32 add: a long chain of tensor-core
-        # accumulations (which truncate) lost 20x f32's accuracy at K = 4096 on the H200
+        # a step's products sum apart, then join in one rounded f32 add: tensor-core accumulations truncate
         acc += _bf16_dot(w, low, _bf16_dot(w, mid, _bf16_dot(w, high, tl.zeros((BN, BM), tl.float32))))
     tl.store(out_ptr + split * M * N + m[None, :] * N + n[:, None], acc, mask=(m[None, :] < M) & (n[:, None] < N))
 
@@ -156,8 +152,9 @@ def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None, gate=NO_GA
     BN, BK, warps, stages, split = skinny_tiles(N)
     out = torch.empty((M, N), dtype=torch.float32, device=rows.device)
     parts = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=rows.device)
-    _skinny_matmul_kernel[(triton.cdiv(N, BN), split)](rows, w, parts, M, N, K, w.stride(0), BN=BN, BM=max(16, triton.next_power_of_2(M)),
-                                                      BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
+    _skinny_matmul_kernel[(triton.cdiv(N, BN), split)](rows, w, parts, M, N, K, w.stride(0), BN=BN,
+                                                      BM=max(16, triton.next_power_of_2(M)), BK=BK, SPLIT=split,
+                                                      num_warps=warps, num_stages=stages)
     join = residual if split > 1 and gate == NO_GATE else None      # added as the K splits sum (a gate comes first)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, gemv_residual(join, out), out, M * N, SPLIT=split,
@@ -177,14 +174,15 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N if gate == NO_GATE else N // 2), dtype=a.dtype, device=a.device)
         BN, BK, warps = gemv_tiles(N, K)
-        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, rows if norm is None else norm[0], gemv_residual(residual, out),
-                                                          out, N, K, bt.stride(0), bt.stride(1), 0.0 if norm is None else float(norm[1]),
-                                                          NORM=norm is not None, HAS_RES=residual is not None, GATE=gate, BN=BN, BK=BK,
-                                                          num_warps=warps)
+        weight, eps = (rows, 0.0) if norm is None else (norm[0], float(norm[1]))
+        _gemv_kernel[(triton.cdiv(N, BN), rows.shape[0])](rows, bt, weight, gemv_residual(residual, out), out, N, K, bt.stride(0),
+                                                          bt.stride(1), eps, NORM=norm is not None, HAS_RES=residual is not None,
+                                                          GATE=gate, BN=BN, BK=BK, num_warps=warps)
         return out.reshape(*a.shape[:-1], out.shape[1])
     if norm is not None:
         a = normalized(a.contiguous(), norm)
-    if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and a.numel() // a.shape[-1] <= SKINNY_ROWS:
+    skinny = a.numel() // a.shape[-1] <= SKINNY_ROWS
+    if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and skinny:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         out = skinny_matmul(rows, bt, residual, gate)
         return out.reshape(*a.shape[:-1], out.shape[-1])

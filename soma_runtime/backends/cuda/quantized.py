@@ -2,7 +2,7 @@
 (blocks.py). With `activations="q8"` (llama.cpp's scheme, as on CPU) q8_0/q4_0/q4_1 weights meet
 q8-quantized activations in exact integer dots (int8 tensor cores, or dp4a for one row), one scale
 multiply-add per block; so do q4_K/q5_K/q6_K weights, as in llama.cpp's CUDA kernels (the CPU keeps
-their activations f32: 1B q4_K decode on an H200 went from 597 to 1459 tok/s). Otherwise blocks are
+their activations f32; on the GPU the integer dots are over twice as fast). Otherwise blocks are
 decoded to f32 and multiplied in f32 ("ieee": no tf32 rounding).
 """
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from soma_runtime.backends.cuda.blocks import decode_f32, decode_int8, q6k_int8, scale_min
+from soma_runtime.backends.cuda.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, decode_f32, decode_int8, q6k_int8, scale_min
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import INTERPRET, DeviceQTensor
 from soma_runtime.backends.cuda.fused import NO_GATE, finished, gemv_residual, normalized, store_products
 
-INT8_FORMATS = (2, 3, 8)               # GGUF ids of the 32-weight formats (q4_0, q4_1, q8_0): planar
-Q8_FORMATS = (*INT8_FORMATS, 12, 13, 14)   # ... and of q4_K, q5_K, q6_K: weights that meet q8 activations in integer dots
+INT8_FORMATS = (Q4_0.value, Q4_1.value, Q8_0.value)           # the 32-weight formats: planar
+Q8_FORMATS = (*INT8_FORMATS, Q4_K.value, Q5_K.value, Q6_K.value)   # ... and the K-quants that meet q8 activations in integer dots
 DP4A = tl.constexpr(not INTERPRET)        # the byte dot-product instruction, through inline PTX
 SIGN_BITS = tl.constexpr(-0x7F7F7F80)     # 0x80808080 as an int32
 GEMV_ROWS = 4          # up to this many activation rows, a matrix-vector kernel per row (decode)
@@ -36,9 +36,9 @@ def _quantize_q8_kernel(x_ptr, norm_ptr, q_ptr, d_ptr, s_ptr, blocks, eps, NORM:
                         BPP: tl.constexpr, WHOLE: tl.constexpr):
     """BPP 32-blocks of one row: d = f16(amax / 127), q = rint(x * 127 / amax), s = f16(amax / 127 * sum q),
     as the CPU kernels (and ggml's x86 code) compute them; with NORM, of the rms-normalized row: WHOLE,
-    one program holds the row and takes its 1/rms from the values it quantizes (8B q4_0 decode on an
-    H200: 3.1 -> 2.4 us, where each of 128 one-block programs read the row again); else read ROW values
-    a round of loads. A plain row keeps a program per block: in one program, 1.2 -> 2.8 us."""
+    one program holds the row and takes its 1/rms from the values it quantizes (rather than each
+    one-block program reading the row again); else read ROW values a round of loads. A plain row keeps
+    a program per block (one program for it all is slower)."""
     row, p = tl.program_id(0), tl.program_id(1)
     b = p * BPP + tl.arange(0, BPP)
     at = b[:, None] * 32 + tl.arange(0, 32)[None, :]                  # [BPP, 32]
@@ -98,7 +98,7 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
         if Q8:
             xq = tl.load(xq_ptr + m[:, None] * blocks * 32 + b * 32 + j[None, :], mask=m_ok[:, None], other=0)
             xd = tl.load(xd_ptr + m * blocks + b, mask=m_ok, other=0.0)
-            if FMT == 14:                                   # q6_K: a scale per 16 weights, so a dot per half
+            if FMT == Q6_K:                                   # q6_K: a scale per 16 weights, so a dot per half
                 wq, first, second = q6k_int8(rows_ptr, b, blocks)
                 lead = tl.dot(tl.where(j[None, :] < 16, xq, 0), tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
                 tail = tl.dot(tl.where(j[None, :] >= 16, xq, 0), tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
@@ -107,9 +107,9 @@ def _qmatmul_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, blocks,
                 wq, wd, wm = decode_int8(rows_ptr, b, blocks, FMT)
                 dot = tl.dot(xq, tl.trans(wq), out_dtype=tl.int32).to(tl.float32)
                 acc += dot * (xd[:, None] * wd[None, :])
-                if FMT == 3:
+                if FMT == Q4_1:
                     acc += tl.load(xs_ptr + m * blocks + b, mask=m_ok, other=0.0)[:, None] * wm[None, :]
-                elif FMT == 12 or FMT == 13:                # q4_K's and q5_K's min times the block's exact sum
+                elif FMT == Q4_K or FMT == Q5_K:                # q4_K's and q5_K's min times the block's exact sum
                     acc += (xd * tl.sum(xq.to(tl.int32), 1).to(tl.float32))[:, None] * wm[None, :]
         else:
             w = decode_f32(rows_ptr, b, blocks, FMT)
@@ -145,16 +145,15 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
     """One activation row (program axis 1) times BN weight rows, NB blocks per step: decode reads
     the weights once and keeps many rows in flight (the bandwidth-bound case). The planar 32-block
     formats are read as 32-bit words of quants (16-byte loads), a step ahead: the first step's
-    weights load while the kernel before still runs (measured this way only, unlike the dense
-    GEMV, which lost with it); so are the K-quants' under q8 activations, NB chunks (of 64 / 128
-    weights) a step. With a GATE, the rows come in (gate, up) pairs: BN / 2 activated results (one
-    kernel fewer per layer: 1B q4_0 decode +4% on an H200)."""
+    weights load while the kernel before still runs (here it pays, unlike the dense GEMV); so are the
+    K-quants' under q8 activations, NB chunks (of 64 / 128 weights) a step. With a GATE, the rows come
+    in (gate, up) pairs: BN / 2 activated results (one kernel fewer per layer)."""
     pn, m = tl.program_id(0), tl.program_id(1)
     n = pn * BN + tl.arange(0, BN)
     rows = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * row_bytes                               # [BN]
-    PLANAR: tl.constexpr = FMT == 2 or FMT == 3 or FMT == 8
-    Q45K: tl.constexpr = Q8 and (FMT == 12 or FMT == 13)    # K-quants under q8 activations: chunks of 64 / 128 weights
-    Q6K: tl.constexpr = Q8 and FMT == 14
+    PLANAR: tl.constexpr = FMT == Q4_0 or FMT == Q4_1 or FMT == Q8_0
+    Q45K: tl.constexpr = Q8 and (FMT == Q4_K or FMT == Q5_K)    # K-quants under q8 activations: chunks of 64 / 128 weights
+    Q6K: tl.constexpr = Q8 and FMT == Q6_K
     PER: tl.constexpr = 2 if Q45K else (4 if Q6K else 1)    # 32-blocks a chunk (else a block a step's unit)
     if PLANAR:
         words, d, mn = _planar_blocks(rows, 0, blocks, FMT, NB)
@@ -193,7 +192,7 @@ def _qgemv_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, res_ptr, out_ptr, N, blo
 def _planar_blocks(rows, b0, blocks, FMT: tl.constexpr, NB: tl.constexpr):
     """Blocks b0 .. b0+NB-1 of planar rows [BN] (none past the last): their quants as 32-bit words
     [BN, NB, words], their scales [BN, NB] and q4_1's mins (else the scales again)."""
-    words_per_block: tl.constexpr = 8 if FMT == 8 else 4
+    words_per_block: tl.constexpr = 8 if FMT == Q8_0 else 4
     b = b0 + tl.arange(0, NB)
     b_ok = b < blocks
     at = tl.expand_dims(b, 1) * words_per_block + tl.arange(0, words_per_block)                      # [NB, words]
@@ -201,7 +200,7 @@ def _planar_blocks(rows, b0, blocks, FMT: tl.constexpr, NB: tl.constexpr):
     scales = (tl.expand_dims(rows, 1) + blocks * 4 * words_per_block + 2 * tl.expand_dims(b, 0)).to(tl.pointer_type(tl.float16))
     d = tl.load(scales, mask=b_ok[None, :], other=0.0).to(tl.float32)
     mn = d
-    if FMT == 3:                                            # q4_1: its mins follow the scales
+    if FMT == Q4_1:                                            # q4_1: its mins follow the scales
         mn = tl.load(scales + blocks, mask=b_ok[None, :], other=0.0).to(tl.float32)
     return words, d, mn
 
@@ -211,27 +210,27 @@ def _planar_dots(words, d, mn, b, x_row, xq_row, xd_row, xs_row, FMT: tl.constex
     """Blocks b [NB] of the rows (`_planar_blocks`' words, scales, mins) dotted with one activation row
     -> [BN, NB]: under q8 activations four weights meet four activations in one dp4a, exact, one
     scale per block; else the weights' integers meet f32 activations."""
-    words_per_block: tl.constexpr = 8 if FMT == 8 else 4
+    words_per_block: tl.constexpr = 8 if FMT == Q8_0 else 4
     c = tl.arange(0, words_per_block)
-    if FMT == 8:                                            # 4 weights as 4 signed bytes per word
+    if FMT == Q8_0:                                            # 4 weights as 4 signed bytes per word
         low, high = words, words
     else:                                                   # a word's low nibbles are weights 4c..4c+3, its high ones 16 later
         low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
-        if FMT == 2:                                        # q4_0: each byte minus 8
+        if FMT == Q4_0:                                        # q4_0: each byte minus 8
             low, high = (low + 0x78787878) ^ SIGN_BITS, (high + 0x78787878) ^ SIGN_BITS
     if Q8:
         xw = xq_row.to(tl.pointer_type(tl.int32)) + tl.expand_dims(b, 1) * 8
-        if FMT == 8:
+        if FMT == Q8_0:
             dots = _dot4(words, tl.expand_dims(tl.load(xw + c), 0), tl.zeros(words.shape, tl.int32))
         else:
             dots = _dot4(low, tl.expand_dims(tl.load(xw + c), 0), tl.zeros(words.shape, tl.int32))
             dots = _dot4(high, tl.expand_dims(tl.load(xw + 4 + c), 0), dots)
         part = tl.sum(dots, 2).to(tl.float32) * d * tl.expand_dims(tl.load(xd_row + b), 0)
-        if FMT == 3:
+        if FMT == Q4_1:
             part += mn * tl.expand_dims(tl.load(xs_row + b), 0)
     else:
         part = d * _float_dots(low, high, x_row, b, FMT)
-        if FMT == 3:
+        if FMT == Q4_1:
             part += mn * tl.expand_dims(tl.sum(tl.load(x_row + tl.expand_dims(b, 1) * 32 + tl.arange(0, 32)), 1), 0)
     return part
 
@@ -244,12 +243,12 @@ def _k_chunks(rows, c0, blocks, FMT: tl.constexpr, NB: tl.constexpr):
     (d, dmin) word and three words of 6-bit scales and mins [BN, NB]."""
     c = c0 + tl.arange(0, NB)
     ok = tl.expand_dims(c < blocks // 2, 0)
-    base = tl.expand_dims(rows, 1) + tl.expand_dims((c // 4) * (144 if FMT == 12 else 176), 0)       # superblocks [BN, NB]
-    quants = (base + (16 if FMT == 12 else 48) + 32 * tl.expand_dims(c % 4, 0)).to(tl.pointer_type(tl.int32))
+    base = tl.expand_dims(rows, 1) + tl.expand_dims((c // 4) * (144 if FMT == Q4_K else 176), 0)       # superblocks [BN, NB]
+    quants = (base + (16 if FMT == Q4_K else 48) + 32 * tl.expand_dims(c % 4, 0)).to(tl.pointer_type(tl.int32))
     words = tl.load(quants[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
     head = base.to(tl.pointer_type(tl.int32))
     high = words
-    if FMT == 13:
+    if FMT == Q5_K:
         high = tl.load((head + 4)[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
     return (words, high, tl.load(head, mask=ok, other=0), tl.load(head + 1, mask=ok, other=0),
             tl.load(head + 2, mask=ok, other=0), tl.load(head + 3, mask=ok, other=0))
@@ -280,10 +279,11 @@ def _k_dots(words, high, head, s0, s1, s2, c, xq_row, xd_row, FMT: tl.constexpr)
         scale, low = scale_min((s0 >> shift) & 255, (s1 >> shift) & 255, (s2 >> shift) & 255, sub)
         xw, sums, xd = _q8_words(xq_row, xd_row, 2 * c + h)
         q = (words >> (4 * h)) & 0x0F0F0F0F
-        if FMT == 13:
+        if FMT == Q5_K:
             q |= ((high >> tl.expand_dims(sub, 2)) & 0x01010101) << 4
         dots = tl.sum(_dot4(q, tl.expand_dims(xw, 0), tl.zeros(words.shape, tl.int32)), 2)
-        total += d * scale * (dots.to(tl.float32) * tl.expand_dims(xd, 0)) - dmin * low * tl.expand_dims(tl.sum(sums, 1).to(tl.float32) * xd, 0)
+        block_sums = tl.expand_dims(tl.sum(sums, 1).to(tl.float32) * xd, 0)
+        total += d * scale * (dots.to(tl.float32) * tl.expand_dims(xd, 0)) - dmin * low * block_sums
     return total
 
 
@@ -297,7 +297,8 @@ def _q6k_chunks(rows, c0, blocks, NB: tl.constexpr):
     superblocks = blocks // 8
     start = tl.expand_dims(rows, 1)
     low = (start + tl.expand_dims(c * 64, 0)).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 8)[None, None, :]
-    high = (start + superblocks * 128 + tl.expand_dims(c * 32, 0)).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 8)[None, None, :]
+    words = (start + superblocks * 128 + tl.expand_dims(c * 32, 0)).to(tl.pointer_type(tl.int32))
+    high = words[:, :, None] + tl.arange(0, 8)[None, None, :]
     scales = (start + superblocks * 192 + tl.expand_dims(c * 8, 0)).to(tl.pointer_type(tl.int32))
     d = (start + superblocks * 208 + tl.expand_dims((c // 2) * 2, 0)).to(tl.pointer_type(tl.float16))
     return (tl.load(low, mask=ok[:, :, None], other=0), tl.load(low + 8, mask=ok[:, :, None], other=0),
@@ -332,7 +333,7 @@ def _q6k_dots(low02, low13, high, s0, s1, d, c, xq_row, xd_row):
 @triton.jit
 def _float_dots(low, high, x_ptr, b, FMT: tl.constexpr):
     """Per block, the weights' integers (bytes of `low`/`high` [BN, NB, words]) times f32 activations."""
-    words_per_block: tl.constexpr = 8 if FMT == 8 else 4
+    words_per_block: tl.constexpr = 8 if FMT == Q8_0 else 4
     at = tl.expand_dims(b, 1) * 32 + 4 * tl.arange(0, words_per_block)                             # [NB, words]
     total = tl.zeros(low.shape, tl.float32)
     for t in tl.static_range(4):
@@ -356,14 +357,14 @@ def quantized_matmul(x: torch.Tensor, w: DeviceQTensor, q8: bool, residual=None,
         _quantize_q8_kernel[(M, triton.cdiv(blocks, bpp))](rows, rows if norm is None else norm[0], xq, xd, xs, blocks,
                                                            0.0 if norm is None else float(norm[1]), NORM=norm is not None,
                                                            ROW=ROW_READ if norm is not None and not whole else 1, BPP=bpp,
-                                                           WHOLE=whole, num_warps=max(4, min(16, bpp // 8)))   # (two warps spilled at 512 values)
+                                                           WHOLE=whole, num_warps=max(4, min(16, bpp // 8)))   # 2 spill at 512
     else:
         rows = normalized(rows, norm)
         xq = xd = xs = rows
     if M <= GEMV_ROWS:
         # swept on an H200 (1B and 8B shapes, L2 cold, graphed and chained): 32-blocks, 32 blocks a step, two
-        # rows per two-warp program at 4096 columns (an 8B layer 3.3 us faster than four rows of 64 blocks),
-        # four per one-warp program at fewer, one row of 64 blocks a step for long rows; K-quants under q8,
+        # rows per two-warp program at 4096 columns, four per one-warp program at fewer, one row of 64 blocks
+        # a step for long rows; K-quants under q8,
         # 16 chunks a step, four rows per program, one warp for q4_K (q5_K untimed, alike), four for q6_K (long
         # rows: one row, one warp, 32 / 16 chunks); in f32, wider programs, and narrow layers more, smaller
         # programs; a gated product's program takes at least one (gate, up) pair

@@ -15,8 +15,7 @@ from soma_runtime.ir.jets import jet
 @triton.jit
 def turns(d, position, freq_ptr, half, NEOX: tl.constexpr):
     """cos and sin of the angles dims `d` turn by at `position` (0 past the 2 * half rotary dims). They
-    depend on the step's inputs and constants only: kernels work them out before PDL's wait (after it,
-    they cost 0.6% of 1B decode on an H200)."""
+    depend on the step's inputs and constants only: kernels work them out before PDL's wait."""
     f = d % half if NEOX else d // 2
     angle = position * tl.load(freq_ptr + f, mask=d < 2 * half, other=0.0)       # by dim only: shared by a tile's rows
     return tl.cos(angle), tl.sin(angle)
@@ -43,8 +42,7 @@ def rotated(row_ptr, d, value, keep, cos, sin, half, NEOX: tl.constexpr):
 def turned_pairs(value, cos, sin):
     """Interleaved rope on a loaded [rows, dims] tile, in registers (a pair's dims are neighbours): cos
     and sin [1, dims / 2] by pair, from `turns` of each pair's first dim (past the rotary dims: by 0).
-    1B decode on an H200, queries rotated so against loading each dim's partner: +2.3%. (Neox pairs, half
-    a row apart, lost 1.1% so: they load their partners.)"""
+    Neox pairs, half a row apart, are faster loading their partners (`rotated`)."""
     even, odd = tl.split(tl.reshape(value, (value.shape[0], value.shape[1] // 2, 2)))
     return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), value.shape)
 

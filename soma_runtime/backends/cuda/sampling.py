@@ -13,10 +13,8 @@ from soma_runtime.backends.cuda.device import INTERPRET, device_jet
 from soma_runtime.ir.jets import jet
 
 # (vocabulary columns a part, its warps; parts a merge takes, its warps; candidates the last program
-# takes, its warps). A sort is a chain of dependent steps, so many one-warp parts merged in rounds beat
-# a few wide ones: sampled 1B decode on an H200 (128k vocabulary) against 4096-column parts of eight
-# warps all into one program: 1111 -> 1133 tok/s; greedy rows pass the rounds too, 0.3% slower
-# (bench/results/h200-llm_cuda.json). The interpreter sorts slowly.
+# takes, its warps). A sort is a chain of dependent steps: many one-warp parts merged in rounds beat a
+# few wide ones (bench/results/design-notes.md). The interpreter sorts slowly.
 TILES = {"one row": (256, 1, 16, 4, 512, 4), "rows": (2048, 2, 16, 4, 4096, 8), "interpreted": (256, 4, 2, 4, 128, 4)}
 
 
@@ -100,7 +98,8 @@ def sample(logits, params, width=64):
     out, params = torch.empty(rows, dtype=torch.int64, device=logits.device), params.contiguous()
     if rows:
         W = triton.next_power_of_2(width)
-        part, part_warps, group, merge_warps, last, last_warps = TILES["interpreted" if INTERPRET else "one row" if rows == 1 else "rows"]
+        tiles = TILES["interpreted" if INTERPRET else "one row" if rows == 1 else "rows"]
+        part, part_warps, group, merge_warps, last, last_warps = tiles
         part = max(W, min(part, triton.next_power_of_2(n)))
         parts = triton.next_power_of_2(triton.cdiv(n, part))        # powers of two: merges and the last program sort them all
         keys = torch.empty((rows, parts * W), dtype=torch.int64, device=logits.device)

@@ -24,6 +24,11 @@ class MemoryPlan:
     total_bytes: int             # what the same intermediates would take unshared
 
 
+def sized(meta: TensorMeta) -> bool:
+    """Whether a tensor has a size to plan: dense, every dim known (not one its data decides)."""
+    return not dtype(meta.dtype).quantized and all(isinstance(d, int) for d in meta.shape)
+
+
 def nbytes(meta: TensorMeta) -> int:
     return int(np.prod(meta.shape, dtype=np.int64)) * dtype(meta.dtype).type_size
 
@@ -41,7 +46,7 @@ def plan_memory(graph: Graph, metas: dict[str, TensorMeta]) -> MemoryPlan:
             for j, o in enumerate(node.outputs):
                 source = node.inputs[opdef.aliased(j)]
                 root[o] = root.get(source, source)
-        elif len(node.outputs) == 1 and node.outputs[0] not in graph.outputs and not dtype(metas[node.outputs[0]].dtype).quantized:
+        elif len(node.outputs) == 1 and node.outputs[0] not in graph.outputs and sized(metas[node.outputs[0]]):
             planned.append((step, node.outputs[0]))
     for o in graph.outputs:            # graph outputs (and what they alias) live to the end
         last_use[root.get(o, o)] = len(graph.nodes)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from soma_runtime.backends import run_op
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype, quantize
-from soma_runtime.ir.jets import run_op
 from tests.backends import BACKENDS
 
 COMPUTE = [b for b in BACKENDS if b != "reference"]       # the backends with quantized-matmul jets
@@ -130,7 +130,8 @@ def test_gated_quantized_matmul_gates_the_products_column_pairs(name, activation
 
 
 @pytest.mark.parametrize("backend", [b for b in COMPUTE if b != "cpu"])
-@pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (1, 2144), (17, 512), (17, 96)])   # 96: 3 blocks, a ragged step; 2144: 67, two steps
+# 96: 3 blocks, a ragged step; 2144: 67, two steps
+@pytest.mark.parametrize("rows,cols", [(1, 512), (1, 96), (1, 2144), (17, 512), (17, 96)])
 @pytest.mark.parametrize("activations", ["q8", "f32"])
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
 def test_32_block_matmul_agrees_with_cpu(name, activations, rows, cols, backend):

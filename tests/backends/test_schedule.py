@@ -22,7 +22,7 @@ def table(tmp_path, monkeypatch):
 
 def test_tune_records_the_fastest_variant_per_shape(table):
     w = quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), "q4_0")
-    measured = schedule.tune([w, w])
+    measured = qmatmul.tune([w, w])
     key = qmatmul.prefill_key(w)
     assert list(measured) == [key]
     times = measured[key]["seconds"]
@@ -31,7 +31,7 @@ def test_tune_records_the_fastest_variant_per_shape(table):
     assert schedule.choice(key) == measured[key]["choice"]
     on_disk = json.loads(table.read_text())
     assert on_disk[schedule.machine_key()][key] == measured[key]["choice"]
-    assert schedule.tune([w]) == {}                      # known shapes are not timed again
+    assert qmatmul.tune([w]) == {}                      # known shapes are not timed again
 
 
 # q4_1 differs by more: the integer path takes each block's activation sum as f16 (as llama.cpp)

@@ -8,12 +8,20 @@ import sys
 import numpy as np
 import pytest
 
-from soma_runtime.backends import load_backend
+from soma_runtime.backends import get, run_op
+from soma_runtime.backends.base import Backend
 from soma_runtime.errors import JetMismatchError
 from soma_runtime.ir.graph import TensorMeta, meta_of
-from soma_runtime.ir.jets import REGISTRY, run_op
+from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS
-from tests.test_ops import CASES
+from tests.backends.test_ops import CASES
+
+
+class Named(Backend):
+    """A host backend of another name: only the jets registered under that name are its own."""
+
+    def __init__(self, name):
+        self.name = name
 
 
 def fhash(op, shapes, dtype="f32", **attrs):
@@ -32,7 +40,8 @@ def test_formula_hash_is_identical_across_processes():
 
 def test_formula_hash_ignores_sizes_and_numeric_params():
     assert fhash("rmsnorm", [(2, 8), (8,)], eps=1e-5) == fhash("rmsnorm", [(7, 3, 64), (64,)], eps=1e-6)
-    assert fhash("sdpa", [(1, 8, 5, 16)] * 3, causal=True) == fhash("sdpa", [(2, 4, 1, 64), (2, 2, 9, 64), (2, 2, 9, 64)], causal=True, scale=0.1)
+    assert fhash("sdpa", [(1, 8, 5, 16)] * 3, causal=True) == \
+        fhash("sdpa", [(2, 4, 1, 64), (2, 2, 9, 64), (2, 2, 9, 64)], causal=True, scale=0.1)
 
 
 def test_same_formula_gets_the_same_hash_across_op_names():
@@ -61,10 +70,9 @@ def test_rope_styles_and_optional_inputs_change_the_hash():
 
 @pytest.mark.parametrize("op,make,ref,dt,attrs", CASES)
 def test_every_tested_op_finds_its_cpu_jet(op, make, ref, dt, attrs):
-    load_backend("cpu")
     inputs = OPS[op].pad(make(dt))
     metas = [None if x is None else meta_of(x) for x in inputs]
-    kernel = REGISTRY.kernel_for(OPS[op], metas, attrs, "cpu")
+    kernel = REGISTRY.kernel_for(OPS[op], metas, attrs, get("cpu"))
     assert getattr(kernel, "backend", "cpu") != "reference", f"{op}{[m and m.dtype for m in metas]} fell back to atoms"
 
 
@@ -72,8 +80,8 @@ def test_a_miss_falls_back_to_atoms_and_logs_once(caplog):
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     metas = [meta_of(x)]
     with caplog.at_level(logging.WARNING, logger="soma_runtime.jets"):
-        k1 = REGISTRY.kernel_for(OPS["relu"], metas, {}, "nowhere")
-        k2 = REGISTRY.kernel_for(OPS["relu"], metas, {}, "nowhere")
+        k1 = REGISTRY.kernel_for(OPS["relu"], metas, {}, Named("nowhere"))
+        k2 = REGISTRY.kernel_for(OPS["relu"], metas, {}, Named("nowhere"))
     assert k1.backend == k2.backend == "reference"
     assert sum("no nowhere jet for relu" in r.message for r in caplog.records) == 1
     np.testing.assert_array_equal(k1(x - 2), np.maximum(x - 2, 0))
@@ -83,7 +91,7 @@ def test_verify_mode_catches_a_broken_jet(monkeypatch):
     REGISTRY.register("silu", "broken-test", [("f32",)], lambda x, out=None: x * 0.5)   # not silu
     monkeypatch.setenv("SOMA_VERIFY", "1")
     x = np.linspace(-3, 3, 12, dtype=np.float32)
-    kernel = REGISTRY.kernel_for(OPS["silu"], [meta_of(x)], {}, "broken-test")
+    kernel = REGISTRY.kernel_for(OPS["silu"], [meta_of(x)], {}, Named("broken-test"))
     with pytest.raises(JetMismatchError, match="silu"):
         kernel(x)
 

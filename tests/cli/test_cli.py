@@ -9,7 +9,8 @@ from soma_runtime import __version__
 
 
 def soma(*args):
-    return subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", *args], capture_output=True, text=True, timeout=120,
+                          check=False)
 
 
 def test_version():
@@ -39,3 +40,16 @@ def test_autotune_times_the_default_models_shapes_and_caches_the_choices(tmp_pat
     table = json.loads((tmp_path / "autotune.json").read_text())
     (choices,) = table.values()
     assert len(choices) == 4 and set(choices.values()) <= {"int8", "blas", "amx"}
+
+
+def test_models_info_lists_the_fusions_the_pass_found():
+    """Per layer of the bundled llama: q/k/v and gate/up stacked, two norms folded into products (and the
+    head's), two residuals, one gated product, keys and queries rotated where they are stored and read,
+    one append for keys and values."""
+    layers = json.loads(soma("models", "info").stdout)["layers"]
+    r = soma("models", "info", "--fusions")
+    assert r.returncode == 0, r.stderr
+    found = {line.rsplit(None, 1)[0]: int(line.rsplit(None, 1)[1]) for line in r.stdout.strip().splitlines()}
+    assert found == {"stack matmuls": 2 * layers, "norm->matmul": 2 * layers + 1, "matmul->residual": 2 * layers,
+                     "gate/up+swiglu|geglu": layers, "rope->kv_append": layers, "rope->attention": layers,
+                     "kv_append k+v": layers}

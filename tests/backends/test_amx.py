@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from soma_runtime.backends import run_op
 from soma_runtime.backends.cpu import amx
 from soma_runtime.dtypes import dtype
-from soma_runtime.ir.jets import run_op
 
-SHAPES = [(9, 32, 32), (33, 64, 96), (70, 96, 64), (128, 256, 512), (3, 64, 64), (40, 48, 64)]   # last two: GEMV rows, N not in 32s
+# last two: GEMV rows, N not in 32s
+SHAPES = [(9, 32, 32), (33, 64, 96), (70, 96, 64), (128, 256, 512), (3, 64, 64), (40, 48, 64)]
 
 
 def inputs(rows, n, k, seed=0):

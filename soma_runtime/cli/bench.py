@@ -10,22 +10,17 @@ def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: in
     """Median over `runs` of generation from a fixed pseudo-random prompt, EOS ignored: greedy, or
     with the given sampling params."""
     rng = np.random.default_rng(0)
-    vocab = model.loaded.config.vocab_size
+    vocab = model.info()["vocab_size"]
     prompt = [int(t) for t in rng.integers(100, min(vocab, 30000), prompt_tokens)]
-    engine = model.engine
-    stop_ids, engine.stop_ids = engine.stop_ids, set()          # run the full length every time
-    try:
-        results = []
-        for _ in range(runs + 1):                              # the first run warms the plans up
-            for _ in model.generate(prompt, max_tokens=new_tokens, **(sampling or {"temperature": 0})):
-                pass
-            results.append(model.metrics())
-    finally:
-        engine.stop_ids = stop_ids
+    results = []
+    for _ in range(runs + 1):                                  # the first run warms the plans up
+        for _ in model.generate(prompt, max_tokens=new_tokens, ignore_eos=True, **(sampling or {"temperature": 0})):
+            pass
+        results.append(model.metrics())
     results = results[1:]
     weight_bytes = model.info()["weight_bytes"]
     decode = statistics.median(r["decode_tok_s"] for r in results)
-    return {"model": model.loaded.path, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+    return {"model": model.path, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in results), "decode_tok_s": decode,
             "GB/s": decode * weight_bytes / 1e9, "weight_bytes": weight_bytes,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}

@@ -8,7 +8,7 @@ import pytest
 
 from soma_runtime.backends.cpu import qdot
 from soma_runtime.dtypes import dtype
-from tests.test_quant import random_blocks
+from tests.backends.test_quant import random_blocks
 
 NAMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 
@@ -71,8 +71,8 @@ def test_norm_and_residual_inside_the_kernel_round_as_the_separate_ops(name):
 
 def test_decode_matmul_of_no_rows_is_empty():
     """A batch step that wants no logits runs the head on zero rows (the norm folded in)."""
+    from soma_runtime.backends import run_op
     from soma_runtime.dtypes import QTensor
-    from soma_runtime.ir.jets import run_op
     w = QTensor(random_blocks("q8_0", 8, 64), "q8_0", (8, 64))
     got = run_op("matmul", np.zeros((0, 64), np.float32), w, None, None, np.ones(64, np.float32), backend="cpu",
                  transpose_b=True, activations="q8")

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from soma_runtime.ir.jets import max_error, run_op
+from soma_runtime.backends import run_op
+from soma_runtime.ir.jets import max_error
 from tests.backends import BACKENDS
 
 TOL = {"f32": 1e-5, "f16": 1e-3}
@@ -155,8 +156,10 @@ def gated(act, y):
 for epilogue, act in (("swiglu", F.silu), ("geglu_tanh", lambda g: F.gelu(g, approximate="tanh"))):
     case("matmul", mk((2, 3, 33), (10, 33)), lambda a, b, f=act: gated(f, a @ b.T), id=epilogue, transpose_b=True,
          epilogue=epilogue)
-    case("matmul", with_norm(mk((1, 64), (10, 64)), 64, (1, 5)), lambda a, b, _, r, w, f=act: gated(f, rms_normalized(a, w) @ b.T) + r,
-         id=f"gemv-norm-{epilogue}-residual", transpose_b=True, epilogue=epilogue)      # a ragged last program
+    # a ragged last program
+    case("matmul", with_norm(mk((1, 64), (10, 64)), 64, (1, 5)),
+         lambda a, b, _, r, w, f=act: gated(f, rms_normalized(a, w) @ b.T) + r,
+         id=f"gemv-norm-{epilogue}-residual", transpose_b=True, epilogue=epilogue)
 case("matmul", with_norm(mk((1, 16), (8192, 16)), 16), lambda a, b, _, r, w: gated(F.silu, rms_normalized(a, w) @ b.T),
      dtypes=("f16",), id="gemv-norm-swiglu-wide", transpose_b=True, epilogue="swiglu")   # 8192+ rows: a gate_up's tiles
 case("matmul", mk((2, 3, 33), (10, 33), (10,)), lambda a, b, c: gated(F.silu, F.linear(a, b, c)), id="bias-swiglu",
@@ -202,7 +205,9 @@ def rope_ref(style, rotary):
 def rope_inputs(batch, seq, heads, dim, rotary):
     def make(dt):
         x = randn(*batch, seq, heads, dim).astype(NP[dt])
-        positions = np.arange(3, 3 + seq, dtype=np.int64).reshape((1,) * len(batch) + (seq,)).repeat(batch[0] if batch else 1, 0) if batch else np.arange(3, 3 + seq)
+        positions = np.arange(3, 3 + seq, dtype=np.int64)
+        if batch:
+            positions = positions.reshape((1,) * len(batch) + (seq,)).repeat(batch[0], 0)
         inv_freq = (10000.0 ** (-np.arange(0, rotary, 2, dtype=np.float32) / rotary)).astype(np.float32)
         return [x, positions, inv_freq]
     return make
@@ -326,12 +331,61 @@ case("paged_attention", lambda dt: [*segmented_attention_inputs(dt)[:4], None, n
 case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-decode")
 # the decode launches of real heads, for the sm_90 check: Llama-3.2-1B's and -8B's (GQA), Gemma-2B's (MQA, 256 wide)
 for heads, kv_heads, dim in ((32, 8, 64), (32, 8, 128), (8, 1, 256)):
-    case("paged_attention", long_decode_inputs(heads, kv_heads, dim), paged_attention_ref(), id=f"long-decode-{heads}x{kv_heads}x{dim}")
+    case("paged_attention", long_decode_inputs(heads, kv_heads, dim), paged_attention_ref(),
+         id=f"long-decode-{heads}x{kv_heads}x{dim}")
 # queries rotated as they are loaded: 6 of 8 dims rotary (partial), and all 16 (as real heads)
 for style, (dim, rotary, whole) in itertools.product(("neox", "interleaved"), ((8, 6, ""), (16, 16, "-whole"))):
-    case("paged_attention", lambda dt, d=dim, n=rotary: paged_attention_inputs(3, 4, 2, d, CONTEXT)(dt) + [None] + rotary_inputs(3, n),
+    case("paged_attention",
+         lambda dt, d=dim, n=rotary: paged_attention_inputs(3, 4, 2, d, CONTEXT)(dt) + [None] + rotary_inputs(3, n),
          lambda q, k, v, sl, m, _, pos, f, st=style, n=rotary: paged_attention_ref()(rope_ref(st, n)(q, pos, f), k, v, sl, m),
          id=f"rope-{style}{whole}", rope_style=style)
+
+# primitive ops: one per atom mode
+PRIMITIVE = {"exp": torch.exp, "erf": torch.erf, "sin": torch.sin, "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil,
+             "round": torch.round, "neg": torch.neg, "abs": torch.abs}
+for name, fn in PRIMITIVE.items():
+    case(name, mk((4, 33)), fn)
+for name, fn in {"log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal}.items():
+    case(name, mk((4, 33), positive=(0,)), fn)
+case("round", lambda dt: [np.array([0.5, 1.5, 2.5, -0.5, -2.5, 3.49], NP[dt])], torch.round, id="ties-to-even")
+case("pow", mk((3, 5), (3, 5), positive=(0,)), torch.pow)
+case("pow", lambda dt: [randn(3, 4).astype(NP[dt]), np.array([[0.0, 1.0, 2.0, 3.0]], NP[dt])], torch.pow, id="whole-exponents")
+case("minimum", mk((3, 5), (5,)), torch.minimum)
+case("maximum", mk((2, 1, 5), (3, 1)), torch.maximum)
+case("clip", mk((4, 9)), lambda x: torch.clamp(x, -0.5, 0.3), min=-0.5, max=0.3)
+case("clip", mk((4, 9)), lambda x: torch.clamp(x, min=-0.2), id="low-only", min=-0.2)
+COMPARISONS = {"less": torch.lt, "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "equal": torch.eq}
+for name, fn in COMPARISONS.items():
+    case(name, lambda dt: [np.round(x * 2) for x in mk((3, 5), (5,))(dt)], fn)
+    case(name, lambda dt: [np.array([[1, 5, 3]], np.int64), np.array([[2], [3]], np.int64)], fn, id="int", dtypes=("f32",))
+LOGIC = {"logical_and": torch.logical_and, "logical_or": torch.logical_or}
+for name, fn in LOGIC.items():
+    case(name, lambda dt: [randn(3, 4) > 0, randn(4, rng=np.random.default_rng(1)) > 0], fn, dtypes=("f32",))
+case("logical_not", lambda dt: [randn(3, 4) > 0], torch.logical_not, dtypes=("f32",))
+REDUCTIONS = {"reduce_sum": torch.sum, "reduce_mean": torch.mean, "reduce_max": torch.amax, "reduce_min": torch.amin}
+for name, fn in REDUCTIONS.items():
+    case(name, mk((3, 4, 5)), lambda x, f=fn: f(x, dim=-1), id="last")
+    case(name, mk((3, 4, 5)), lambda x, f=fn: f(x, dim=(0, 2), keepdim=True), id="axes-keepdims", axes=(0, 2), keepdims=True)
+    case(name, mk((3, 70)), lambda x, f=fn: f(x, dim=(0, 1)), id="all", axes=None)
+case("reduce_prod", mk((3, 4, 5)), lambda x: x.prod(-1), id="last")
+case("reduce_prod", mk((3, 4, 5)), lambda x: x.prod(2, keepdim=True).prod(0, keepdim=True), id="axes-keepdims", axes=(0, 2),
+     keepdims=True)
+case("expand", mk((3, 1)), lambda x: x.expand(2, 3, 4), shape=(2, 3, 4))
+case("expand", mk((2, 3)), lambda x: x.expand(4, 2, 3), id="ones-keep", shape=(4, 1, 1))
+case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), value=0.5), id="constant", pads=((0, 0), (1, 2), (2, 1)), value=0.5)
+case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"), id="reflect", pads=((0, 0), (1, 2), (2, 1)),
+     mode="reflect")
+case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (3, 1, 0, 2), mode="replicate"), id="edge", pads=((0, 0), (0, 2), (3, 1)),
+     mode="edge")
+case("cumsum", mk((3, 7)), lambda x: torch.cumsum(x, 1), axis=1)
+case("cumsum", mk((5, 2, 3)), lambda x: torch.cumsum(x, 0), id="axis0", axis=0)
+case("tile", mk((2, 3)), lambda x: torch.tile(x, (2, 3)), repeats=(2, 3))
+case("range", lambda dt: [np.array(2, np.int64), np.array(11, np.int64), np.array(3, np.int64)],
+     lambda a, b, c: torch.arange(int(a), int(b), int(c)), id="int", dtypes=("f32",))
+case("range", lambda dt: [np.array(0.5, np.float32), np.array(2.0, np.float32), np.array(0.4, np.float32)],
+     lambda a, b, c: torch.arange(float(a), float(b), float(c), dtype=torch.float32), id="float", dtypes=("f32",))
+case("range", lambda dt: [np.array(5, np.int64), np.array(1, np.int64), np.array(-2, np.int64)],
+     lambda a, b, c: torch.arange(int(a), int(b), int(c)), id="down", dtypes=("f32",))
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
@@ -407,9 +461,11 @@ case("conv2d", mk((1, 3, 7, 6), (4, 3, 3, 2), (4,)), lambda x, w, b: F.conv2d(x,
      id="stride-pad", stride=(2, 1), padding=(1, 0))
 case("conv2d", mk((2, 3, 5, 5), (3, 1, 3, 3)), lambda x, w: F.conv2d(x, w, None, 1, 1, 1, 3), id="depthwise",
      padding=1, groups=3)
-case("max_pool", mk((1, 2, 7, 6)), lambda x: F.max_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2), padding=(1, 0))
+case("max_pool", mk((1, 2, 7, 6)), lambda x: F.max_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2),
+     padding=(1, 0))
 case("max_pool", mk((2, 3, 8)), lambda x: F.max_pool1d(x, 3), id="1d", kernel=(3,))
-case("avg_pool", mk((1, 2, 7, 6)), lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2), padding=(1, 0))
+case("avg_pool", mk((1, 2, 7, 6)), lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2),
+     padding=(1, 0))
 case("interpolate", mk((1, 2, 4, 5)), lambda x: F.interpolate(x, (8, 7), mode="nearest"), id="nearest", size=(8, 7))
 for align in (False, True):
     case("interpolate", mk((1, 2, 4, 5)), lambda x, a=align: F.interpolate(x, (7, 9), mode="bilinear", align_corners=a),

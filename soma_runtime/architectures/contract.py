@@ -1,0 +1,99 @@
+"""The contract between a decoder template and the engine that runs it, declared once: the cache the
+model keeps between steps, and the graph's inputs and outputs by role. The template declares its
+inputs here (`DecoderIO.declare`), the engine feeds a step through it (`DecoderIO.feed`): no graph
+input is named anywhere else. Knows graphs, nothing of kernels or how a batch is scheduled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from soma_runtime.ir.builder import GraphBuilder, Value
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Self-attention keys and values in pages [P, block, kv_heads, head_dim], a pair a layer, kept across
+    steps (engine/kv.py holds them): the cache of a decoder. `windows` gives each layer's sliding window
+    (0: the layer sees its whole context)."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    windows: tuple[int, ...]
+    dtype: str
+
+    @property
+    def window_sizes(self) -> list[int]:
+        return sorted(set(self.windows))
+
+
+@dataclass
+class Attention:
+    """What every layer's attention reads in one step, for its rows: their positions, the cache slots
+    their keys and values go to, the slots of the context attention reads, and per window size each
+    row's span [start, stop) of that context (its own sequence's, causal, within the window)."""
+    positions: object
+    slots: object
+    ctx_slots: object
+    spans: dict[int, object]
+
+
+@dataclass
+class DecoderStep:
+    """One forward of a decoder: token ids, attention inputs, the rows whose logits are wanted with their
+    sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer)."""
+    ids: object
+    attention: Attention
+    logit_rows: object
+    sampling: object
+    pages: list = field(default_factory=list)
+
+
+@dataclass
+class DecoderOutputs:
+    """logits [R, vocab] of the wanted rows, each row's chosen token [R], and the updated pages."""
+    logits: object
+    choices: object
+    pages: list
+
+
+class DecoderIO:
+    """A decoder graph's inputs and outputs for a given cache. Dims: S rows, T context slots, R wanted
+    rows, P pages of BLK slots."""
+
+    def __init__(self, cache: PagedKV):
+        self.cache = cache
+
+    @staticmethod
+    def spans_name(window: int) -> str:
+        return f"spans_w{window}" if window else "spans"
+
+    def declare(self, g: GraphBuilder) -> DecoderStep:
+        """The graph's inputs, as the step the template builds on."""
+        c = self.cache
+        attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),
+                              g.input("ctx_slots", ("T",), "i64"),
+                              {w: g.input(self.spans_name(w), ("S", 2), "i64") for w in c.window_sizes})
+        pages = [g.input(f"{kv}_pages.{i}", ("P", "BLK", c.kv_heads, c.head_dim), c.dtype) for i in range(c.layers)
+                 for kv in "kv"]
+        return DecoderStep(g.input("ids", ("S",), "i64"), attention, g.input("logit_rows", ("R",), "i64"),
+                           g.input("sampling", ("R", 5), "f32"), pages)
+
+    def outputs(self, g: GraphBuilder, logits: Value, choices: Value, pages: list[Value]):
+        return g.output(logits, choices, *pages)
+
+    def feed(self, step: DecoderStep) -> dict:
+        """The graph's inputs by name, for one step."""
+        a = step.attention
+        named = {"ids": step.ids, "positions": a.positions, "slots": a.slots, "ctx_slots": a.ctx_slots,
+                 "logit_rows": step.logit_rows, "sampling": step.sampling}
+        named.update({self.spans_name(w): span for w, span in a.spans.items()})
+        named.update({f"{kv}_pages.{i}": step.pages[2 * i + j] for i in range(self.cache.layers) for j, kv in enumerate("kv")})
+        return named
+
+    def shared(self) -> set[str]:
+        """The inputs that are the same tensors every step (the pages, updated in place)."""
+        return {f"{kv}_pages.{i}" for i in range(self.cache.layers) for kv in "kv"}
+
+    def read(self, outputs: list) -> DecoderOutputs:
+        logits, choices, *pages = outputs
+        return DecoderOutputs(logits, choices, pages)

@@ -1,0 +1,73 @@
+"""CPU jets for the primitive ops: numpy over whole tensors (floats computed in f32, stored in the
+input's dtype), comparisons and logic on any numbers, reductions over several axes, and the index ops."""
+from __future__ import annotations
+
+import numpy as np
+
+from soma_runtime.backends.cpu.common import CPU, INT, F, deliver, float_kernel
+from soma_runtime.backends.cpu.elementwise import binary_jet, erf
+from soma_runtime.dtypes import dtype_of
+from soma_runtime.ir.jets import jet
+
+NUMBERS = (*F, *INT)
+UNARY = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x,
+         "erf": erf, "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,
+         "neg": np.negative, "abs": np.abs}
+for _name, _fn in UNARY.items():
+    jet(_name, CPU, [(F,)])(float_kernel(_fn))
+for _name, _fn in {"pow": np.power, "minimum": np.minimum, "maximum": np.maximum}.items():
+    jet(_name, CPU, [(F, F)])(binary_jet(_fn))
+
+COMPARE = {"less": np.less, "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal,
+           "equal": np.equal}
+for _name, _fn in COMPARE.items():
+    jet(_name, CPU, [(F, F), (INT, INT)])(lambda a, b, out=None, fn=_fn: deliver(fn(a, b), "bool", out))
+for _name, _fn in {"logical_and": np.logical_and, "logical_or": np.logical_or}.items():
+    jet(_name, CPU, [("bool", "bool")])(lambda a, b, out=None, fn=_fn: deliver(fn(a, b), "bool", out))
+
+
+@jet("logical_not", CPU, [("bool",)])
+def logical_not(x, out=None):
+    return deliver(np.logical_not(x), "bool", out)
+
+
+@jet("clip", CPU, [(F,)])
+@float_kernel
+def clip(x, min=None, max=None):
+    return np.clip(x, min, max)
+
+
+REDUCE = {"reduce_sum": np.sum, "reduce_mean": np.mean, "reduce_max": np.max, "reduce_min": np.min, "reduce_prod": np.prod}
+for _name, _fn in REDUCE.items():
+    jet(_name, CPU, [(F,)])(float_kernel(lambda x, axes=(-1,), keepdims=False, fn=_fn:
+                                         fn(x, axis=None if axes is None else tuple(axes), keepdims=keepdims)))
+
+
+@jet("expand", CPU, [("*",)])
+def expand(x, out=None, shape=()):
+    return np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(shape)))
+
+
+@jet("pad", CPU, [("*",)])
+def pad(x, out=None, pads=(), mode="constant", value=0.0):
+    if mode == "constant":
+        return deliver(np.pad(x, pads, mode="constant", constant_values=value), dtype_of(x), out)
+    return deliver(np.pad(x, pads, mode=mode), dtype_of(x), out)
+
+
+@jet("cumsum", CPU, [(F,)])
+@float_kernel
+def cumsum(x, axis=-1):
+    return np.cumsum(x, axis=axis)
+
+
+@jet("tile", CPU, [("*",)])
+def tile(x, out=None, repeats=()):
+    return deliver(np.tile(x, tuple(repeats)), dtype_of(x), out)
+
+
+@jet("range", CPU, [(dt, dt, dt) for dt in ("i64", "i32", "f32")])
+def range_(start, limit, delta, out=None):
+    """ONNX's Range: ceil((limit - start) / delta) values, in the inputs' dtype."""
+    count = max(0, int(np.ceil((float(limit) - float(start)) / float(delta))))
+    return (np.asarray(start) + np.arange(count) * np.asarray(delta)).astype(np.asarray(start).dtype)

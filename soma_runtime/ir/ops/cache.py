@@ -1,0 +1,130 @@
+"""The paged KV cache: pages [P, block, H, D]; a slot is page * block + offset."""
+from __future__ import annotations
+
+import math
+
+from soma_runtime.ir.atoms import Ref
+from soma_runtime.ir.graph import TensorMeta, same_dim
+from soma_runtime.ir.ops.base import broadcast_shapes, check, float_dtype, op, same_dtype
+from soma_runtime.ir.ops.linear import rope, rope_rule, sdpa
+
+
+def rope_inputs_rule(x, positions, inv_freq, what):
+    """An op's optional rope inputs: both or neither, as the rope op takes them."""
+    check((positions is None) == (inv_freq is None), f"{what}: positions and inv_freq come together")
+    if positions is not None:
+        rope_rule([x, positions, inv_freq], {})
+
+
+def kv_append_rule(metas, attrs):
+    pages, new, slots = metas[:3]
+    positions, inv_freq, v_pages, v_new = list(metas[3:7]) + [None] * (7 - len(metas))
+    rope_inputs_rule(new, positions, inv_freq, "kv_append")
+    check(slots.dtype in ("i32", "i64"), "slots must be integer")
+    check((v_pages is None) == (v_new is None), "kv_append: v_pages and v_new come together")
+    check(v_pages is None or all(same_dim(a, b) is not False for a, b in zip(v_pages.shape, pages.shape)),
+          "kv_append: value pages must have the key pages' shape")
+    pairs = [(pages, new)] + ([(v_pages, v_new)] if v_pages is not None else [])
+    for cache, rows in pairs:
+        float_dtype(cache, "pages")
+        float_dtype(rows)
+        check(cache.ndim == 4 and rows.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
+        check(all(same_dim(a, b) is not False for a, b in zip(cache.shape[2:], rows.shape[-2:])),
+              "head shape differs from the cache's")
+        check(all(same_dim(a, b) is not False for a, b in zip(rows.shape[:-2], new.shape[:-2])), "values and keys differ in rows")
+    return [cache for cache, _ in pairs]
+
+
+@op("kv_append", ["pages", "new", "slots", "positions?", "inv_freq?", "v_pages?", "v_new?"], kv_append_rule,
+    attrs={"style": "neox"}, struct={"style": ("neox", "interleaved")}, stateful=True, view=True, aliases=(0, 5),
+    ranks=(4, 3, 1, 1, 1, 4, 3))
+def kv_append(A, pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
+    """Rows of `new` [..., H, D] into the cache slots; with positions and inv_freq, rotated first (rope:
+    a key is stored rotated, in one pass). With v_pages and v_new, a layer's values go into the same
+    slots of their own pages as well (unrotated): one kernel writes both."""
+    if positions is not None and inv_freq is not None:
+        new = Ref(rope(A, new, positions, inv_freq, style).index, new.shape, new.dtype)
+    written = scattered(A, pages, new, slots)
+    return written if v_pages is None or v_new is None else (written, scattered(A, v_pages, v_new, slots))
+
+
+def scattered(A, pages, new, slots):
+    """The pages with rows of `new` written into their slots, in the cache's dtype."""
+    P, block, H, D = pages.shape
+    flat = A.read("reshape", pages, shape=(P * block, H, D))
+    rows = A.read("reshape", new, shape=(-1, H, D))
+    if new.dtype != pages.dtype:          # values are stored in the cache's dtype
+        rows = A.read("cast", rows, struct=(pages.dtype,))
+    written = A.write("scatter", flat, rows, A.read("reshape", slots, shape=(-1,)), axis=0)
+    return A.read("reshape", written, shape=pages.shape)
+
+
+def kv_read_rule(metas, attrs):
+    pages, slots = metas
+    check(pages.ndim == 4, "kv_read takes pages [P, block, H, D]")
+    check(slots.dtype in ("i32", "i64"), "slots must be integer")
+    return [TensorMeta(tuple(slots.shape) + tuple(pages.shape[2:]), pages.dtype)]
+
+
+@op("kv_read", ["pages", "slots"], kv_read_rule, ranks=(4, 1))
+def kv_read(A, pages, slots):
+    P, block, H, D = pages.shape
+    return A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
+
+
+def paged_attention_rule(metas, attrs):
+    q, k_pages, v_pages, ctx = metas[:4]
+    mask, spans, positions, inv_freq = list(metas[4:8]) + [None] * (8 - len(metas))
+    rope_inputs_rule(q, positions, inv_freq, "paged_attention")
+    float_dtype(q)
+    check(q.ndim == 3, "paged_attention takes q as [S, H, D]")
+    check(k_pages.ndim == 4 and v_pages.ndim == 4, "paged_attention takes pages as [P, block, H, D]")
+    same_dtype(k_pages, v_pages)
+    float_dtype(k_pages, "pages")
+    check(ctx.ndim == 1 and ctx.dtype in ("i32", "i64"), "ctx_slots must be a 1-D integer tensor")
+    check(same_dim(q.shape[2], k_pages.shape[3]) is not False, "q and cached k head dims differ")
+    if isinstance(q.shape[1], int) and isinstance(k_pages.shape[2], int):
+        check(q.shape[1] % k_pages.shape[2] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k_pages.shape[2]}")
+    if mask is not None:
+        float_dtype(mask, "mask")
+        broadcast_shapes((1, q.shape[1], q.shape[0], ctx.shape[0]), mask.shape)
+    if spans is not None:
+        check(spans.dtype in ("i32", "i64"), "spans must be integer")
+        check(spans.ndim == 2 and same_dim(spans.shape[0], q.shape[0]) is not False and same_dim(spans.shape[1], 2) is not False,
+              f"spans must be [{q.shape[0]}, 2], got {list(spans.shape)}")
+    return [TensorMeta((q.shape[0], q.shape[1], v_pages.shape[3]), q.dtype)]
+
+
+@op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?", "spans?", "positions?", "inv_freq?"],
+    paged_attention_rule, attrs={"scale": None, "softcap": 0.0, "rope_style": "neox"},
+    struct={"softcap": (0.0, 30.0), "rope_style": ("neox", "interleaved")}, tol=4.0, ranks=(3, 4, 4, 1, 4, 2, 1, 1))
+def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, inv_freq, scale, softcap, rope_style):
+    """New queries [S, H, D] attend over the cached keys/values at ctx_slots: kv_read, then sdpa on
+    [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. With spans [S, 2], row s sees
+    only context positions spans[s, 0] <= t < spans[s, 1] (a batch's rows, each its own sequence's
+    segment), so a kernel reads nothing else. With positions and inv_freq, the queries are rotated
+    first (rope, as the kernel loads them). One kernel per layer on CPU."""
+    S, H, D = q.shape
+    T, KV, Dv = ctx_slots.shape[0], k_pages.shape[2], v_pages.shape[3]
+    if positions is not None and inv_freq is not None:
+        q = Ref(rope(A, q, positions, inv_freq, rope_style).index, q.shape, q.dtype)
+    if spans is not None:
+        mask = span_mask(A, mask, spans, S, T)
+
+    def heads_first(x, shape, dtype):        # [len, heads, dim] -> [1, heads, len, dim], shape known
+        return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
+
+    keys, values = kv_read(A, k_pages, ctx_slots), kv_read(A, v_pages, ctx_slots)
+    out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), k_pages.dtype),
+               heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0, "f32")
+    return A.read("transpose", A.read("reshape", out, shape=(H, S, v_pages.shape[3])), axis1=0, axis2=1)
+
+
+def span_mask(A, mask, spans, S, T):
+    """The additive mask with everything outside each row's span hidden: [1, 1, S, T]."""
+    column = A.read("iota", n=T, axis=1, ndim=2)
+    lo = A.read("slice", spans, axis=1, start=0, stop=1)
+    hi = A.read("slice", spans, axis=1, start=1, stop=2)
+    inside = A.mul(A.cmp("le", lo, column), A.cmp("lt", column, hi))
+    hidden = A.read("reshape", A.cmp("select", inside, A.lit(0.0), A.lit(-math.inf)), shape=(1, 1, S, T))
+    return hidden if mask is None else A.add(mask, hidden)

@@ -1,0 +1,141 @@
+"""Convolution, pooling and resampling."""
+from __future__ import annotations
+
+import math
+
+from soma_runtime.ir.graph import Sym, TensorMeta
+from soma_runtime.ir.ops.base import as_tuple, check, float_dtype, op, same_dtype
+
+
+def conv_out(n, k, stride, pad, dil):
+    return (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def conv_rule(nd):
+    def rule(metas, attrs):
+        x, w, b = metas[0], metas[1], metas[2] if len(metas) > 2 else None
+        dt = same_dtype(x, w, b)
+        float_dtype(x)
+        check(x.ndim == nd + 2 and w.ndim == nd + 2, f"conv{nd}d takes x [N, C, *{nd} dims] and w [O, C/groups, *{nd} kernel]")
+        g = attrs["groups"]
+        if isinstance(x.shape[1], int) and isinstance(w.shape[1], int):
+            check(x.shape[1] == w.shape[1] * g, f"input channels {x.shape[1]} != {w.shape[1]} x groups {g}")
+        if isinstance(w.shape[0], int):
+            check(w.shape[0] % g == 0, f"output channels {w.shape[0]} not divisible by groups {g}")
+        if b is not None:
+            check(b.ndim == 1, "conv bias must be 1-D")
+        st, pd, dl = (as_tuple(attrs[k], nd) for k in ("stride", "padding", "dilation"))
+        spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], st, pd, dl))
+        check(all(not isinstance(s, int) or s > 0 for s in spatial), "kernel larger than padded input")
+        return [TensorMeta((x.shape[0], w.shape[0]) + spatial, dt)]
+    return rule
+
+
+def pad_atoms(A, x, pads, value):
+    nd = len(pads)
+    shape = tuple(x.shape[:-nd]) + tuple(n + 2 * p for n, p in zip(x.shape[-nd:], pads))
+    dst = A.read("fill", shape=shape, value=value)
+    return A.write("place", dst, x, axes=tuple(range(-nd, 0)), starts=tuple(pads), steps=(1,) * nd)
+
+
+def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd):
+    N, C = x.shape[:2]
+    O, kernel = w.shape[0], tuple(w.shape[2:])
+    st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
+    spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], kernel, st, pd, dl))
+    windows = A.slide(pad_atoms(A, x, pd, 0.0), axes=tuple(range(2, 2 + nd)), window=kernel, stride=st, dilation=dl)
+    xg = A.read("reshape", windows, shape=(N, groups, 1, C // groups) + spatial + kernel)
+    wg = A.read("reshape", w, shape=(1, groups, O // groups, C // groups) + (1,) * nd + kernel)
+    summed_axes = (3,) + tuple(range(4 + nd, 4 + 2 * nd))
+    y = A.read("reshape", A.reduce("sum", A.mul(xg, wg), axis=summed_axes, keepdims=False), shape=(N, O) + spatial)
+    return y if b is None else A.add(y, A.read("reshape", b, shape=(O,) + (1,) * nd))
+
+
+CONV_ATTRS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+@op("conv1d", ["x", "weight", "bias?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0, ranks=(3, 3, 1))
+def conv1d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=1, **attrs)
+
+
+@op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0, ranks=(4, 4, 1))
+def conv2d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=2, **attrs)
+
+
+def pool_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    k = attrs["kernel"]
+    nd = len(k)
+    check(nd in (1, 2, 3) and x.ndim == nd + 2, f"pooling with a {nd}-D kernel takes x [N, C, *{nd} dims]")
+    st = as_tuple(attrs["stride"] or k, nd)
+    pd = as_tuple(attrs["padding"], nd)
+    check(all(p * 2 <= kk for p, kk in zip(pd, k)), "padding must be at most half the kernel")
+    spatial = tuple(conv_out(n, kk, s, p, 1) for n, kk, s, p in zip(x.shape[2:], k, st, pd))
+    return [TensorMeta(tuple(x.shape[:2]) + spatial, x.dtype)]
+
+
+def pool_atoms(A, x, kernel, stride, padding, mode, pad_value):
+    nd = len(kernel)
+    st, pd = as_tuple(stride or kernel, nd), as_tuple(padding, nd)
+    windows = A.slide(pad_atoms(A, x, pd, pad_value), axes=tuple(range(2, 2 + nd)), window=tuple(kernel),
+                      stride=st, dilation=(1,) * nd)
+    return A.reduce(mode, windows, axis=tuple(range(-nd, 0)), keepdims=False)
+
+
+POOL_ATTRS = {"kernel": (2, 2), "stride": None, "padding": 0}
+
+
+@op("max_pool", ["x"], pool_rule, attrs=POOL_ATTRS, ranks=(4,))
+def max_pool(A, x, **attrs): return pool_atoms(A, x, mode="max", pad_value=-math.inf, **attrs)
+
+
+@op("avg_pool", ["x"], pool_rule, attrs=POOL_ATTRS, ranks=(4,))
+def avg_pool(A, x, **attrs): return pool_atoms(A, x, mode="mean", pad_value=0.0, **attrs)
+
+
+def interpolate_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    size = tuple(attrs["size"])
+    check(len(size) in (1, 2) and x.ndim == len(size) + 2, "interpolate takes x [N, C, *spatial] and size per spatial dim")
+    check(attrs["mode"] in ("nearest", "bilinear"), f"mode must be nearest or bilinear, got {attrs['mode']}")
+    return [TensorMeta(tuple(x.shape[:2]) + size, x.dtype)]
+
+
+def source_scale(n_in, n_out, align_corners):
+    if align_corners:
+        return (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    return n_in / n_out
+
+
+def resample_axis(A, x, axis, n_in, n_out, mode, align_corners):
+    """Resample one axis: nearest takes floor(dst * in/out); bilinear blends two neighbours."""
+    dst = A.read("cast", A.read("iota", n=n_out, axis=0, ndim=1), struct=("f32",))
+    scale = A.param(source_scale(n_in, n_out, align_corners) if isinstance(n_in, int) else Sym(f"{n_in}/{n_out}"))
+    last = A.param(n_in - 1)
+    if mode == "nearest":
+        index = A.cmp("min", A.exp("floor", A.mul(dst, scale)), last)
+        return A.read("take", x, A.read("cast", index, struct=("i64",)), axis=axis)
+    if align_corners:
+        src = A.mul(dst, scale)
+    else:
+        src = A.cmp("max", A.sub(A.mul(A.add(dst, A.lit(0.5)), scale), A.lit(0.5)), A.lit(0))
+    lower = A.exp("floor", src)
+    frac = A.sub(src, lower)
+    i0 = A.read("cast", lower, struct=("i64",))
+    i1 = A.read("cast", A.cmp("min", A.add(lower, A.lit(1)), last), struct=("i64",))
+    trailing = (n_out,) + (1,) * (-1 - axis)
+    w1 = A.read("reshape", frac, shape=trailing)
+    w0 = A.read("reshape", A.sub(A.lit(1), frac), shape=trailing)
+    return A.add(A.mul(A.read("take", x, i0, axis=axis), w0), A.mul(A.read("take", x, i1, axis=axis), w1))
+
+
+@op("interpolate", ["x"], interpolate_rule, attrs={"size": (1, 1), "mode": "nearest", "align_corners": False},
+    struct={"mode": ("nearest", "bilinear"), "align_corners": (False, True)}, ranks=(4,))
+def interpolate(A, x, size, mode, align_corners):
+    nd = len(size)
+    for i, n_out in enumerate(size):
+        axis = i - nd
+        x = resample_axis(A, x, axis, A.inputs[0].shape[axis], n_out, mode, align_corners)
+    return x

@@ -1,0 +1,220 @@
+"""Primitive ops: one per atom mode the op set otherwise lacks, so any graph (an ONNX one) can be
+written in ops, and the fuse pass can recognize what they compose. Elementwise functions,
+comparisons and logic, reductions over several axes, and the index ops built from reads: expand,
+pad, cumsum, tile, and `range`, whose length only its inputs' values decide.
+"""
+from __future__ import annotations
+
+import math
+
+from soma_runtime.ir.graph import DYNAMIC, TensorMeta
+from soma_runtime.ir.ops.base import broadcast_shapes, check, elementwise, float_dtype, like_input, op, same_dtype
+
+INTS = ("i32", "i64")
+
+
+def unary(name: str, build):
+    """An elementwise function of one float input."""
+    op(name, ["x"], like_input)(lambda A, x: build(A, x))
+
+
+unary("exp", lambda A, x: A.exp("exp", x))
+unary("log", lambda A, x: A.exp("log", x))
+unary("sqrt", lambda A, x: A.exp("sqrt", x))
+unary("rsqrt", lambda A, x: A.exp("rsqrt", x))
+unary("reciprocal", lambda A, x: A.exp("recip", x))
+unary("erf", lambda A, x: A.exp("erf", x))
+unary("sin", lambda A, x: A.exp("sin", x))
+unary("cos", lambda A, x: A.exp("cos", x))
+unary("floor", lambda A, x: A.exp("floor", x))
+unary("ceil", lambda A, x: A.mul(A.exp("floor", A.mul(x, A.lit(-1))), A.lit(-1)))
+unary("round", lambda A, x: A.exp("round", x))                 # half to even, as numpy, torch and ONNX
+unary("neg", lambda A, x: A.mul(x, A.lit(-1)))
+unary("abs", lambda A, x: A.cmp("max", x, A.mul(x, A.lit(-1))))
+
+
+@op("pow", ["a", "b"], elementwise)
+def pow_(A, a, b): return A.exp("pow", a, b)
+
+
+@op("minimum", ["a", "b"], elementwise)
+def minimum(A, a, b): return A.cmp("min", a, b)
+
+
+@op("maximum", ["a", "b"], elementwise)
+def maximum(A, a, b): return A.cmp("max", a, b)
+
+
+@op("clip", ["x"], like_input, attrs={"min": None, "max": None})
+def clip(A, x, min, max):
+    """x within [min, max]; an absent bound is an infinite one."""
+    low = A.param(-math.inf if min is None else min)
+    return A.cmp("min", A.cmp("max", x, low), A.param(math.inf if max is None else max))
+
+
+def compare_rule(metas, attrs):
+    same_dtype(*metas)
+    check(metas[0].dtype != "bool", "comparisons take numbers, not bool")
+    return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), "bool")]
+
+
+def comparison(name: str, mode: str, swapped: bool = False):
+    """a < b and its kin; greater-than is less-than with the operands swapped."""
+    op(name, ["a", "b"], compare_rule)(lambda A, a, b: A.cmp(mode, b, a) if swapped else A.cmp(mode, a, b))
+
+
+comparison("less", "lt")
+comparison("less_equal", "le")
+comparison("greater", "lt", swapped=True)
+comparison("greater_equal", "le", swapped=True)
+comparison("equal", "eq")
+
+
+def logic_rule(metas, attrs):
+    check(all(m.dtype == "bool" for m in metas), f"logical ops take bool, got {', '.join(m.dtype for m in metas)}")
+    return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), "bool")]
+
+
+@op("logical_and", ["a", "b"], logic_rule)
+def logical_and(A, a, b): return A.mul(a, b)
+
+
+@op("logical_or", ["a", "b"], logic_rule)
+def logical_or(A, a, b): return A.cmp("max", a, b)
+
+
+@op("logical_not", ["x"], logic_rule)
+def logical_not(A, x): return A.cmp("eq", x, A.lit(0))
+
+
+def reduced_axes(rank: int, axes) -> tuple[int, ...]:
+    axes = tuple(range(rank)) if axes is None else tuple(axes)
+    check(all(-rank <= a < rank for a in axes), f"axes {list(axes)} out of range for rank {rank}")
+    normal = tuple(sorted(a % rank for a in axes))
+    check(len(set(normal)) == len(normal), f"axes {list(axes)} repeat an axis")
+    return normal
+
+
+def reduce_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    axes = reduced_axes(x.ndim, attrs["axes"])
+    shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if attrs["keepdims"] or i not in axes)
+    return [TensorMeta(shape, x.dtype)]
+
+
+def reduction(name: str, mode: str):
+    """A reduction over `axes` (None: all of them), keeping them as size 1 with `keepdims`. Its formula
+    names the axes from the end (-1 is the last), as the fused ops' formulas do."""
+    def decompose(A, x, axes, keepdims):
+        rank = len(x.shape)
+        return A.reduce(mode, x, axis=tuple(a - rank for a in reduced_axes(rank, axes)), keepdims=keepdims)
+    op(name, ["x"], reduce_rule, attrs={"axes": (-1,), "keepdims": False})(decompose)
+
+
+reduction("reduce_sum", "sum")
+reduction("reduce_mean", "mean")
+reduction("reduce_max", "max")
+reduction("reduce_min", "min")
+reduction("reduce_prod", "prod")
+
+
+def expand_rule(metas, attrs):
+    return [TensorMeta(broadcast_shapes(metas[0].shape, tuple(attrs["shape"])), metas[0].dtype)]
+
+
+@op("expand", ["x"], expand_rule, attrs={"shape": ()})
+def expand(A, x, shape):
+    """x broadcast to `shape` (both ways, as ONNX's Expand: a 1 in `shape` keeps x's size)."""
+    return A.read("broadcast", x, shape=broadcast_shapes(x.shape, tuple(shape)))
+
+
+PAD_MODES = ("constant", "reflect", "edge")
+
+
+def pad_rule(metas, attrs):
+    x, pads = metas[0], attrs["pads"]
+    check(len(pads) == x.ndim and all(len(p) == 2 and min(p) >= 0 for p in pads),
+          f"pads must give (before, after) >= 0 for each of {x.ndim} axes, got {list(pads)}")
+    check(attrs["mode"] in PAD_MODES, f"mode must be one of {', '.join(PAD_MODES)}, got {attrs['mode']!r}")
+    if attrs["mode"] == "reflect":
+        check(all(not isinstance(n, int) or max(p) < n for n, p in zip(x.shape, pads)),
+              "reflect pads must be shorter than their axis")
+    if attrs["mode"] != "constant":
+        check(all(not isinstance(n, int) or n > 0 or p == (0, 0) for n, p in zip(x.shape, pads)),
+              "cannot pad an empty axis by its edge")
+    return [TensorMeta(tuple(n + a + b for n, (a, b) in zip(x.shape, pads)), x.dtype)]
+
+
+@op("pad", ["x"], pad_rule, attrs={"pads": (), "mode": "constant", "value": 0.0}, struct={"mode": PAD_MODES}, any_rank=True)
+def pad(A, x, pads, mode, value):
+    """Constant: x placed in a tensor of `value`. Reflect and edge: each axis read at indices folded
+    back into it (reflect mirrors about the end values, edge repeats them), one read per axis whatever
+    its pads, so the formula depends on the rank alone."""
+    pads = tuple(pads) or ((0, 0),) * len(x.shape)
+    if mode == "constant":
+        shape = tuple(n + a + b for n, (a, b) in zip(x.shape, pads))
+        out = A.read("fill", shape=shape, value=value)
+        return A.write("place", out, x, axes=tuple(range(len(pads))), starts=tuple(a for a, _ in pads), steps=(1,) * len(pads))
+    for axis, (n, (before, after)) in enumerate(zip(x.shape, pads)):
+        index = A.sub(A.read("iota", n=n + before + after, axis=0, ndim=1), A.param(before))
+        last = A.param(n - 1)
+        if mode == "edge":
+            index = A.cmp("min", A.cmp("max", index, A.lit(0)), last)
+        else:
+            index = A.cmp("max", index, A.mul(index, A.lit(-1)))                     # |i|
+            folded = A.sub(last, index)
+            index = A.sub(last, A.cmp("max", folded, A.mul(folded, A.lit(-1))))      # n-1 - |n-1 - |i||
+        x = A.read("take", x, A.read("cast", index, struct=("i64",)), axis=axis)
+    return x
+
+
+def axis_rule(metas, attrs):
+    x = metas[0]
+    float_dtype(x)
+    check(-x.ndim <= attrs["axis"] < x.ndim, f"axis {attrs['axis']} out of range for rank {x.ndim}")
+    return [x]
+
+
+@op("cumsum", ["x"], axis_rule, attrs={"axis": -1})
+def cumsum(A, x, axis):
+    """Running sums along an axis: each position's window of the n values up to it, over zeros before."""
+    n = x.shape[axis]
+    pads = [(0, 0)] * len(x.shape)
+    pads[axis] = (n - 1, 0)
+    padded = pad(A, x, tuple(pads), "constant", 0.0)
+    windows = A.slide(padded, axes=(axis,), window=(n,), stride=(1,), dilation=(1,))
+    return A.reduce("sum", windows, axis=-1, keepdims=False)
+
+
+def tile_rule(metas, attrs):
+    x, repeats = metas[0], tuple(attrs["repeats"])
+    check(len(repeats) == x.ndim and all(isinstance(r, int) and r >= 1 for r in repeats),
+          f"repeats must give a count >= 1 for each of {x.ndim} axes, got {list(repeats)}")
+    return [TensorMeta(tuple(n * r for n, r in zip(x.shape, repeats)), x.dtype)]
+
+
+@op("tile", ["x"], tile_rule, attrs={"repeats": ()})
+def tile(A, x, repeats):
+    """np.tile: each axis of n values becomes r copies of them, one after another."""
+    shape = tuple(x.shape)
+    paired = tuple(d for n in shape for d in (1, n))
+    copies = tuple(d for n, r in zip(shape, repeats) for d in (r, n))
+    out = A.read("broadcast", A.read("reshape", x, shape=paired), shape=copies)
+    return A.read("reshape", out, shape=tuple(n * r for n, r in zip(shape, repeats)))
+
+
+def range_rule(metas, attrs):
+    check(all(m.ndim == 0 for m in metas), "range takes scalar start, limit and delta")
+    dt = same_dtype(*metas)
+    check(dt in ("f32", "f64", *INTS), f"range takes numbers, got {dt}")
+    return [TensorMeta((DYNAMIC,), dt)]
+
+
+@op("range", ["start", "limit", "delta"], range_rule, ranks=(0, 0, 0))
+def range_(A, start, limit, delta):
+    """start, start + delta, ... up to (not including) limit: ceil((limit - start) / delta) values, a
+    length only the inputs' values decide (a dynamic dim, known once the node has run)."""
+    count = A.mul(A.exp("floor", A.mul(A.mul(A.sub(limit, start), A.exp("recip", delta)), A.lit(-1))), A.lit(-1))
+    steps = A.read("cast", A.read("arange", count), struct=(start.dtype,))
+    return A.read("cast", A.add(start, A.mul(steps, delta)), struct=(start.dtype,))

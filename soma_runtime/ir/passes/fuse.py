@@ -1,0 +1,328 @@
+"""The fuse pass: a graph written as plain math becomes the graph the fast kernels run.
+
+Two halves, run on any Graph before it is planned: `recognize` (recognize.py) rewrites subgraphs of
+primitive ops to the fused ops whose formulas they are (an exporter's layernorm), then the rules
+below rewrite patterns of ops to the fused ops' wider forms, until none applies. A tree rule is data:
+a pattern (op, inputs...) whose nested ops must feed only the node above them, and what it becomes;
+two rules take several nodes at once (matmuls sharing an input, the K and V appends of one layer).
+Weights are rewritten where a rule needs them (stacked, interleaved) and the ones no node reads any
+more are let go. `fuse` returns how often each rule applied (`models info --fusions`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from soma_runtime.dtypes import QTensor
+from soma_runtime.ir.graph import Graph, Node, meta_of
+from soma_runtime.ir.ops import GATED, OPS
+from soma_runtime.ir.passes.recognize import recognize
+from soma_runtime.memory import release
+
+
+@dataclass
+class Match:
+    """What a tree pattern found: each name's tensor (None: an absent input) and the nodes matched,
+    the root first, then the nested ones in pattern order."""
+    tensors: dict[str, str | None] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: tuple                   # (op, input patterns...): a name, "_" (anything), None (absent), or a nested pattern
+    build: Callable                  # (graph, match) -> (op, inputs, attrs) of the fused node, or None to decline
+    commutative: bool = False        # the root's two inputs may come in either order
+
+
+class Rewriter:
+    """The graph under rewriting, with each tensor's producer and readers."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.index()
+
+    def index(self) -> None:
+        self.producer = {o: n for n in self.graph.nodes for o in n.outputs}
+        self.readers = Counter(t for n in self.graph.nodes for t in n.inputs if t is not None)
+        self.readers.update(self.graph.outputs)
+
+    def constant(self, name: str | None):
+        return None if name is None else self.graph.constants.get(name)
+
+    def new_constant(self, name: str, value) -> str:
+        self.graph.constants[name] = value
+        self.graph.tensors[name] = meta_of(value)
+        return name
+
+    def node(self, op: str, inputs: list, outputs: list[str], attrs: dict, name: str) -> Node:
+        """A node whose outputs' metas are known (the rules read them)."""
+        metas = [None if t is None else self.graph.tensors[t] for t in inputs]
+        for out, meta in zip(outputs, OPS[op].infer(metas, attrs, name)):
+            self.graph.tensors[out] = meta
+        return Node(op, OPS[op].pad(inputs), list(outputs), attrs, name)
+
+    def replace(self, old: list[Node], new: list[Node]) -> None:
+        """`new` where the first of `old` stood; the rest of `old` removed."""
+        at = next(i for i, n in enumerate(self.graph.nodes) if n is old[0])
+        self.graph.nodes[at:at + 1] = new
+        gone = {id(n) for n in old[1:]}
+        self.graph.nodes = [n for n in self.graph.nodes if id(n) not in gone]
+        self.graph.toposort()
+        self.index()
+
+    def match(self, pattern, tensor: str | None, m: Match) -> bool:
+        """Whether `tensor` is what `pattern` describes; a nested op must feed only the node above it."""
+        if pattern == "_":
+            return True
+        if pattern is None or isinstance(pattern, str):
+            if pattern is None:
+                return tensor is None
+            return m.tensors.setdefault(pattern, tensor) == tensor
+        node = self.producer.get(tensor) if tensor is not None else None
+        if node is None or node.op != pattern[0] or self.readers[tensor] != 1 or node.outputs != [tensor]:
+            return False
+        m.nodes.append(node)
+        return self.match_inputs(pattern[1:], node.inputs, m)
+
+    def match_inputs(self, patterns, inputs, m: Match) -> bool:
+        inputs = list(inputs) + [None] * (len(patterns) - len(inputs))
+        return all(self.match(p, t, m) for p, t in zip(patterns, inputs))
+
+    def apply(self, rule: Rule, node: Node) -> bool:
+        orders = [node.inputs, node.inputs[::-1]] if rule.commutative else [node.inputs]
+        for inputs in orders:
+            m = Match(nodes=[node])
+            built = rule.build(self, m) if self.match_inputs(rule.pattern[1:], inputs, m) else None
+            if built is not None:
+                op, ins, attrs = built
+                self.replace(m.nodes, [Node(op, OPS[op].pad(ins), list(node.outputs), attrs, node.name)])
+                return True
+        return False
+
+
+# --- the tree rules ----------------------------------------------------------------------------------
+
+def plain(node: Node, *absent: int) -> bool:
+    """A matmul with none of its fused inputs (the given optional slots) taken yet."""
+    return all(i >= len(node.inputs) or node.inputs[i] is None for i in absent)
+
+
+def weight_matmul(r: Rewriter, node: Node) -> bool:
+    """x @ W.T for a constant W: a linear layer, whose weight a rule may rewrite or pair with a norm."""
+    return node.attrs.get("transpose_b", False) and r.constant(node.inputs[1]) is not None
+
+
+def bias_into_matmul(r: Rewriter, m: Match):
+    """matmul(a, W) + bias -> matmul(a, W, bias): a linear layer's bias added as the product is written."""
+    mm = m.nodes[1]
+    bias = r.constant(m.tensors["bias"])
+    if not plain(mm, 2, 3, 4) or mm.attrs.get("epilogue", "none") != "none" or not weight_matmul(r, mm):
+        return None
+    if bias is None or bias.ndim != 1 or bias.shape[0] != r.constant(mm.inputs[1]).shape[0] or meta_of(bias).dtype != "f32":
+        return None
+    return "matmul", [mm.inputs[0], mm.inputs[1], m.tensors["bias"]], dict(mm.attrs)
+
+
+def norm_into_matmul(r: Rewriter, m: Match):
+    """matmul(rmsnorm(x, w), W) -> matmul(x, W, norm=w): the row's 1/rms scales the finished dots."""
+    mm, norm = m.nodes
+    w = r.constant(m.tensors["w"])
+    if not plain(mm, 4) or not weight_matmul(r, mm) or w is None:
+        return None
+    inputs = (list(mm.inputs) + [None] * 5)[:5]
+    inputs[0], inputs[4] = m.tensors["x"], m.tensors["w"]
+    return "matmul", inputs, {**mm.attrs, "norm_eps": norm.attrs.get("eps", 1e-6)}
+
+
+def residual_into_matmul(r: Rewriter, m: Match):
+    """matmul(...) + r -> matmul(..., residual=r): the stream a block's output joins, added in registers."""
+    mm = m.nodes[1]
+    out, residual = r.graph.tensors.get(mm.outputs[0]), r.graph.tensors.get(m.tensors["r"])
+    if not plain(mm, 3) or out is None or residual is None or residual.shape != out.shape or residual.dtype != out.dtype:
+        return None
+    ins = list(mm.inputs) + [None] * (5 - len(mm.inputs))
+    ins[3] = m.tensors["r"]
+    return "matmul", ins, dict(mm.attrs)
+
+
+def activation_into_matmul(r: Rewriter, m: Match):
+    """gelu(matmul(...)) -> matmul(..., epilogue=gelu): applied while the product is in registers."""
+    act, mm = m.nodes
+    if not plain(mm, 3) or mm.attrs.get("epilogue", "none") != "none" or not weight_matmul(r, mm):
+        return None
+    epilogue = "gelu_tanh" if act.attrs.get("approximate") == "tanh" else "gelu"
+    return "matmul", list(mm.inputs), {**mm.attrs, "epilogue": epilogue}
+
+
+def gated_matmuls(r: Rewriter) -> bool:
+    """act(gate) * up over the two halves of one product -> one matmul whose epilogue gates: the weight's
+    rows (and bias) interleaved, gate row i then up row i, so a program holds both halves of its outputs."""
+    for gated in r.graph.nodes:
+        if gated.op not in ("swiglu", "geglu"):
+            continue
+        split = r.producer.get(gated.inputs[0])
+        if split is None or split.op != "split" or gated.inputs != split.outputs or any(r.readers[t] != 1 for t in split.outputs):
+            continue
+        mm = r.producer.get(split.inputs[0])
+        epilogue = "swiglu" if gated.op == "swiglu" else ("geglu_tanh" if gated.attrs.get("approximate") == "tanh" else None)
+        if mm is None or mm.op != "matmul" or r.readers[split.inputs[0]] != 1 or epilogue not in GATED or not plain(mm, 3) \
+                or mm.attrs.get("epilogue", "none") != "none" or not weight_matmul(r, mm):
+            continue
+        if split.attrs.get("axis") not in (-1, 1) or len(set(split.attrs["sizes"])) != 1:
+            continue
+        weight = stack_rows(row_halves(r.constant(mm.inputs[1])), interleave=True)
+        if weight is None:
+            continue
+        ins = list(mm.inputs) + [None] * (5 - len(mm.inputs))
+        ins[1] = r.new_constant(f"{mm.inputs[1]}:interleaved", weight)
+        if ins[2] is not None:
+            halves = np.split(np.asarray(r.constant(ins[2]), np.float32), 2)
+            ins[2] = r.new_constant(f"{ins[2]}:interleaved", np.stack(halves, axis=1).reshape(-1))
+        r.replace([gated, split, mm], [Node("matmul", ins, list(gated.outputs), {**mm.attrs, "epilogue": epilogue}, gated.name)])
+        return True
+    return False
+
+
+def rope_into_kv_append(r: Rewriter, m: Match):
+    """kv_append(pages, rope(k), slots) -> kv_append(pages, k, slots, positions, inv_freq): keys rotated
+    as they are stored."""
+    append, rope = m.nodes
+    ins = [m.tensors["pages"], m.tensors["k"], m.tensors["slots"], m.tensors["pos"], m.tensors["freq"], *append.inputs[5:7]]
+    return "kv_append", ins, {**append.attrs, "style": rope.attrs.get("style", "neox")}
+
+
+def rope_into_attention(r: Rewriter, m: Match):
+    """paged_attention(rope(q), ...) -> paged_attention(q, ..., positions, inv_freq): queries rotated as
+    attention loads them."""
+    attn, rope = m.nodes
+    ins = [m.tensors["q"], *attn.inputs[1:6]] + [None] * (6 - len(attn.inputs))
+    attrs = {**attn.attrs, "rope_style": rope.attrs.get("style", "neox")}
+    return "paged_attention", ins[:6] + [m.tensors["pos"], m.tensors["freq"]], attrs
+
+
+TREE_RULES = [
+    Rule("matmul+bias", ("add", ("matmul", "a", "W"), "bias"), bias_into_matmul, commutative=True),
+    Rule("norm->matmul", ("matmul", ("rmsnorm", "x", "w"), "W"), norm_into_matmul),
+    Rule("matmul->residual", ("add", ("matmul", "_", "_"), "r"), residual_into_matmul, commutative=True),
+    Rule("matmul+gelu", ("gelu", ("matmul", "_", "_")), activation_into_matmul),
+    Rule("rope->kv_append", ("kv_append", "pages", ("rope", "k", "pos", "freq"), "slots", None, None), rope_into_kv_append),
+    Rule("rope->attention", ("paged_attention", ("rope", "q", "pos", "freq"), "_", "_", "_", "_", "_", None, None),
+         rope_into_attention),
+]
+
+
+# --- the rules over several nodes ----------------------------------------------------------------------
+
+def stack_matmuls(r: Rewriter) -> bool:
+    """Linear layers reading one input (q, k, v; gate, up) -> one product over their weights stacked by
+    rows, split after: the input is read (and quantized) once. Only weights of one storage type stack."""
+    groups: dict[tuple, list[Node]] = {}
+    for n in r.graph.nodes:
+        if n.op == "matmul" and weight_matmul(r, n) and plain(n, 3, 4) and n.attrs.get("epilogue", "none") == "none":
+            with_bias = len(n.inputs) > 2 and n.inputs[2] is not None
+            groups.setdefault((n.inputs[0], with_bias, repr(sorted(n.attrs.items()))), []).append(n)
+    for (_, with_bias, _), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        weights = [r.constant(n.inputs[1]) for n in nodes]
+        stacked = stack_rows(weights)
+        if stacked is None:
+            continue
+        first = nodes[0]
+        name = "+".join(n.inputs[1] for n in nodes)
+        ins = [first.inputs[0], r.new_constant(name, stacked)]
+        if with_bias:
+            ins.append(r.new_constant("+".join(n.inputs[2] for n in nodes),
+                                      np.concatenate([np.asarray(r.constant(n.inputs[2]), np.float32) for n in nodes])))
+        product = f"{first.name}:stacked"
+        sizes = tuple(w.shape[0] for w in weights)
+        split = Node("split", [product], [n.outputs[0] for n in nodes], {"sizes": sizes, "axis": -1}, f"{first.name}:split")
+        r.replace(nodes, [r.node("matmul", ins, [product], dict(first.attrs), product), split])
+        return True
+    return False
+
+
+def pair_kv_appends(r: Rewriter) -> bool:
+    """The key and value appends an attention reads (into the same slots) -> one kernel writing both."""
+    for attn in r.graph.nodes:
+        if attn.op != "paged_attention":
+            continue
+        keys, values = r.producer.get(attn.inputs[1]), r.producer.get(attn.inputs[2])
+        if keys is None or values is None or {keys.op, values.op} != {"kv_append"} or keys.inputs[2] != values.inputs[2]:
+            continue
+        if keys.inputs[5] is not None or values.inputs[5] is not None or values.inputs[3] is not None:
+            continue                                           # already paired; values are never rotated
+        ins = keys.inputs[:5] + [values.inputs[0], values.inputs[1]]
+        r.replace([values, keys], [Node("kv_append", ins, keys.outputs + values.outputs, dict(keys.attrs), keys.name)])
+        return True
+    return False
+
+
+GROUP_RULES = [("stack matmuls", stack_matmuls), ("gate/up+swiglu|geglu", gated_matmuls), ("kv_append k+v", pair_kv_appends)]
+
+
+# --- weights --------------------------------------------------------------------------------------------
+
+def stack_rows(tensors: list, interleave: bool = False):
+    """Weights [N_i, K] of one storage type stacked into one [sum N_i, K] (None if types differ); with
+    `interleave`, weights of equal N alternate row by row (row 0 of each, then row 1 of each, ...)."""
+    join = (lambda parts: np.stack(parts, axis=1).reshape(-1, parts[0].shape[-1])) if interleave else np.concatenate
+    if interleave and len({tuple(t.shape) for t in tensors}) != 1:
+        return None
+    if any(isinstance(t, QTensor) for t in tensors):
+        if not all(isinstance(t, QTensor) for t in tensors) or len({(t.dtype.name, t.shape[1:]) for t in tensors}) != 1:
+            return None
+        rows = sum(t.shape[0] for t in tensors)
+        return QTensor(join([t.data for t in tensors]), tensors[0].dtype, (rows, *tensors[0].shape[1:]))
+    if len({(np.asarray(t).dtype, np.shape(t)[1:]) for t in tensors}) != 1:
+        return None
+    return join([np.asarray(t) for t in tensors])
+
+
+def row_halves(t) -> list:
+    """A weight's first and second halves of rows (a fused gate and up), as views."""
+    half = t.shape[0] // 2
+    if isinstance(t, QTensor):
+        return [QTensor(t.data[rows], t.dtype, (half, *t.shape[1:])) for rows in (slice(0, half), slice(half, None))]
+    return [np.asarray(t)[:half], np.asarray(t)[half:]]
+
+
+def let_go(graph: Graph, before: dict) -> None:
+    """Constants no node reads any more leave the graph; those the rules replaced give their memory back
+    (a stacked copy replaces mmapped pages that are then never touched)."""
+    read = {t for n in graph.nodes for t in n.inputs if t is not None} | set(graph.outputs)
+    for name in [k for k in graph.constants if k not in read]:
+        value = graph.constants.pop(name)
+        if name in before:
+            release(value.data if isinstance(value, QTensor) else np.asarray(value))
+
+
+# --- the pass ---------------------------------------------------------------------------------------------
+
+def fuse(graph: Graph) -> Counter:
+    """Rewrite `graph` in place to its fused form; returns {rule: times applied}."""
+    from soma_runtime.ir.builder import validate
+    validate(graph)
+    report = recognize(graph)
+    before = dict(graph.constants)
+    r = Rewriter(graph)
+    changed = True
+    while changed:
+        changed = False
+        for rule in TREE_RULES:
+            for node in [n for n in graph.nodes if n.op == rule.pattern[0]]:
+                if node is r.producer.get(node.outputs[0]) and r.apply(rule, node):
+                    report[rule.name] += 1
+                    changed = True
+        for name, rule in GROUP_RULES:
+            while rule(r):
+                report[name] += 1
+                changed = True
+    let_go(graph, before)
+    validate(graph)
+    return report

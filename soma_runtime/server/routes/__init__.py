@@ -1,0 +1,1 @@
+"""One router module per task, and the server's own routes."""

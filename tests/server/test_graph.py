@@ -1,0 +1,52 @@
+"""`POST /v1/run`: a graph model served by name, inputs and outputs as JSON arrays (the answer equal to
+the library's run), errors as 400s naming what is wrong; other tasks' routes refuse it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from soma_runtime.api import Runtime
+from soma_runtime.server.app import create_app
+from soma_runtime.server.registry import ModelRegistry
+from tests.engine.test_graph import B, W
+from tests.ir.test_fuse import layernorm_pow_div
+
+
+@pytest.fixture(scope="module")
+def client():
+    from soma_runtime.ir.builder import GraphBuilder
+    g = GraphBuilder()
+    x = g.input("x", ("N", 16), "f32")
+    graph = g.output(g.sqrt(layernorm_pow_div(g, x, g.const("w", W), g.const("b", B))))     # NaN where the norm is < 0
+    registry = ModelRegistry(Runtime("cpu"), memory_budget=2**30)
+    registry.load(graph, "ln")
+    with TestClient(create_app(registry)) as c:
+        yield c, registry.get("ln").model
+
+
+def test_a_graph_runs_over_http_as_in_the_library(client):
+    c, model = client
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    r = c.post("/v1/run", json={"model": "ln", "inputs": {"x": x.tolist()}})
+    assert r.status_code == 200, r.text
+    (name, want), = model.run({"x": x}).items()
+    got = np.array([[np.nan if v == "NaN" else v for v in row] for row in r.json()["outputs"][name]], np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(want).any()
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"model": "ln", "inputs": {"y": [1.0]}}, "no input 'y'"),
+    ({"model": "ln", "inputs": {"x": [[1.0, 2.0], [3.0]]}}, "not a rectangular array"),
+    ({"model": "ln", "inputs": {"x": [1.0] * 16}}, "must have shape"),
+    ({"model": "ln", "inputs": "x"}, "inputs"),
+])
+def test_bad_inputs_are_400s_naming_them(client, body, needle):
+    r = client[0].post("/v1/run", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_other_tasks_routes_refuse_a_graph(client):
+    r = client[0].post("/v1/completions", json={"model": "ln", "prompt": "hi"})
+    assert r.status_code == 400 and "graph task" in r.json()["error"]["message"]

@@ -1,0 +1,87 @@
+"""The package's layers, read from its source: the runtime reaches backends only through the Backend
+interface, backends know nothing of models or the engine, and no modules import each other in a circle.
+Every import counts, those inside functions too."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "soma_runtime"
+RUNTIME = ("soma_runtime.ir", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",
+           "soma_runtime.text", "soma_runtime.api")
+INTERFACE = "soma_runtime.backends.base"
+ABOVE_BACKENDS = ("soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.api", "soma_runtime.server")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports_of(path: Path) -> set[str]:
+    """The package's modules a file imports (a name imported from a package counts as its submodule
+    where there is one)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("soma_runtime"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("soma_runtime"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if is_module(sub) else node.module)
+    return found
+
+
+GRAPH = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+
+
+def within(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_runtime_imports_no_backend_beyond_the_backend_interface():
+    leaks = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if within(m, RUNTIME)
+                   for i in deps if within(i, ("soma_runtime.backends",)) and i != INTERFACE)
+    assert not leaks, "\n".join(leaks)
+
+
+def test_backends_import_nothing_of_models_the_engine_or_the_server():
+    leaks = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if within(m, ("soma_runtime.backends",))
+                   for i in deps if within(i, ABOVE_BACKENDS))
+    assert not leaks, "\n".join(leaks)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Tarjan's strongly connected components over the import graph: every one is a single module."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for n in GRAPH.get(m, ()):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in on_stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                on_stack.discard(n)
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1 or m in GRAPH.get(m, ()):
+                circles.append(sorted(component))
+
+    for m in sorted(GRAPH):
+        if m not in index:
+            visit(m)
+    assert not circles, circles
