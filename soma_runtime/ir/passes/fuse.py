@@ -6,7 +6,7 @@ below rewrite patterns of ops to the fused ops' wider forms, until none applies.
 a pattern (op, inputs...) whose nested ops must feed only the node above them, and what it becomes;
 two rules take several nodes at once (matmuls sharing an input, the K and V appends of one layer).
 Weights are rewritten where a rule needs them (stacked, interleaved) and the ones no node reads any
-more are let go. `fuse` returns how often each rule applied (`models info --fusions`).
+more are let go as soon as they are replaced. `fuse` returns how often each rule applied (`models info --fusions`).
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class Rewriter:
 
     def __init__(self, graph: Graph):
         self.graph = graph
+        self.originals = set(graph.constants)          # the weights as loaded (mmapped pages, where they came from a file)
         self.index()
 
     def index(self) -> None:
@@ -67,13 +68,22 @@ class Rewriter:
         return Node(op, OPS[op].pad(inputs), list(outputs), attrs, name)
 
     def replace(self, old: list[Node], new: list[Node]) -> None:
-        """`new` where the first of `old` stood; the rest of `old` removed."""
+        """`new` where the first of `old` stood; the rest of `old` removed; constants no node reads any more
+        leave at once (the weights a stacked copy replaced give their memory back before the next is made)."""
         at = next(i for i, n in enumerate(self.graph.nodes) if n is old[0])
         self.graph.nodes[at:at + 1] = new
         gone = {id(n) for n in old[1:]}
         self.graph.nodes = [n for n in self.graph.nodes if id(n) not in gone]
         self.graph.toposort()
         self.index()
+        for name in {t for n in old for t in n.inputs if t in self.graph.constants}:
+            if not self.readers[name]:
+                self.let_go(name)
+
+    def let_go(self, name: str) -> None:
+        value = self.graph.constants.pop(name)
+        if name in self.originals:                   # a file's pages: dropped from memory, read again if ever needed
+            release(value.data if isinstance(value, QTensor) else np.asarray(value))
 
     def match(self, pattern, tensor: str | None, m: Match) -> bool:
         """Whether `tensor` is what `pattern` describes; a nested op must feed only the node above it."""
@@ -159,31 +169,51 @@ def activation_into_matmul(r: Rewriter, m: Match):
     return "matmul", list(mm.inputs), {**mm.attrs, "epilogue": epilogue}
 
 
-def gated_matmuls(r: Rewriter) -> bool:
-    """act(gate) * up over the two halves of one product -> one matmul whose epilogue gates: the weight's
-    rows (and bias) interleaved, gate row i then up row i, so a program holds both halves of its outputs."""
-    for gated in r.graph.nodes:
-        if gated.op not in ("swiglu", "geglu"):
-            continue
-        split = r.producer.get(gated.inputs[0])
-        if split is None or split.op != "split" or gated.inputs != split.outputs or any(r.readers[t] != 1 for t in split.outputs):
-            continue
+def gate_and_up(r: Rewriter, gated: Node) -> tuple[list[Node], list[str]] | None:
+    """The products a gated activation joins, and their two weights' halves by name: one matmul split in
+    halves (phi3's gate_up), or two matmuls of one input (gate, up) alike but for their weights."""
+    if any(r.readers[t] != 1 for t in gated.inputs):
+        return None
+    split = r.producer.get(gated.inputs[0])
+    if split is not None and split.op == "split" and gated.inputs == split.outputs:
         mm = r.producer.get(split.inputs[0])
-        epilogue = "swiglu" if gated.op == "swiglu" else ("geglu_tanh" if gated.attrs.get("approximate") == "tanh" else None)
-        if mm is None or mm.op != "matmul" or r.readers[split.inputs[0]] != 1 or epilogue not in GATED or not plain(mm, 3) \
-                or mm.attrs.get("epilogue", "none") != "none" or not weight_matmul(r, mm):
+        if split.attrs.get("axis") not in (-1, 1) or len(set(split.attrs["sizes"])) != 1 or r.readers[split.inputs[0]] != 1:
+            return None
+        return ([gated, split, mm], [mm.inputs[1]]) if mm is not None and mm.op == "matmul" else None
+    gate, up = (r.producer.get(t) for t in gated.inputs)
+    if gate is None or up is None or gate.op != "matmul" or up.op != "matmul" or gate.inputs[0] != up.inputs[0]:
+        return None
+    if gate.attrs != up.attrs or (gate.inputs[2] is None) != (up.inputs[2] is None) or gate.inputs[3:] != up.inputs[3:]:
+        return None
+    return [gated, gate, up], [gate.inputs[1], up.inputs[1]]
+
+
+def gated_matmuls(r: Rewriter) -> bool:
+    """act(gate) * up of a gate and an up product (or the halves of one) -> one matmul whose epilogue
+    gates: the weights' rows (and biases) interleaved, gate row i then up row i, so a program holds both
+    halves of its outputs; written once, never as a stacked copy first."""
+    for gated in r.graph.nodes:
+        epilogue = "swiglu" if gated.op == "swiglu" else "geglu_tanh" if gated.op == "geglu" and \
+            gated.attrs.get("approximate") == "tanh" else None
+        found = gate_and_up(r, gated) if epilogue in GATED else None
+        if found is None:
             continue
-        if split.attrs.get("axis") not in (-1, 1) or len(set(split.attrs["sizes"])) != 1:
+        nodes, names = found
+        products = nodes[1:] if len(names) == 2 else nodes[2:]
+        mm = products[0]
+        if not all(plain(p, 3) and p.attrs.get("epilogue", "none") == "none" and weight_matmul(r, p) for p in products):
             continue
-        weight = stack_rows(row_halves(r.constant(mm.inputs[1])), interleave=True)
+        halves = row_halves(r.constant(names[0])) if len(names) == 1 else [r.constant(n) for n in names]
+        weight = stack_rows(halves, interleave=True)
         if weight is None:
             continue
         ins = list(mm.inputs) + [None] * (5 - len(mm.inputs))
-        ins[1] = r.new_constant(f"{mm.inputs[1]}:interleaved", weight)
+        ins[1] = r.new_constant(f"{'+'.join(names)}:interleaved", weight)
         if ins[2] is not None:
-            halves = np.split(np.asarray(r.constant(ins[2]), np.float32), 2)
-            ins[2] = r.new_constant(f"{ins[2]}:interleaved", np.stack(halves, axis=1).reshape(-1))
-        r.replace([gated, split, mm], [Node("matmul", ins, list(gated.outputs), {**mm.attrs, "epilogue": epilogue}, gated.name)])
+            biases = [np.asarray(r.constant(p.inputs[2]), np.float32) for p in products]
+            parts = np.split(biases[0], 2) if len(biases) == 1 else biases
+            ins[2] = r.new_constant(f"{'+'.join(p.inputs[2] for p in products)}:interleaved", np.stack(parts, axis=1).reshape(-1))
+        r.replace(nodes, [Node("matmul", ins, list(gated.outputs), {**mm.attrs, "epilogue": epilogue}, gated.name)])
         return True
     return False
 
@@ -263,7 +293,7 @@ def pair_kv_appends(r: Rewriter) -> bool:
     return False
 
 
-GROUP_RULES = [("stack matmuls", stack_matmuls), ("gate/up+swiglu|geglu", gated_matmuls), ("kv_append k+v", pair_kv_appends)]
+GROUP_RULES = [("gate/up+swiglu|geglu", gated_matmuls), ("stack matmuls", stack_matmuls), ("kv_append k+v", pair_kv_appends)]
 
 
 # --- weights --------------------------------------------------------------------------------------------
@@ -292,16 +322,6 @@ def row_halves(t) -> list:
     return [np.asarray(t)[:half], np.asarray(t)[half:]]
 
 
-def let_go(graph: Graph, before: dict) -> None:
-    """Constants no node reads any more leave the graph; those the rules replaced give their memory back
-    (a stacked copy replaces mmapped pages that are then never touched)."""
-    read = {t for n in graph.nodes for t in n.inputs if t is not None} | set(graph.outputs)
-    for name in [k for k in graph.constants if k not in read]:
-        value = graph.constants.pop(name)
-        if name in before:
-            release(value.data if isinstance(value, QTensor) else np.asarray(value))
-
-
 # --- the pass ---------------------------------------------------------------------------------------------
 
 def fuse(graph: Graph) -> Counter:
@@ -309,7 +329,6 @@ def fuse(graph: Graph) -> Counter:
     from soma_runtime.ir.builder import validate
     validate(graph)
     report = recognize(graph)
-    before = dict(graph.constants)
     r = Rewriter(graph)
     changed = True
     while changed:
@@ -323,6 +342,5 @@ def fuse(graph: Graph) -> Counter:
             while rule(r):
                 report[name] += 1
                 changed = True
-    let_go(graph, before)
     validate(graph)
     return report
