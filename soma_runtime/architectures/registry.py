@@ -33,7 +33,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.model_type: s for s in [
     ArchSpec("mistral", "llama", LLAMA_LIKE, gguf_rope_style="interleaved"),
     ArchSpec("qwen2", "qwen2", {"qkv_bias": True}),
     ArchSpec("qwen3", "qwen3", {"qk_norm": True}),
-    ArchSpec("phi3", "phi3", {"fused_qkv": True, "fused_gate_up": True}),
+    ArchSpec("phi3", "phi3"),
     ArchSpec("gemma", "gemma", GEMMA),
     ArchSpec("gemma2", "gemma2", {**GEMMA, "sandwich_norms": True}, swa_pattern=2),
     ArchSpec("gemma3_text", "gemma3", {**GEMMA, "sandwich_norms": True, "qk_norm": True}, swa_pattern=6),
