@@ -62,14 +62,18 @@ DTYPES: dict[str, DType] = {d.name: d for d in [
     _plain("i64", 27, np.int64), _plain("f64", 28, np.float64),
     _plain("bf16", 30, ml_dtypes.bfloat16),
     DType("tq1_0", 34, 256, 54), DType("tq2_0", 35, 256, 66),
-    _plain("bool", -1, np.bool_), _plain("u8", -1, np.uint8),
+    _plain("bool", -1, np.bool_), _plain("u8", -1, np.uint8), _plain("u16", -1, np.uint16),
+    _plain("u32", -1, np.uint32), _plain("u64", -1, np.uint64),
 ]}
 BY_GGML_ID = {d.ggml_id: d for d in DTYPES.values() if d.ggml_id >= 0}
 # byte offsets of the f16 fields (d, m, dmin) in each block of a stored format, as laid out above
 F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q2_K": (80, 82), "q3_K": (108,),
               "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "tq1_0": (52,), "tq2_0": (64,)}
 QUANTIZED = tuple(n for n, d in DTYPES.items() if d.quantized and n != "q8_K")
-FLOATS = ("f32", "f16", "bf16")
+FLOATS = ("f32", "f16", "bf16")                  # what models compute in
+REALS = (*FLOATS, "f64")
+INTEGERS = ("i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+NUMBERS = (*REALS, *INTEGERS)
 
 
 def dtype(name: str | DType) -> DType:
@@ -143,3 +147,33 @@ def quantize(x: np.ndarray, dtype_name: str) -> QTensor:
         raise ValueError(f"{d.name}: last dimension {x.shape[-1]} is not a multiple of {d.block_size}")
     blocks = encode.ENCODERS[d.name](x.reshape(-1, d.block_size))
     return QTensor(blocks.reshape(-1), d, x.shape)
+
+
+def lowest(np_dtype) -> float | int:
+    """The smallest value of a numpy dtype (-inf for floats): the max of an empty set."""
+    np_dtype = np.dtype(np_dtype)
+    return np.iinfo(np_dtype).min if np_dtype.kind in "iu" else (False if np_dtype.kind == "b" else -np.inf)
+
+
+def highest(np_dtype) -> float | int:
+    """The largest value of a numpy dtype (inf for floats): the min of an empty set."""
+    np_dtype = np.dtype(np_dtype)
+    return np.iinfo(np_dtype).max if np_dtype.kind in "iu" else (True if np_dtype.kind == "b" else np.inf)
+
+
+def descending(x: np.ndarray) -> np.ndarray:
+    """A key whose ascending order is x's descending order, exact for every dtype (-x wraps for integers)."""
+    if x.dtype.kind == "u":
+        return np.iinfo(x.dtype).max - x
+    if x.dtype.kind == "i":
+        return ~x
+    return -x
+
+
+def truncated_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Integer a / b rounded toward zero (C's and ONNX's division; numpy's // floors), without the
+    overflow of negating the smallest integer; 0 where b is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.floor_divide(a, b)
+        inexact = np.remainder(a, b) != 0
+    return np.where(inexact & ((a < 0) != (b < 0)), q + 1, q)

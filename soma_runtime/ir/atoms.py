@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.dtypes import DTYPES, QTensor, dequantize
+from soma_runtime.dtypes import DTYPES, QTensor, dequantize, descending, highest, lowest
 
 ATOMS: dict[str, tuple[str, ...]] = {
     "mul": ("mul",),
@@ -121,7 +121,9 @@ _UNARY = {
 }
 _CMP = {"max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal, "eq": np.equal,
         "select": np.where}
-_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "prod": np.prod}
+_REDUCE = {"sum": np.sum, "mean": np.mean, "prod": np.prod,
+           "max": lambda x, **kw: np.max(x, initial=lowest(x.dtype), **kw),
+           "min": lambda x, **kw: np.min(x, initial=highest(x.dtype), **kw)}
 
 
 def _as_compute(x):
@@ -194,7 +196,7 @@ def _reduce(mode, x, p):
     if mode == "argmax":
         return np.argmax(x, axis=axis, keepdims=keep)
     # topk: indices of the k largest along axis, largest first; ties keep the lower index
-    order = np.argsort(-x, axis=axis, kind="stable")
+    order = np.argsort(descending(x), axis=axis, kind="stable")
     return np.take(order, np.arange(p["k"]), axis=axis)
 
 

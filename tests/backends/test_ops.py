@@ -223,6 +223,25 @@ def int_inputs(make_floats, *int_arrays):
     return lambda dt: make_floats(dt) + [np.asarray(a, np.int64) for a in int_arrays]
 
 
+def ints(*arrays, dtype=np.int32):
+    """Integer inputs (the case's float dtype label unused): arithmetic on integers truncates and wraps."""
+    return lambda dt: [np.asarray(a, dtype) for a in arrays]
+
+
+NUMERATORS, DENOMINATORS = [[7, -7, 7, -7, 0, -128], [9, -9, 2, 1, 6, 5]], [3, -3, 2, -4, 5, 7]
+case("div", ints(NUMERATORS, DENOMINATORS), lambda a, b: torch.div(a, b, rounding_mode="trunc"), ("f32",), id="int-trunc")
+case("div", ints(NUMERATORS, DENOMINATORS, dtype=np.int8), lambda a, b: torch.div(a, b, rounding_mode="trunc"), ("f32",),
+     id="int8-smallest")
+case("mod", ints(NUMERATORS, DENOMINATORS), torch.remainder, ("f32",), id="int-python")
+case("mod", ints(NUMERATORS, DENOMINATORS), torch.fmod, ("f32",), id="int-fmod", fmod=True)
+case("mod", mk((4, 6), (6,), positive=(1,)), torch.fmod, id="fmod", fmod=True)
+for name, fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum}.items():
+    case(name, ints(NUMERATORS, DENOMINATORS, dtype=np.int64), fn, ("f32",), id="int")
+case("neg", ints(NUMERATORS), torch.neg, ("f32",), id="int")
+case("reduce_sum", ints(NUMERATORS, dtype=np.int64), lambda x: x.sum(-1), ("f32",), id="int")
+case("topk", ints([[3, 9, 1, 9, -2]], dtype=np.int64), lambda x: torch.topk(x, 2, -1, sorted=True), ("f32",), id="int", k=2)
+
+
 case("embedding", int_inputs(mk((10, 6)), [[1, 0, 9], [4, 4, 2]]), lambda t, ids: F.embedding(ids, t), id="2d-ids")
 case("embedding", int_inputs(mk((3, 5)), [2]), lambda t, ids: F.embedding(ids, t), id="one")
 
@@ -370,6 +389,8 @@ for name, fn in REDUCTIONS.items():
 case("reduce_prod", mk((3, 4, 5)), lambda x: x.prod(-1), id="last")
 case("reduce_prod", mk((3, 4, 5)), lambda x: x.prod(2, keepdim=True).prod(0, keepdim=True), id="axes-keepdims", axes=(0, 2),
      keepdims=True)
+case("take", int_inputs(mk((3, 5, 2)), [[4, 0], [-1, 2]]),
+     lambda x, i: x.index_select(1, i.reshape(-1) % 5).reshape(3, 2, 2, 2), axis=1)
 case("expand", mk((3, 1)), lambda x: x.expand(2, 3, 4), shape=(2, 3, 4))
 case("expand", mk((2, 3)), lambda x: x.expand(4, 2, 3), id="ones-keep", shape=(4, 1, 1))
 case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), value=0.5), id="constant", pads=((0, 0), (1, 2), (2, 1)), value=0.5)

@@ -86,6 +86,14 @@ def silu_of(g, x):
     return g.mul(x, g.sigmoid(x))
 
 
+def groupnorm_of(g, x):
+    """A group norm: a layernorm's formula over rows regrouped by a reshape, no layernorm of x itself."""
+    rows = g.reshape(x, shape=(3, 2, 8))
+    d = g.sub(rows, g.reduce_mean(rows, axes=(-1,), keepdims=True))
+    var = g.reduce_mean(g.mul(d, d), axes=(-1,), keepdims=True)
+    return g.reshape(g.mul(d, g.rsqrt(g.add(var, scalar(g, "eps", 1e-5)))), shape=(3, 4, 2, 2))
+
+
 CASES = [  # (builder, input shapes, the fused op it is, or None)
     (layernorm_pow_div, [(2, 5, 16), (16,), (16,)], "layernorm"),
     (layernorm_rsqrt_mul, [(2, 5, 16), (16,), (16,)], "layernorm"),
@@ -127,6 +135,16 @@ def test_primitive_graphs_become_the_fused_op_they_compute(builder, shapes, fuse
         assert not report and live == ops(Plan(plain, CPU).graph)
     else:
         assert report[f"recognized {fused}"] == 1 and live == {fused: 1}, (report, live)
+
+
+def test_a_norm_over_regrouped_rows_is_recognized_on_those_rows_not_on_x():
+    graph = built(groupnorm_of, [(3, 4, 2, 2)])
+    plain = copy.deepcopy(graph)
+    report = fuse(graph)
+    x = {"x": RNG.standard_normal((3, 4, 2, 2)).astype(np.float32)}
+    np.testing.assert_allclose(Plan(graph, CPU).run(x)[0], Plan(plain, CPU).run(x)[0], rtol=1e-5, atol=1e-5)
+    norm = next(n for n in graph.nodes if n.op == "layernorm")
+    assert report["recognized layernorm"] == 1 and graph.tensors[norm.inputs[0]].shape == (3, 2, 8)
 
 
 def attention(g, q, k, v, mask, style):

@@ -5,22 +5,25 @@ import functools
 
 import numpy as np
 
-from soma_runtime.dtypes import FLOATS, QTensor, dtype, dtype_of
+from soma_runtime.dtypes import FLOATS, INTEGERS, REALS, QTensor, dtype, dtype_of
 
 CPU = "cpu"
 HALF = ("f16", "bf16")
 # dtype pattern entries for jet registration
-F = FLOATS               # any float dtype
-INT = ("i32", "i64")
+F = FLOATS               # any float dtype a model computes in
+REAL = REALS             # those and f64
+INT = ("i32", "i64")     # indices
+INTEGER = INTEGERS       # any integer
+NUMBER = (REAL, INTEGER)  # jet patterns for ops on any number: floats, and integers (their formula may differ)
 ANY = "*"
 ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positions and inv_freq, or neither
 
 
 def f32(x):
     """Half inputs compute in f32 (numpy's f16 arithmetic is slow and rounds every step)."""
-    if x is None or isinstance(x, QTensor) or x.dtype.kind in "biu":
+    if x is None or isinstance(x, QTensor) or x.dtype.kind in "biu" or x.dtype in (np.float32, np.float64):
         return x
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+    return x.astype(np.float32)
 
 
 def deliver(y: np.ndarray, like: str, out=None):

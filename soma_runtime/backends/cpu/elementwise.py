@@ -7,9 +7,9 @@ import math
 import numpy as np
 from numba import njit, vectorize
 
-from soma_runtime.backends.cpu.common import CPU, F, all_f32, deliver, dense, float_kernel, out_f32
+from soma_runtime.backends.cpu.common import CPU, INTEGER, REAL, F, all_f32, deliver, dense, float_kernel, out_f32
 from soma_runtime.backends.cpu.simd import exp_f32
-from soma_runtime.dtypes import dtype_of
+from soma_runtime.dtypes import dtype_of, truncated_quotient
 from soma_runtime.ir.jets import jet
 
 
@@ -40,9 +40,22 @@ def binary_jet(ufunc):
     return run
 
 
+def truncated_divide(a, b, out=None):
+    """Integer division rounding toward zero (numpy's // floors)."""
+    return deliver(truncated_quotient(a, b), dtype_of(a), out)
+
+
 BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 for _name, _fn in BINARY.items():
-    jet(_name, CPU, [(F, F)])(binary_jet(_fn))
+    jet(_name, CPU, [(REAL, REAL)] + ([] if _name == "div" else [(INTEGER, INTEGER)]))(binary_jet(_fn))
+jet("div", CPU, [(INTEGER, INTEGER)])(truncated_divide)
+
+
+@jet("mod", CPU, [(REAL, REAL), (INTEGER, INTEGER)])
+@float_kernel
+def mod(a, b, fmod=False):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.fmod(a, b) if fmod else np.mod(a, b)
 
 
 @jet("silu", CPU, [(F,)])

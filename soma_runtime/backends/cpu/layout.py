@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import ANY, CPU, INT, F, deliver
-from soma_runtime.dtypes import DTYPES, dtype_of
+from soma_runtime.backends.cpu.common import ANY, CPU, INT, NUMBER, F, deliver
+from soma_runtime.dtypes import DTYPES, descending, dtype_of
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.sampling import choose
 
@@ -61,19 +61,19 @@ def argmax(x, out=None, axis=-1):
     return np.argmax(x, axis=axis)
 
 
-@jet("topk", CPU, [(F,)])
+@jet("topk", CPU, [(t,) for t in NUMBER])
 def topk(x, out=None, k=1, axis=-1):
     """The k largest, largest first; equal values keep the lower index (like the atoms)."""
     moved = np.moveaxis(x, axis, -1)
     n = moved.shape[-1]
-    candidates = np.argpartition(-moved, k - 1, axis=-1)[..., :k] if k < n else np.broadcast_to(np.arange(n), moved.shape)
-    values = np.take_along_axis(moved, candidates, axis=-1).astype(np.float64)
+    key = descending(moved)
+    candidates = np.argpartition(key, k - 1, axis=-1)[..., :k] if k < n else np.broadcast_to(np.arange(n), moved.shape)
     # ties at the cut may have been dropped by argpartition: fall back to a stable sort for those rows
-    order = np.lexsort((candidates, -values), axis=-1)
+    order = np.lexsort((candidates, np.take_along_axis(key, candidates, axis=-1)), axis=-1)
     index = np.take_along_axis(candidates, order, axis=-1)
     kth = np.take_along_axis(moved, index[..., -1:], axis=-1)
     if k < n and np.any((moved == kth).sum(-1) > (np.take_along_axis(moved, index, -1) == kth).sum(-1)):
-        index = np.argsort(-moved, axis=-1, kind="stable")[..., :k]
+        index = np.argsort(key, axis=-1, kind="stable")[..., :k]
     index = np.moveaxis(index, -1, axis)
     return np.take_along_axis(x, index, axis=axis), index.astype(np.int64)
 

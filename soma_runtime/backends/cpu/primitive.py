@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import CPU, INT, F, deliver, float_kernel
+from soma_runtime.backends.cpu.common import CPU, INT, INTEGER, NUMBER, REAL, deliver, float_kernel
 from soma_runtime.backends.cpu.elementwise import binary_jet, erf
-from soma_runtime.dtypes import dtype_of
+from soma_runtime.dtypes import dtype_of, highest, lowest
 from soma_runtime.ir.jets import jet
 
-NUMBERS = (*F, *INT)
 UNARY = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x,
          "erf": erf, "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,
          "neg": np.negative, "abs": np.abs}
 for _name, _fn in UNARY.items():
-    jet(_name, CPU, [(F,)])(float_kernel(_fn))
+    jet(_name, CPU, [(REAL,)] + ([(INTEGER,)] if _name in ("neg", "abs") else []))(float_kernel(_fn))
 for _name, _fn in {"pow": np.power, "minimum": np.minimum, "maximum": np.maximum}.items():
-    jet(_name, CPU, [(F, F)])(binary_jet(_fn))
+    jet(_name, CPU, [(REAL, REAL), (INTEGER, INTEGER)])(binary_jet(_fn))
 
 COMPARE = {"less": np.less, "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal,
            "equal": np.equal}
 for _name, _fn in COMPARE.items():
-    jet(_name, CPU, [(F, F), (INT, INT)])(lambda a, b, out=None, fn=_fn: deliver(fn(a, b), "bool", out))
+    jet(_name, CPU, [(REAL, REAL), (INTEGER, INTEGER)])(lambda a, b, out=None, fn=_fn: deliver(fn(a, b), "bool", out))
 for _name, _fn in {"logical_and": np.logical_and, "logical_or": np.logical_or}.items():
     jet(_name, CPU, [("bool", "bool")])(lambda a, b, out=None, fn=_fn: deliver(fn(a, b), "bool", out))
 
@@ -31,16 +30,23 @@ def logical_not(x, out=None):
     return deliver(np.logical_not(x), "bool", out)
 
 
-@jet("clip", CPU, [(F,)])
+@jet("clip", CPU, [(t,) for t in NUMBER])
 @float_kernel
 def clip(x, min=None, max=None):
     return np.clip(x, min, max)
 
 
-REDUCE = {"reduce_sum": np.sum, "reduce_mean": np.mean, "reduce_max": np.max, "reduce_min": np.min, "reduce_prod": np.prod}
+REDUCE = {"reduce_sum": np.sum, "reduce_mean": np.mean, "reduce_prod": np.prod,
+          "reduce_max": lambda x, **kw: np.max(x, initial=lowest(x.dtype), **kw),
+          "reduce_min": lambda x, **kw: np.min(x, initial=highest(x.dtype), **kw)}
 for _name, _fn in REDUCE.items():
-    jet(_name, CPU, [(F,)])(float_kernel(lambda x, axes=(-1,), keepdims=False, fn=_fn:
+    jet(_name, CPU, [(t,) for t in NUMBER])(float_kernel(lambda x, axes=(-1,), keepdims=False, fn=_fn:
                                          fn(x, axis=None if axes is None else tuple(axes), keepdims=keepdims)))
+
+
+@jet("take", CPU, [("*", INT)])
+def take(x, index, out=None, axis=0):
+    return deliver(np.take(x, index, axis=axis), dtype_of(x), out)
 
 
 @jet("expand", CPU, [("*",)])
@@ -55,7 +61,7 @@ def pad(x, out=None, pads=(), mode="constant", value=0.0):
     return deliver(np.pad(x, pads, mode=mode), dtype_of(x), out)
 
 
-@jet("cumsum", CPU, [(F,)])
+@jet("cumsum", CPU, [(t,) for t in NUMBER])
 @float_kernel
 def cumsum(x, axis=-1):
     return np.cumsum(x, axis=axis)

@@ -28,7 +28,8 @@ CUDA = "cuda"                           # the backend's name, as jets register u
 F = ("f32", "f16", "bf16")              # the dtype groups jet signatures name
 INT = ("i32", "i64")
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64,
-         "bool": torch.bool, "u8": torch.uint8, "i8": torch.int8}
+         "bool": torch.bool, "u8": torch.uint8, "i8": torch.int8, "i16": torch.int16, "f64": torch.float64,
+         "u16": torch.uint16, "u32": torch.uint32, "u64": torch.uint64}
 
 
 def device() -> torch.device:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
-from soma_runtime.backends.cuda.device import CUDA, TORCH, F, device_jet
+from soma_runtime.backends.cuda.device import CUDA, INT, TORCH, F, device_jet
 from soma_runtime.ir.jets import jet
 
 BLOCK = 1024
@@ -221,6 +221,8 @@ jet("geglu", CUDA, [(F, F)])(gated_jet(True))
 @jet("cast", CUDA, [(F,)])
 @device_jet
 def cast(x, dtype="f32"):
+    if dtype not in (*F, *INT):                       # the rarer targets (bool, f64, narrow ints): torch's own
+        return x.to(TORCH[dtype])
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=TORCH[dtype], device=x.device)
     _cast_kernel[flat_grid(x.numel())](x, out, x.numel(), BLOCK=BLOCK)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from soma_runtime.dtypes import FLOATS, dtype
+from soma_runtime.dtypes import FLOATS, INTEGERS, NUMBERS, REALS, dtype
 from soma_runtime.errors import GraphError
 from soma_runtime.ir.atoms import AtomGraph
 from soma_runtime.ir.formula import formula_hash
@@ -118,6 +118,21 @@ def float_dtype(m: TensorMeta, what="input"):
     return m.dtype
 
 
+def real_dtype(m: TensorMeta, what="input"):
+    check(m.dtype in REALS, f"{what} must be a float tensor (f32, f16, bf16, f64), got {m.dtype}")
+    return m.dtype
+
+
+def number_dtype(m: TensorMeta, what="input"):
+    check(m.dtype in NUMBERS, f"{what} must be a number tensor, got {m.dtype}")
+    return m.dtype
+
+
+def is_integer(ref) -> bool:
+    """An atom input of an integer dtype (whose arithmetic truncates rather than rounds)."""
+    return ref.dtype in INTEGERS
+
+
 def same_dtype(*metas):
     dts = {m.dtype for m in metas if m is not None}
     check(len(dts) == 1, f"dtype mismatch: {', '.join(sorted(dts))}")
@@ -132,6 +147,23 @@ def like_input(metas, attrs):
 def elementwise(metas, attrs):
     dt = same_dtype(*metas)
     float_dtype(metas[0])
+    return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), dt)]
+
+
+def like_real(metas, attrs):
+    real_dtype(metas[0])
+    return [metas[0]]
+
+
+def like_number(metas, attrs):
+    number_dtype(metas[0])
+    return [metas[0]]
+
+
+def arithmetic(metas, attrs):
+    """Elementwise arithmetic on numbers of one dtype (floats, f64 and integers)."""
+    dt = same_dtype(*metas)
+    number_dtype(metas[0])
     return [TensorMeta(broadcast_shapes(*[m.shape for m in metas]), dt)]
 
 
@@ -179,6 +211,32 @@ def gelu_atoms(A, x, approximate):
         inner = A.mul(A.add(x, A.mul(A.lit(0.044715), A.mul(x, A.mul(x, x)))), A.lit(math.sqrt(2 / math.pi)))
         return A.mul(A.mul(A.lit(0.5), x), A.add(A.lit(1), A.exp("tanh", inner)))
     return A.mul(A.mul(A.lit(0.5), x), A.add(A.lit(1), A.exp("erf", A.mul(x, A.lit(1 / math.sqrt(2))))))
+
+
+def sign_atoms(A, v):
+    return A.cmp("select", A.cmp("lt", A.lit(0), v), A.lit(1), A.cmp("select", A.cmp("lt", v, A.lit(0)), A.lit(-1), A.lit(0)))
+
+
+def abs_atoms(A, v):
+    return A.cmp("max", v, A.mul(v, A.lit(-1)))
+
+
+def trunc_atoms(A, x):
+    return A.cmp("select", A.cmp("lt", x, A.lit(0)), A.mul(A.exp("floor", A.mul(x, A.lit(-1))), A.lit(-1)),
+                 A.exp("floor", x))
+
+
+def truncated_division(A, a, b):
+    """a / b rounded toward zero, and the remainder (of a's sign): the quotient of a * (1/b), moved by one
+    where that product fell on the wrong side of an integer (exact while q * b is exact in f64)."""
+    q = trunc_atoms(A, A.mul(a, A.exp("recip", b)))
+    r = A.sub(a, A.mul(q, b))
+    sign_a = sign_atoms(A, a)
+    step = A.mul(sign_a, sign_atoms(A, b))
+    short = A.cmp("le", abs_atoms(A, b), abs_atoms(A, r))
+    over = A.cmp("lt", A.mul(r, sign_a), A.lit(0))
+    q = A.add(q, A.cmp("select", short, step, A.cmp("select", over, A.mul(step, A.lit(-1)), A.lit(0))))
+    return q, A.sub(a, A.mul(q, b))
 
 
 def attention_mask(A, scores, rows, cols, causal, window):

@@ -1,25 +1,49 @@
 """Elementwise arithmetic, activations, gated activations, selection and casts."""
 from __future__ import annotations
 
-from soma_runtime.dtypes import dtype
+from soma_runtime.dtypes import DTYPES, dtype
 from soma_runtime.ir.graph import TensorMeta
-from soma_runtime.ir.ops.base import broadcast_shapes, check, elementwise, gelu_atoms, like_input, op, same_dtype, sigmoid_atoms
+from soma_runtime.ir.ops.base import (
+    arithmetic,
+    broadcast_shapes,
+    check,
+    elementwise,
+    gelu_atoms,
+    is_integer,
+    like_input,
+    op,
+    same_dtype,
+    sigmoid_atoms,
+    sign_atoms,
+    truncated_division,
+)
 
 
-@op("add", ["a", "b"], elementwise)
+@op("add", ["a", "b"], arithmetic)
 def add(A, a, b): return A.add(a, b)
 
 
-@op("sub", ["a", "b"], elementwise)
+@op("sub", ["a", "b"], arithmetic)
 def sub(A, a, b): return A.sub(a, b)
 
 
-@op("mul", ["a", "b"], elementwise)
+@op("mul", ["a", "b"], arithmetic)
 def mul(A, a, b): return A.mul(a, b)
 
 
-@op("div", ["a", "b"], elementwise)
-def div(A, a, b): return A.mul(a, A.exp("recip", b))
+@op("div", ["a", "b"], arithmetic)
+def div(A, a, b):
+    """Integers divide rounding toward zero (as C, ONNX and torch's trunc mode do)."""
+    return truncated_division(A, a, b)[0] if is_integer(a) else A.mul(a, A.exp("recip", b))
+
+
+@op("mod", ["a", "b"], arithmetic, attrs={"fmod": False}, struct={"fmod": (False, True)})
+def mod(A, a, b, fmod):
+    """The remainder of a / b: of a's sign with `fmod` (C's fmod), else of b's (Python's %)."""
+    r = truncated_division(A, a, b)[1]
+    if fmod:
+        return r
+    return A.add(r, A.cmp("select", A.cmp("lt", A.mul(r, sign_atoms(A, b)), A.lit(0)), b, A.lit(0)))
 
 
 @op("silu", ["x"], like_input)
@@ -65,11 +89,14 @@ def where_rule(metas, attrs):
 def where(A, cond, a, b): return A.cmp("select", cond, a, b)
 
 
+PLAIN = tuple(name for name, d in DTYPES.items() if not d.quantized)
+
+
 def cast_rule(metas, attrs):
     target = dtype(attrs["dtype"])
     check(not target.quantized, f"cast to {target.name}: use quantize for block formats")
     return [TensorMeta(metas[0].shape, target.name)]
 
 
-@op("cast", ["x"], cast_rule, attrs={"dtype": "f32"}, struct={"dtype": ("f32", "f16", "bf16", "i32", "i64")})
+@op("cast", ["x"], cast_rule, attrs={"dtype": "f32"}, struct={"dtype": PLAIN})
 def cast(A, x, dtype): return A.read("cast", x, struct=(dtype,))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 
 from soma_runtime.ir.graph import DYNAMIC, TensorMeta
-from soma_runtime.ir.ops.base import broadcast_shapes, check, elementwise, float_dtype, like_input, op, same_dtype
+from soma_runtime.ir.ops.base import arithmetic, broadcast_shapes, check, like_number, like_real, number_dtype, op, same_dtype
 
 INTS = ("i32", "i64")
 
 
-def unary(name: str, build):
-    """An elementwise function of one float input."""
-    op(name, ["x"], like_input)(lambda A, x: build(A, x))
+def unary(name: str, build, rule=like_real):
+    """An elementwise function of one float input (of any number with `like_number`)."""
+    op(name, ["x"], rule)(lambda A, x: build(A, x))
 
 
 unary("exp", lambda A, x: A.exp("exp", x))
@@ -29,23 +29,23 @@ unary("cos", lambda A, x: A.exp("cos", x))
 unary("floor", lambda A, x: A.exp("floor", x))
 unary("ceil", lambda A, x: A.mul(A.exp("floor", A.mul(x, A.lit(-1))), A.lit(-1)))
 unary("round", lambda A, x: A.exp("round", x))                 # half to even, as numpy, torch and ONNX
-unary("neg", lambda A, x: A.mul(x, A.lit(-1)))
-unary("abs", lambda A, x: A.cmp("max", x, A.mul(x, A.lit(-1))))
+unary("neg", lambda A, x: A.mul(x, A.lit(-1)), like_number)
+unary("abs", lambda A, x: A.cmp("max", x, A.mul(x, A.lit(-1))), like_number)
 
 
-@op("pow", ["a", "b"], elementwise)
+@op("pow", ["a", "b"], arithmetic)
 def pow_(A, a, b): return A.exp("pow", a, b)
 
 
-@op("minimum", ["a", "b"], elementwise)
+@op("minimum", ["a", "b"], arithmetic)
 def minimum(A, a, b): return A.cmp("min", a, b)
 
 
-@op("maximum", ["a", "b"], elementwise)
+@op("maximum", ["a", "b"], arithmetic)
 def maximum(A, a, b): return A.cmp("max", a, b)
 
 
-@op("clip", ["x"], like_input, attrs={"min": None, "max": None})
+@op("clip", ["x"], like_number, attrs={"min": None, "max": None})
 def clip(A, x, min, max):
     """x within [min, max]; an absent bound is an infinite one."""
     low = A.param(-math.inf if min is None else min)
@@ -97,7 +97,7 @@ def reduced_axes(rank: int, axes) -> tuple[int, ...]:
 
 def reduce_rule(metas, attrs):
     x = metas[0]
-    float_dtype(x)
+    number_dtype(x)
     axes = reduced_axes(x.ndim, attrs["axes"])
     shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if attrs["keepdims"] or i not in axes)
     return [TensorMeta(shape, x.dtype)]
@@ -117,6 +117,20 @@ reduction("reduce_mean", "mean")
 reduction("reduce_max", "max")
 reduction("reduce_min", "min")
 reduction("reduce_prod", "prod")
+
+
+def take_rule(metas, attrs):
+    x, index = metas
+    check(index.dtype in INTS, f"indices must be integer, got {index.dtype}")
+    check(-x.ndim <= attrs["axis"] < x.ndim, f"axis {attrs['axis']} out of range for rank {x.ndim}")
+    axis = attrs["axis"] % x.ndim
+    return [TensorMeta(tuple(x.shape[:axis]) + tuple(index.shape) + tuple(x.shape[axis + 1:]), x.dtype)]
+
+
+@op("take", ["x", "index"], take_rule, attrs={"axis": 0}, ranks=(2, 1))
+def take(A, x, index, axis):
+    """x's slices along `axis` at `index` (any shape; negative counts from the end), as numpy's take."""
+    return A.read("take", x, index, axis=axis)
 
 
 def expand_rule(metas, attrs):
@@ -171,7 +185,7 @@ def pad(A, x, pads, mode, value):
 
 def axis_rule(metas, attrs):
     x = metas[0]
-    float_dtype(x)
+    number_dtype(x)
     check(-x.ndim <= attrs["axis"] < x.ndim, f"axis {attrs['axis']} out of range for rank {x.ndim}")
     return [x]
 

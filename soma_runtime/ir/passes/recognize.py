@@ -17,8 +17,8 @@ from functools import cache
 import numpy as np
 
 from soma_runtime.errors import GraphError
-from soma_runtime.ir.formula import Binding, Canon, Marker, Term, leaf, literal, match
-from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta
+from soma_runtime.ir.formula import Binding, Canon, Marker, Term, leaf, literal, match, node
+from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, same_dim
 from soma_runtime.ir.ops import OPS
 
 EXACT = Canon(exact=True)
@@ -106,6 +106,9 @@ class Lowering:
     def lower(self, n: Node) -> list[Term]:
         metas = [None if i is None else self.graph.tensors[i] for i in n.inputs]
         leaves = [None if i is None else self.terms[i] for i in n.inputs]
+        if n.op == "reshape" and not keeps_rows(metas[0], self.graph.tensors[n.outputs[0]]):
+            last = self.graph.tensors[n.outputs[0]].shape[-1:]
+            return [node("read", "regroup", (leaves[0],), (("last", repr(last)),))]
         try:
             A = OPS[n.op].decomposition(metas, n.attrs)
             terms = EXACT.terms(A, leaves)
@@ -125,6 +128,13 @@ class Lowering:
                                                            name)
             return name, made
         return None
+
+
+def keeps_rows(source: TensorMeta, target: TensorMeta) -> bool:
+    """A reshape that keeps the last axis whole (it only merges or splits the ones before) is transparent
+    to the row-wise formulas recognized here; one that regroups the rows is not (a group norm's reshape
+    makes a layernorm's formula over other rows than x's own)."""
+    return source.ndim > 0 and target.ndim > 0 and same_dim(source.shape[-1], target.shape[-1]) is True
 
 
 def instantiate(low: Lowering, target: Target, found: Binding, root: str) -> tuple[Node, list[Node]] | None:
