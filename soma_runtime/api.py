@@ -30,7 +30,7 @@ from soma_runtime.dtypes import FLOATS, dtype_of
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
-from soma_runtime.engine.graph import GraphRunner
+from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.stops import check_stops
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
@@ -313,14 +313,14 @@ class GraphModel(Model):
 
     task = "graph"
 
-    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: GraphRunner):
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: GraphRunner | FamilyRunner):
         super().__init__(model_id, loaded, backend)
         self.runner = runner
 
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
              bar, autotune: bool) -> GraphModel:
-        return cls(model_id, loaded, backend, GraphRunner(loaded.graph, backend))
+        return cls(model_id, loaded, backend, graph_runner(loaded.graph, backend))
 
     @property
     def inputs(self) -> dict:
@@ -336,13 +336,22 @@ class GraphModel(Model):
         return self.runner.run(inputs)
 
     def weight_bytes(self) -> int:
-        return sum(int(v.nbytes) for v in self.loaded.graph.constants.values())
+        graph = self.graph
+        return sum(int(v.nbytes) for v in graph.constants.values()) if graph else 0
+
+    @property
+    def graph(self) -> Graph | None:
+        """The graph run (for a family: the member run last; None before its first run)."""
+        if isinstance(self.runner, GraphRunner):
+            return self.runner.graph
+        return next(reversed(self.runner.members.values())).graph if self.runner.members else None
 
     def info(self) -> dict:
         meta = lambda m: {"shape": [str(d) for d in m.shape], "dtype": m.dtype}
-        return {**super().info(), "inputs": {n: meta(m) for n, m in self.inputs.items()},
+        return {**super().info(), **self.loaded.metadata, "inputs": {n: meta(m) for n, m in self.inputs.items()},
                 "outputs": {n: meta(m) for n, m in self.outputs.items()},
-                "ops": dict(sorted(Counter(n.op for n in self.loaded.graph.nodes).items())), "fusions": dict(self.runner.fusions)}
+                "ops": dict(sorted(Counter(n.op for n in self.graph.nodes).items())) if self.graph else {},
+                "fusions": dict(self.runner.fusions)}
 
 
 TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel}

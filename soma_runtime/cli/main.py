@@ -4,7 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
+
+import numpy as np
 
 from soma_runtime import __version__
 from soma_runtime.errors import RequestError, SomaError
@@ -71,6 +75,10 @@ def read_prompt(text: str) -> str:
 
 def cmd_run(args) -> int:
     model = load_model(args)
+    if model.task == "graph":
+        return run_graph(model, args)
+    if args.prompt is None:
+        raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
     params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
     prompt = read_prompt(args.prompt)
     if args.chat or args.system:
@@ -85,6 +93,36 @@ def cmd_run(args) -> int:
     m = model.metrics()
     logging.getLogger("soma_runtime").info("prefill %.1f tok/s, decode %.1f tok/s, %d tokens, finish=%s",
                                            m["prefill_tok_s"], m["decode_tok_s"], m["generated_tokens"], m["finish_reason"])
+    return 0
+
+
+def read_inputs(specs: list[str]) -> dict:
+    """--input NAME=file.npy (one input) or --input file.npz (its arrays, by name)."""
+    inputs = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        try:
+            if not name:
+                with np.load(path, allow_pickle=False) as archive:
+                    inputs.update({key: archive[key] for key in archive.files})
+            else:
+                inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise RequestError(f"--input {spec}: cannot read {path!r} as .npy/.npz ({e})") from None
+    return inputs
+
+
+def run_graph(model, args) -> int:
+    """A graph model run on --input arrays; each output written to --output-dir as NAME.npy."""
+    if args.prompt is not None or not args.output_dir:
+        raise RequestError(f"{args.model} is a graph with inputs {', '.join(model.inputs)}: give them with "
+                           "--input NAME=file.npy (or a .npz) and an --output-dir, not a prompt")
+    outputs = model.run(read_inputs(args.input or []))
+    os.makedirs(args.output_dir, exist_ok=True)
+    for name, value in outputs.items():
+        path = os.path.join(args.output_dir, re.sub(r"[^\w.-]", "_", name) + ".npy")
+        np.save(path, value)
+        print(f"{name}\t{value.dtype}{list(value.shape)}\t{path}")
     return 0
 
 
@@ -199,9 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.set_defaults(run=cmd_backends)
 
-    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
+    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout; or run a graph (.onnx) on arrays")
     add_model_args(r)
-    r.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read it from stdin")
+    r.add_argument("--prompt", "-p", default=None, help="the prompt text, or - to read it from stdin")
+    r.add_argument("--input", "-i", action="append", default=None, metavar="NAME=FILE.npy|FILE.npz",
+                   help="a graph model's input (repeatable)")
+    r.add_argument("--output-dir", default=None, help="where a graph model's outputs are written, one NAME.npy each")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (implies --chat)")
     r.add_argument("--max-tokens", "-n", type=positive_int, default=256)

@@ -2,7 +2,8 @@
 
 The graph is fused once; a plan is made per set of input shapes (the most recent kept), so a graph
 with symbolic dims (a batch, a length) runs at any size. Inputs are checked where they are given:
-every name the graph takes and no other, each of its dtype and rank.
+every name the graph takes and no other, each of its dtype and shape. A graph family (an imported graph
+that needs its inputs' sizes, or some of their values, to be built) is built once per distinct set.
 """
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from collections import OrderedDict
 import numpy as np
 
 from soma_runtime.backends.base import Backend
-from soma_runtime.dtypes import dtype_of
+from soma_runtime.dtypes import BY_NUMPY
 from soma_runtime.errors import GraphError, RequestError
-from soma_runtime.ir.graph import Graph, TensorMeta
+from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
 from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan, bindings_from
 
@@ -34,27 +35,8 @@ class GraphRunner:
     def outputs(self) -> dict[str, TensorMeta]:
         return {name: self.graph.tensors[name] for name in self.graph.outputs}
 
-    def check(self, inputs: dict) -> dict[str, np.ndarray]:
-        """The inputs as arrays; RequestError naming the first that is missing, unknown, or of another dtype or rank."""
-        if not isinstance(inputs, dict):
-            raise RequestError(f"inputs must map input names to arrays, got {type(inputs).__name__}")
-        missing, unknown = set(self.graph.inputs) - set(inputs), set(inputs) - set(self.graph.inputs)
-        if missing or unknown:
-            raise RequestError(f"the graph takes inputs {', '.join(self.graph.inputs)}"
-                               + (f"; missing {', '.join(sorted(missing))}" if missing else "")
-                               + (f"; unknown {', '.join(sorted(map(str, unknown)))}" if unknown else ""))
-        arrays = {}
-        for name, meta in self.graph.inputs.items():
-            value = np.asarray(inputs[name])
-            if dtype_of(value) != meta.dtype:
-                raise RequestError(f"input {name!r} must be {meta.dtype}, got {dtype_of(value)}")
-            if value.ndim != meta.ndim:
-                raise RequestError(f"input {name!r} must have shape {list(meta.shape)}, got {list(value.shape)}")
-            arrays[name] = value
-        return arrays
-
     def run(self, inputs: dict) -> dict[str, np.ndarray]:
-        arrays = self.check(inputs)
+        arrays = check_inputs(self.graph.inputs, inputs)
         key = tuple(arrays[name].shape for name in self.graph.inputs)
         if key in self.plans:
             self.plans.move_to_end(key)
@@ -67,3 +49,62 @@ class GraphRunner:
                 self.plans.popitem(last=False)
         outputs = self.plans[key].run(arrays)
         return {name: np.asarray(self.backend.fetch(value)) for name, value in zip(self.graph.outputs, outputs)}
+
+
+def check_inputs(expected: dict[str, TensorMeta], inputs: dict) -> dict[str, np.ndarray]:
+    """The inputs as arrays; RequestError naming the first that is missing, unknown, or of another dtype or rank."""
+    if not isinstance(inputs, dict):
+        raise RequestError(f"inputs must map input names to arrays, got {type(inputs).__name__}")
+    missing, unknown = set(expected) - set(inputs), set(inputs) - set(expected)
+    if missing or unknown:
+        raise RequestError(f"the graph takes inputs {', '.join(expected)}"
+                           + (f"; missing {', '.join(sorted(missing))}" if missing else "")
+                           + (f"; unknown {', '.join(sorted(map(str, unknown)))}" if unknown else ""))
+    arrays = {}
+    for name, meta in expected.items():
+        value = np.asarray(inputs[name])
+        if BY_NUMPY.get(value.dtype) != meta.dtype:
+            raise RequestError(f"input {name!r} must be {meta.dtype}, got {BY_NUMPY.get(value.dtype, value.dtype)}")
+        if value.ndim != meta.ndim or any(isinstance(d, int) and d != n for d, n in zip(meta.shape, value.shape)):
+            raise RequestError(f"input {name!r} must have shape {list(meta.shape)}, got {list(value.shape)}")
+        arrays[name] = value
+    return arrays
+
+
+class FamilyRunner:
+    """A GraphFamily run: each distinct set of input shapes and values builds (once) a graph of its own, run
+    by a GraphRunner; the most recent are kept."""
+
+    def __init__(self, family: GraphFamily, backend: Backend):
+        self.family, self.backend = family, backend
+        self.members: OrderedDict[tuple, GraphRunner] = OrderedDict()
+
+    @property
+    def inputs(self) -> dict[str, TensorMeta]:
+        return dict(self.family.inputs)
+
+    @property
+    def outputs(self) -> dict[str, TensorMeta]:
+        return dict(self.family.outputs)
+
+    @property
+    def fusions(self) -> dict:
+        """The fusions found in the member run last (none before the first run)."""
+        return next(reversed(self.members.values())).fusions if self.members else {}
+
+    def run(self, inputs: dict) -> dict[str, np.ndarray]:
+        arrays = check_inputs(self.family.inputs, inputs)
+        values = {name: arrays.pop(name) for name in self.family.value_inputs}
+        shapes = {name: a.shape for name, a in arrays.items()}
+        key = (tuple(shapes.values()), tuple(v.tobytes() for v in values.values()))
+        if key in self.members:
+            self.members.move_to_end(key)
+        else:
+            self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend)
+            if len(self.members) > PLANS_KEPT:
+                self.members.popitem(last=False)
+        return self.members[key].run(arrays)
+
+
+def graph_runner(source: Graph | GraphFamily, backend: Backend) -> GraphRunner | FamilyRunner:
+    return FamilyRunner(source, backend) if isinstance(source, GraphFamily) else GraphRunner(source, backend)

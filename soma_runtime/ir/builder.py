@@ -57,9 +57,15 @@ class GraphBuilder:
         self._count: dict[str, int] = {}
 
     def _fresh(self, base: str) -> str:
+        """`base`, or `base_k` for the first k whose name no tensor has (an imported graph's own names may
+        already end in _k)."""
         k = self._count.get(base, 0)
+        name = f"{base}_{k}" if k else base
+        while name in self.graph.tensors:
+            k += 1
+            name = f"{base}_{k}"
         self._count[base] = k + 1
-        return f"{base}_{k}" if k else base
+        return name
 
     def input(self, name: str, shape, dtype: str) -> Value:
         meta = TensorMeta.of(shape, dtype)

@@ -1,4 +1,5 @@
-"""The graph IR: typed tensors (`TensorMeta`), op nodes (`Node`) and the DAG (`Graph`), as plain data.
+"""The graph IR: typed tensors (`TensorMeta`), op nodes (`Node`) and the DAG (`Graph`), as plain data;
+a `GraphFamily` is a graph built per value of some inputs.
 
 A dim is an int or a `Sym` (a named size such as `B`, `S`, or an expression like `T+S`),
 bound to ints when a Plan is made. The graph knows op names, nothing about what they compute
@@ -7,6 +8,7 @@ bound to ints when a Plan is made. The graph knows op names, nothing about what 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,3 +163,15 @@ class Graph:
                         state[id(node)] = 2
                         order.append(node)
         self.nodes = order
+
+
+@dataclass
+class GraphFamily:
+    """A graph that can only be built once its inputs' sizes, and the values of some small integer inputs
+    (axes, a shape or a count passed as data), are known: `build(values, shapes)` gives the graph for
+    them, those inputs folded in. `inputs` and `outputs` are the signature every member shares."""
+
+    inputs: dict[str, TensorMeta]
+    outputs: dict[str, TensorMeta]
+    value_inputs: tuple[str, ...]
+    build: Callable[[dict, dict], Graph]

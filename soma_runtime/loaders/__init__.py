@@ -74,13 +74,14 @@ def verify_sha256(path: str, expected: str) -> None:
 
 def load(path_or_name: str | None, sha256: str | None = None) -> LoadedModel:
     """The model at a path (or of a bundled name); with `sha256`, only if its digest matches (see
-    integrity.py: a file's own, or a directory's over its weight files). Every tensor is checked for
-    NaN and infinite values."""
+    integrity.py: a file's own, or a directory's over its weight files). Every weight of a model we run by
+    its architecture is checked for NaN and infinite values (a graph's constants may hold -inf masks)."""
     path = resolve(path_or_name)
     if sha256 is not None:
         verify_sha256(path, sha256)
     loaded = read_model(path)
-    check_finite(loaded.weights)
+    if loaded.weights is not None:
+        check_finite(loaded.weights)
     return loaded
 
 
@@ -96,4 +97,7 @@ def read_model(path: str) -> LoadedModel:
     if path.endswith(".gguf"):
         from soma_runtime.loaders.gguf import load_gguf_model
         return load_gguf_model(path)
-    raise ModelLoadError(f"{path}: unsupported model file (expected .gguf, or a directory with config.json/config.toml)")
+    if path.endswith(".onnx"):
+        from soma_runtime.loaders.onnx import load_onnx
+        return load_onnx(path)
+    raise ModelLoadError(f"{path}: unsupported model file (expected .gguf, .onnx, or a directory with config.json/config.toml)")

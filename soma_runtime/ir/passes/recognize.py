@@ -71,7 +71,7 @@ class Lowering:
         self.graph = graph
         self.producer = {o: n for n in graph.nodes for o in n.outputs}
         self.terms: dict[str, Term] = {}
-        self.tensor_of: dict[bytes, str] = {}
+        self.tensor_of: dict[bytes, list[str]] = {}        # reshapes are transparent: one term, several tensors
 
     def term(self, tensor: str) -> Term:
         stack = [tensor]
@@ -95,7 +95,7 @@ class Lowering:
 
     def keep(self, tensor: str, term: Term) -> None:
         self.terms[tensor] = term
-        self.tensor_of.setdefault(term.key, tensor)
+        self.tensor_of.setdefault(term.key, []).append(tensor)
 
     def leaf(self, tensor: str) -> Term:
         value = self.graph.constants.get(tensor)
@@ -116,12 +116,17 @@ class Lowering:
         except TRACE_ERRORS:                            # a formula we cannot trace is a name of its own
             return [leaf("tensor", o) for o in n.outputs]
 
-    def tensor(self, term: Term) -> tuple[str, Node | None] | None:
+    def named(self, term: Term, rank: int) -> str | None:
+        """A tensor whose term this is, of the rank wanted where several are (a reshape of it)."""
+        names = self.tensor_of.get(term.key, [])
+        return next((t for t in names if self.graph.tensors[t].ndim == rank), names[0] if names else None)
+
+    def tensor(self, term: Term, rank: int) -> tuple[str, Node | None] | None:
         """The tensor a bound term is, or a transpose of one to add (attention's keys come either way)."""
         if term.key in self.tensor_of:
-            return self.tensor_of[term.key], None
+            return self.named(term, rank), None
         if term.kind == "read" and term.mode == "transpose" and term.args[0].key in self.tensor_of:
-            source = self.tensor_of[term.args[0].key]
+            source = self.named(term.args[0], rank)
             axes = eval(dict(term.attrs)["axes"])
             name = f"{source}:transposed"
             made = None if name in self.producer else Node("transpose", [source], [name], {"dim0": axes[0], "dim1": axes[1]},
@@ -144,7 +149,7 @@ def instantiate(low: Lowering, target: Target, found: Binding, root: str) -> tup
         if not here:
             inputs.append(None)
             continue
-        bound = low.tensor(found.inputs[slot])
+        bound = low.tensor(found.inputs[slot], target.ranks[slot])
         if bound is None:
             return None
         name, transpose = bound

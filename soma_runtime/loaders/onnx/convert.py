@@ -1,0 +1,291 @@
+"""An ONNX graph as an IR Graph: nodes converted one by one through the op table (ops.py).
+
+A tensor during conversion is a `Value` (the builder's handle: computed when the graph runs) or a
+numpy array (known now: an initializer, a Constant, a Shape). Ops on known arrays are evaluated here
+(fold.py), so shape arithmetic (Shape -> Gather -> Concat -> Reshape) becomes the static attributes
+the IR's ops take; a dim the model leaves symbolic is a `Sym` inside an object array, and arithmetic
+on it stays symbolic. Every failure names the file, the node, its op type and opset.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from soma_runtime.errors import GraphError, ModelLoadError, UnsupportedModelError
+from soma_runtime.ir.builder import GraphBuilder, Value, validate
+from soma_runtime.ir.graph import Graph, Sym, TensorMeta, meta_of
+from soma_runtime.ir.ops import OPS
+from soma_runtime.loaders.onnx.fold import FOLD, SymbolicError
+from soma_runtime.loaders.onnx.functions import expand, function_of, schema_of
+from soma_runtime.loaders.onnx.ops import HANDLERS
+from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
+
+OLDEST_OPSET = 7                      # before it, broadcasting was an attribute (Add's `broadcast`)
+NEWEST_OPSET = onnx.defs.onnx_opset_version()
+Tensor = Value | np.ndarray
+
+
+@dataclass
+class OnnxNode:
+    """One node as a handler sees it: its inputs (None where left out), attributes and opset."""
+    name: str
+    op_type: str
+    opset: int
+    inputs: list
+    attrs: dict
+    n_outputs: int
+
+    def attr(self, key: str, default=None):
+        return self.attrs.get(key, default)
+
+    def input(self, i: int):
+        return self.inputs[i] if i < len(self.inputs) else None
+
+
+def symbol(name: str) -> Sym:
+    """A symbolic dim named by the model (`batch`, `sequence`): made a valid name for shape arithmetic."""
+    clean = re.sub(r"\W", "_", name)
+    return Sym(clean if re.match(r"[A-Za-z_]", clean) else f"d_{clean}")
+
+
+def declared_shape(value_info: onnx.ValueInfoProto) -> tuple | None:
+    """A value's declared shape: ints, symbols for named or unnamed dims; None when it has none."""
+    tensor_type = value_info.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for i, d in enumerate(tensor_type.shape.dim):
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(symbol(d.dim_param or f"{value_info.name}_{i}"))
+    return tuple(dims)
+
+
+def initializers_of(model: onnx.ModelProto, directory: str, path: str) -> dict[str, np.ndarray]:
+    return {init.name: tensor_array(init, directory, path) for init in model.graph.initializer}
+
+
+def attribute(proto: onnx.AttributeProto):
+    """An attribute's value; strings as str (the protobuf holds bytes)."""
+    value = helper.get_attribute_value(proto)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class DataDependent(UnsupportedModelError):
+    """What the IR takes as a number (an axis, a shape, a count, a loop's length) depends on the inputs:
+    the graph is built per input (a GraphFamily)."""
+
+
+class Converter:
+    """One conversion. A GraphFamily's member is converted for `values` (inputs taken as known) and
+    `shapes` (the inputs' sizes); `initializers`, when given, are the model's tensors read already."""
+
+    def __init__(self, model: onnx.ModelProto, directory: str, path: str, values: dict | None = None,
+                 shapes: dict | None = None, initializers: dict | None = None):
+        self.model, self.directory, self.path = model, directory, path
+        self.values, self.shapes, self.initializers = values or {}, shapes or {}, initializers
+        self.builder = GraphBuilder()
+        self.env: dict[str, Tensor] = {}
+        self.node: OnnxNode | None = None
+        self.opsets = {imp.domain or "ai.onnx": int(imp.version) for imp in model.opset_import}
+        version = self.opsets.get("ai.onnx")
+        if version is not None and not OLDEST_OPSET <= version <= NEWEST_OPSET:
+            raise UnsupportedModelError(f"{path}: ai.onnx opset {version} is not supported "
+                                        f"(opsets {OLDEST_OPSET}-{NEWEST_OPSET} are)")
+
+    def where(self) -> str:
+        n = self.node
+        return f"{self.path}: node {n.name!r} ({n.op_type}, opset {n.opset})" if n else self.path
+
+    def convert(self) -> Graph:
+        graph = self.model.graph
+        if graph.sparse_initializer:
+            raise UnsupportedModelError(f"{self.path}: sparse initializers are not supported")
+        self.env.update(self.initializers if self.initializers is not None else
+                        initializers_of(self.model, self.directory, self.path))
+        for vi in graph.input:
+            self.bind_input(vi)
+        self.convert_nodes(graph.node)
+        return self.finish([o.name for o in graph.output], {o.name: o for o in graph.output})
+
+    def bind_input(self, vi: onnx.ValueInfoProto) -> None:
+        if vi.name in self.values:
+            self.env[vi.name] = self.values[vi.name]
+            return
+        shape = declared_shape(vi)
+        if vi.name in self.env:            # an initializer listed as an input too: a default, declared alike
+            value = self.env[vi.name]
+            if shape is not None and (len(shape) != value.ndim or any(isinstance(d, int) and d != n
+                                                                      for d, n in zip(shape, value.shape))):
+                raise ModelLoadError(f"{self.path}: input {vi.name!r} is declared {list(shape)} but its initializer is "
+                                     f"{list(value.shape)}")
+            return
+        if not vi.type.HasField("tensor_type"):
+            raise UnsupportedModelError(f"{self.path}: input {vi.name!r} is not a tensor (sequences, maps and "
+                                        f"optionals are not supported)")
+        if shape is None:
+            raise UnsupportedModelError(f"{self.path}: input {vi.name!r} declares no rank")
+        shape = self.shapes.get(vi.name, shape)
+        self.env[vi.name] = self.builder.input(vi.name, shape, dtype_name(vi.type.tensor_type.elem_type,
+                                                                          f"{self.path}: input {vi.name!r}"))
+
+    def convert_nodes(self, nodes) -> None:
+        for proto in nodes:
+            domain = proto.domain or "ai.onnx"
+            self.node = OnnxNode(proto.name or proto.op_type, proto.op_type, self.opsets.get(domain, 0), [], {},
+                                 len(proto.output))
+            if domain not in ("ai.onnx", "ai.onnx.ml") or not self.node.opset:
+                raise self.unsupported(f"op {domain}.{proto.op_type} is not supported"
+                                       + ("" if self.node.opset else f" (the model imports no {domain} opset)"))
+            for name in proto.input:
+                if name and name not in self.env:
+                    raise ModelLoadError(f"{self.where()}: input {name!r} is not produced by any node")
+            if (domain, proto.op_type) not in HANDLERS:
+                self.convert_function(proto, domain)
+                continue
+            self.node.inputs = [self.env[name] if name else None for name in proto.input]
+            self.node.attrs = {a.name: attribute(a) for a in proto.attribute}
+            try:
+                outputs = HANDLERS[domain, proto.op_type](self, self.node)
+            except GraphError as e:
+                raise self.unsupported(str(e)) from None
+            except SymbolicError as e:
+                raise DataDependent(f"{self.where()}: {e}") from None
+            outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+            for name, value in zip(proto.output, outputs):
+                if name:
+                    self.env[name] = value
+            wanted = [name for name in proto.output[len(outputs):] if name]
+            if wanted:
+                raise self.unsupported(f"output {wanted[0]!r} is not supported")
+        self.node = None
+
+    def convert_function(self, proto: onnx.NodeProto, domain: str) -> None:
+        """An op without a handler, converted as the function its schema defines it by (if any)."""
+        schema = schema_of(proto.op_type, domain, self.node.opset)
+        metas = [self.meta(self.env[name]) if name else None for name in proto.input]
+        function = schema and function_of(proto, schema, self.node.opset, metas)
+        if function is None:
+            raise self.unsupported(f"op {domain}.{proto.op_type} is not supported")
+        outer, node = self.opsets, self.node
+        self.opsets = {**outer, **{imp.domain or "ai.onnx": int(imp.version) for imp in function.opset_import}}
+        try:
+            self.convert_nodes(expand(proto, schema, function, f"{node.name}/"))
+        finally:
+            self.opsets, self.node = outer, node
+        missing = [name for name in proto.output if name and name not in self.env]
+        if missing:
+            raise self.unsupported(f"output {missing[0]!r} is not computed by the function defining the op")
+
+    def finish(self, names: list[str], declared: dict) -> Graph:
+        """The graph's outputs under their ONNX names, checked against the types the model declares."""
+        g = self.builder.graph
+        producers = g.producers()
+        for name in names:
+            value = self.env[name]
+            if isinstance(value, np.ndarray):
+                g.constants[name] = self.concrete(value, f"output {name!r}")
+            elif value.name != name and value.name in producers and value.name not in g.outputs and name not in g.tensors:
+                self.rename(value.name, name)
+            elif value.name != name:
+                self.builder.op("reshape", value, shape=value.shape, name=name)
+                self.rename(g.nodes[-1].outputs[0], name)
+            g.outputs.append(name)
+            self.check_declared(name, declared.get(name))
+        validate(g)
+        return g
+
+    def rename(self, old: str, new: str) -> None:
+        g = self.builder.graph
+        for n in g.nodes:
+            n.outputs = [new if o == old else o for o in n.outputs]
+            n.inputs = [new if i == old else i for i in n.inputs]
+        g.tensors[new] = g.tensors.pop(old)
+
+    def check_declared(self, name: str, vi) -> None:
+        if vi is None or not vi.type.HasField("tensor_type"):
+            return
+        meta = self.builder.graph.tensors.get(name) or meta_of(self.builder.graph.constants[name])
+        elem = vi.type.tensor_type.elem_type
+        if elem and dtype_name(elem, f"{self.path}: output {name!r}") != meta.dtype:
+            raise UnsupportedModelError(f"{self.path}: output {name!r} is declared {dtype_name(elem, name)}, "
+                                        f"computed as {meta.dtype}")
+        shape = declared_shape(vi)
+        if shape is not None and (len(shape) != meta.ndim or any(isinstance(d, int) and isinstance(m, int) and d != m
+                                                                 for d, m in zip(shape, meta.shape))):
+            raise ModelLoadError(f"{self.path}: output {name!r} is declared {list(shape)}, its nodes give "
+                                 f"{list(meta.shape)}")
+
+    # --- what handlers call ---------------------------------------------------------------------
+
+    def emit(self, op: str, *inputs: Tensor | None, **attrs) -> Tensor | tuple:
+        """An IR op on these inputs: evaluated now when every input is known (and fold.py knows the op, and
+        no attribute is a symbolic size), else a node of the graph (known inputs become its constants)."""
+        sized = any(isinstance(d, Sym) for v in attrs.values() if isinstance(v, (tuple, list)) for d in v)
+        if all(x is None or isinstance(x, np.ndarray) for x in inputs) and op in FOLD and not sized:
+            try:
+                return FOLD[op](*inputs, **OPS[op].full_attrs(attrs))
+            except (ValueError, IndexError, TypeError) as e:
+                if any(x is not None and x.dtype == object for x in inputs):
+                    raise SymbolicError(f"{op} of symbolic sizes ({e})") from None
+                raise GraphError(f"{op} of known values: {e}") from None
+        values = [None if x is None else self.value(x) for x in inputs]
+        return self.builder.op(op, *values, name=self.node.name, **attrs)
+
+    def value(self, x: Tensor) -> Value:
+        """A tensor as the graph's: a known array becomes a constant."""
+        if isinstance(x, Value):
+            return x
+        return self.builder.const(self.node.name + "/const", self.concrete(x, "a constant"))
+
+    def concrete(self, x: np.ndarray, what: str) -> np.ndarray:
+        if x.dtype == object:
+            raise SymbolicError(f"{what} computed from the model's symbolic dims ({', '.join(map(str, x.flat))}) "
+                                f"is used as data")
+        return x
+
+    def known(self, x: Tensor | None, what: str, default=None) -> np.ndarray | None:
+        """A tensor's value, needed now (a shape, axes, a count); UnsupportedModelError when only the data decides it."""
+        if x is None:
+            return default
+        if isinstance(x, Value):
+            raise DataDependent(f"{self.where()}: its {what} is computed from the data at run time (only sizes known "
+                             f"at load time, or inputs of a few integers, are supported)")
+        return x
+
+    def unsupported(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{self.where()}: {what}")
+
+    def ints(self, x: Tensor | None, what: str, default=None) -> list | None:
+        """A known 1-D (or scalar) integer tensor as a list of ints or symbolic dims."""
+        value = self.known(x, what, None)
+        if value is None:
+            return default
+        return [v if isinstance(v, Sym) else int(v) for v in np.asarray(value).reshape(-1)]
+
+    @staticmethod
+    def meta(x: Tensor) -> TensorMeta:
+        if isinstance(x, Value):
+            return x.meta
+        if x.dtype == object:
+            return TensorMeta(x.shape, "i64")
+        return meta_of(x)
+
+    def call(self, graph: onnx.GraphProto, inputs: list[Tensor] = ()) -> list[Tensor]:
+        """A subgraph's outputs (a branch, one step of a loop), its nodes converted in this graph on these
+        inputs: they see the outer scope's tensors, their own names stay inside."""
+        if len(inputs) != len(graph.input):
+            raise self.unsupported(f"its subgraph takes {len(graph.input)} inputs, given {len(inputs)}")
+        outer_env, outer_node = dict(self.env), self.node
+        self.env.update({vi.name: x for vi, x in zip(graph.input, inputs)})
+        self.env.update({init.name: tensor_array(init, self.directory, self.path) for init in graph.initializer})
+        try:
+            self.convert_nodes(graph.node)
+            return [self.env[o.name] for o in graph.output]
+        finally:
+            self.env, self.node = outer_env, outer_node

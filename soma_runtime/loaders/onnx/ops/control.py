@@ -1,0 +1,83 @@
+"""Control flow, unrolled: an If whose condition is known at conversion becomes the branch it takes; a
+Scan or a Loop whose length is known becomes its body converted once per step (a length that only the
+data decides makes the model a GraphFamily, converted per input)."""
+from __future__ import annotations
+
+import numpy as np
+
+from soma_runtime.loaders.onnx.ops.layout import reshape_to
+from soma_runtime.loaders.onnx.ops.table import onnx_op
+
+MAX_STEPS = 4096                 # an unrolled loop longer than this is refused, not built
+
+
+def stacked(cv, steps: list, axis: int):
+    """Per-step tensors joined along a new axis."""
+    parts = []
+    for y in steps:
+        dims = list(cv.meta(y).shape)
+        dims.insert(axis % (len(dims) + 1), 1)
+        parts.append(reshape_to(cv, y, dims))
+    return parts[0] if len(parts) == 1 else cv.emit("concat", *parts, axis=axis)
+
+
+def step_count(cv, n: int) -> int:
+    if not isinstance(n, int):
+        raise cv.unsupported(f"its length {n} is not known before it runs")
+    if n > MAX_STEPS:
+        raise cv.unsupported(f"{n} steps: more than the {MAX_STEPS} a loop is unrolled to")
+    return n
+
+
+@onnx_op("If")
+def if_(cv, n):
+    cond = cv.known(n.inputs[0], "condition")
+    branch = n.attr("then_branch") if bool(np.asarray(cond).reshape(-1)[0]) else n.attr("else_branch")
+    return cv.call(branch)
+
+
+@onnx_op("Scan")
+def scan(cv, n):
+    """Opset 9+: states carried through the body, which also reads one slice of each scan input per step
+    and writes one slice of each scan output."""
+    if n.opset < 9:
+        raise cv.unsupported("Scan before opset 9 (with a batch axis and sequence lengths) is not supported")
+    body, m = n.attr("body"), n.attr("num_scan_inputs")
+    states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
+    in_axes = [a % cv.meta(x).ndim for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
+    in_reverse = n.attr("scan_input_directions", [0] * m)
+    length = step_count(cv, cv.meta(xs[0]).shape[in_axes[0]])
+    outputs: list[list] = []
+    for t in range(length):
+        slices = [cv.emit("take", x, np.array(length - 1 - t if rev else t, np.int64), axis=axis)
+                  for x, axis, rev in zip(xs, in_axes, in_reverse)]
+        results = cv.call(body, states + slices)
+        states, ys = results[:len(states)], results[len(states):]
+        outputs.append(ys)
+    k = len(outputs[0]) if outputs else 0
+    out_axes, out_reverse = n.attr("scan_output_axes", [0] * k), n.attr("scan_output_directions", [0] * k)
+    scanned = []
+    for j in range(k):
+        steps = [ys[j] for ys in outputs]
+        scanned.append(stacked(cv, steps[::-1] if out_reverse[j] else steps, out_axes[j]))
+    return states + scanned
+
+
+@onnx_op("Loop")
+def loop(cv, n):
+    """Runs while the trip count and the condition allow; both must be known at every step."""
+    trip = cv.known(n.input(0), "trip count")
+    cond = cv.known(n.input(1), "condition")
+    limit = MAX_STEPS + 1 if trip is None else int(np.asarray(trip).reshape(-1)[0])
+    going = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
+    states, outputs, i = list(n.inputs[2:]), [], 0
+    while going and i < limit:
+        step_count(cv, i + 1)
+        results = cv.call(n.attr("body"), [np.array(i, np.int64), np.array(going)] + states)
+        going = bool(np.asarray(cv.known(results[0], "loop condition")).reshape(-1)[0])
+        states, ys = results[1:1 + len(states)], results[1 + len(states):]
+        outputs.append(ys)
+        i += 1
+    if not outputs:
+        raise cv.unsupported("a loop that runs no step (its scan outputs would be empty) is not supported")
+    return states + [stacked(cv, [ys[j] for ys in outputs], 0) for j in range(len(outputs[0]))]

@@ -1,0 +1,356 @@
+"""ONNX ops that shape, index and reduce: constants, Shape, Reshape and its kin, Slice, Gather, Pad,
+reductions, ArgMax, TopK. Shapes, axes and counts must be known at load time (they become the IR
+ops' attributes); a dim the model names stays symbolic."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import numpy_helper
+
+from soma_runtime.dtypes import dtype
+from soma_runtime.ir.graph import Sym
+from soma_runtime.loaders.onnx.fold import SymbolicError
+from soma_runtime.loaders.onnx.ops.elementwise import scalar
+from soma_runtime.loaders.onnx.ops.table import onnx_op
+from soma_runtime.loaders.onnx.reader import tensor_array
+
+BIG = 1 << 62            # an end past any real size: ONNX's INT64_MAX, "to the end"
+
+
+def dims_array(dims) -> np.ndarray:
+    """Sizes as an i64 array; an object array where one is symbolic."""
+    dims = list(dims)
+    return np.array(dims, dtype=object if any(isinstance(d, Sym) for d in dims) else np.int64).reshape(len(dims))
+
+
+def axes_of(cv, n, rank: int, attr_until: int, index: int = 1) -> list[int] | None:
+    """An op's axes (an attribute before opset `attr_until`, an input from it), made non-negative."""
+    axes = n.attr("axes") if n.opset < attr_until else cv.ints(n.input(index), "axes")
+    return None if axes is None else [int(a) % rank for a in axes]
+
+
+@onnx_op("Constant")
+def constant(cv, n):
+    for key, make in (("value", lambda t: tensor_array(t, cv.directory, cv.where())), ("value_float", np.float32),
+                      ("value_floats", lambda v: np.array(v, np.float32)), ("value_int", np.int64),
+                      ("value_ints", lambda v: np.array(v, np.int64))):
+        if key in n.attrs:
+            return np.array(make(n.attrs[key]))
+    raise cv.unsupported(f"a constant given as {', '.join(n.attrs) or 'nothing'} (sparse tensors and strings are not supported)")
+
+
+@onnx_op("ConstantOfShape")
+def constant_of_shape(cv, n):
+    value = numpy_helper.to_array(n.attrs["value"]).reshape(-1) if "value" in n.attrs else np.zeros(1, np.float32)
+    shape = cv.ints(n.inputs[0], "shape")
+    if not any(isinstance(d, Sym) for d in shape):
+        return np.full(shape, value[0], value.dtype)
+    return cv.emit("expand", value.reshape([1] * len(shape)), shape=tuple(shape))
+
+
+@onnx_op("Shape")
+def shape(cv, n):
+    dims = cv.meta(n.inputs[0]).shape
+    start, end = n.attr("start", 0), n.attr("end")
+    return dims_array(dims[start:end])
+
+
+@onnx_op("Size")
+def size(cv, n):
+    total = 1
+    for d in cv.meta(n.inputs[0]).shape:
+        total = total * d
+    return dims_array([total]).reshape(())
+
+
+def reshape_to(cv, x, dims):
+    return cv.emit("reshape", x, shape=tuple(dims))
+
+
+@onnx_op("Reshape")
+def reshape(cv, n):
+    x = n.inputs[0]
+    source = cv.meta(x).shape
+    target = cv.ints(n.inputs[1], "shape") if n.opset >= 5 else list(n.attr("shape"))
+    if not n.attr("allowzero", 0):
+        target = [source[i] if isinstance(d, int) and d == 0 else d for i, d in enumerate(target)]
+    return reshape_to(cv, x, target)
+
+
+def product(dims):
+    total = 1
+    for d in dims:
+        total = total * d
+    return total
+
+
+@onnx_op("Flatten")
+def flatten(cv, n):
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axis = n.attr("axis", 1)
+    axis = axis + len(dims) if axis < 0 else axis
+    return reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))
+
+
+@onnx_op("Transpose")
+def transpose(cv, n):
+    x = n.inputs[0]
+    perm = n.attr("perm") or list(reversed(range(cv.meta(x).ndim)))
+    return cv.emit("permute", x, perm=tuple(int(p) for p in perm))
+
+
+@onnx_op("Squeeze")
+def squeeze(cv, n):
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axes = axes_of(cv, n, len(dims), 13)
+    if axes is None:
+        axes = [i for i, d in enumerate(dims) if isinstance(d, int) and d == 1]
+    for a in axes:
+        if isinstance(dims[a], int) and dims[a] != 1:
+            raise cv.unsupported(f"cannot squeeze axis {a} of size {dims[a]}")
+    return reshape_to(cv, x, [d for i, d in enumerate(dims) if i not in axes])
+
+
+@onnx_op("Unsqueeze")
+def unsqueeze(cv, n):
+    x = n.inputs[0]
+    dims = list(cv.meta(x).shape)
+    axes = axes_of(cv, n, len(dims) + len(n.attr("axes", []) if n.opset < 13 else cv.ints(n.input(1), "axes")), 13)
+    for a in sorted(axes):
+        dims.insert(a, 1)
+    return reshape_to(cv, x, dims)
+
+
+@onnx_op("Concat")
+def concat(cv, n):
+    xs = [x for x in n.inputs if x is not None]
+    return cv.emit("concat", *xs, axis=int(n.attr("axis")) % cv.meta(xs[0]).ndim)
+
+
+@onnx_op("Split")
+def split(cv, n):
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axis = int(n.attr("axis", 0)) % len(dims)
+    sizes = n.attr("split") if n.opset < 13 else cv.ints(n.input(1), "split sizes")
+    if not sizes:
+        if not isinstance(dims[axis], int):
+            raise cv.unsupported(f"an even split of symbolic axis {dims[axis]}")
+        parts = n.attr("num_outputs", n.n_outputs)
+        step = -(-dims[axis] // parts)
+        sizes = [min(step, dims[axis] - i * step) for i in range(parts)]
+    out = cv.emit("split", x, sizes=tuple(int(s) for s in sizes), axis=axis)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def slice_axis(cv, x, axis, start, end, step):
+    """One axis of an ONNX Slice: its clamping, negative indices and steps of either sign."""
+    size = cv.meta(x).shape[axis]
+    if isinstance(start, Sym) or isinstance(end, Sym):
+        raise SymbolicError(f"a slice from {start} to {end}: bounds given by symbolic sizes")
+    if isinstance(size, int):
+        start, stop, step = slice(start, None if end >= BIG else end, step).indices(size)
+        if step < 0:
+            return cv.emit("take", x, np.arange(start, stop, step, dtype=np.int64), axis=axis)
+        return cv.emit("slice", x, axis=axis, start=start, stop=max(stop, start), step=step)
+    if step < 0:
+        raise cv.unsupported(f"a reversed slice of symbolic axis {size}")
+    start = size + start if start < 0 else start
+    stop = None if end >= BIG else (size + end if end < 0 else end)
+    return cv.emit("slice", x, axis=axis, start=start, stop=stop, step=step)
+
+
+@onnx_op("Slice")
+def slice_(cv, n):
+    x = n.inputs[0]
+    rank = cv.meta(x).ndim
+    if n.opset < 10:
+        starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
+    else:
+        starts, ends = cv.ints(n.inputs[1], "starts"), cv.ints(n.inputs[2], "ends")
+        axes, steps = cv.ints(n.input(3), "axes"), cv.ints(n.input(4), "steps")
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        if step == 0:
+            raise cv.unsupported("a slice step of 0")
+        x = slice_axis(cv, x, int(axis) % rank, start, end, step)
+    return x
+
+
+@onnx_op("Gather")
+def gather(cv, n):
+    x, index = n.inputs
+    return cv.emit("take", x, index, axis=int(n.attr("axis", 0)) % cv.meta(x).ndim)
+
+
+@onnx_op("GatherElements")
+def gather_elements(cv, n):
+    x, index = n.inputs
+    return cv.emit("gather", x, index, axis=int(n.attr("axis", 0)) % cv.meta(x).ndim)
+
+
+@onnx_op("Expand")
+def expand(cv, n):
+    return cv.emit("expand", n.inputs[0], shape=tuple(cv.ints(n.inputs[1], "shape")))
+
+
+@onnx_op("Tile")
+def tile(cv, n):
+    return cv.emit("tile", n.inputs[0], repeats=tuple(cv.ints(n.inputs[1], "repeats")))
+
+
+@onnx_op("Range")
+def range_(cv, n):
+    return cv.emit("range", *n.inputs)
+
+
+@onnx_op("Pad")
+def pad(cv, n):
+    x = n.inputs[0]
+    rank = cv.meta(x).ndim
+    mode = n.attr("mode", "constant")
+    if n.opset < 11:
+        pads, value, axes = n.attr("pads", n.attr("paddings")), n.attr("value", 0.0), None
+    else:
+        pads = cv.ints(n.inputs[1], "pads")
+        given = cv.known(n.input(2), "pad value", np.zeros(0))
+        value = given.reshape(-1)[0].item() if given.size else 0.0
+        axes = cv.ints(n.input(3), "axes")
+    axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+    half = len(pads) // 2
+    widths = [(0, 0)] * rank
+    for a, before, after in zip(axes, pads[:half], pads[half:]):
+        widths[a] = (int(before), int(after))
+    if mode not in ("constant", "reflect", "edge"):
+        raise cv.unsupported(f"pad mode {mode!r}")
+    for a, (before, after) in enumerate(widths):          # negative pads crop
+        if before < 0 or after < 0:
+            size = cv.meta(x).shape[a]
+            x = slice_axis(cv, x, a, max(-before, 0), size - max(-after, 0) if after < 0 else BIG, 1)
+    widths = tuple((max(b, 0), max(e, 0)) for b, e in widths)
+    if not any(b or e for b, e in widths):
+        return x
+    return cv.emit("pad", x, pads=widths, mode=mode, value=float(value))
+
+
+@onnx_op("Trilu")
+def trilu(cv, n):
+    x = n.inputs[0]
+    k = int(cv.known(n.input(1), "diagonal", np.array(0)).reshape(-1)[0])
+    rows, cols = cv.meta(x).shape[-2:]
+    if not (isinstance(rows, int) and isinstance(cols, int)):
+        raise cv.unsupported("a triangle of symbolic size")
+    keep = (np.triu if n.attr("upper", 1) else np.tril)(np.ones((rows, cols), np.bool_), k)
+    return cv.emit("where", keep, x, scalar(cv, 0, x))
+
+
+# --- reductions and selection ----------------------------------------------------------------
+
+def reduce_axes(cv, n, x, attr_until):
+    rank = cv.meta(x).ndim
+    axes = axes_of(cv, n, rank, attr_until)
+    if not axes:
+        return None if n.attr("noop_with_empty_axes", 0) else tuple(range(rank))
+    return tuple(sorted(set(axes)))
+
+
+REDUCE = {"ReduceSum": "reduce_sum", "ReduceMean": "reduce_mean", "ReduceMax": "reduce_max", "ReduceMin": "reduce_min",
+          "ReduceProd": "reduce_prod", "ReduceL1": "reduce_sum", "ReduceL2": "reduce_sum", "ReduceSumSquare": "reduce_sum",
+          "ReduceLogSum": "reduce_sum", "ReduceLogSumExp": "reduce_sum"}
+
+
+@onnx_op(*REDUCE)
+def reduce(cv, n):
+    x = n.inputs[0]
+    axes = reduce_axes(cv, n, x, 13 if n.op_type == "ReduceSum" else 18)
+    if axes is None:
+        return x
+    keep = bool(n.attr("keepdims", 1))
+    op = n.op_type
+    if op == "ReduceLogSumExp":
+        top = cv.emit("reduce_max", x, axes=axes, keepdims=True)
+        sums = cv.emit("reduce_sum", cv.emit("exp", cv.emit("sub", x, top)), axes=axes, keepdims=keep)
+        return cv.emit("add", cv.emit("log", sums), top if keep else cv.emit("reduce_max", x, axes=axes, keepdims=False))
+    if op == "ReduceL1":
+        x = cv.emit("abs", x)
+    elif op in ("ReduceL2", "ReduceSumSquare"):
+        x = cv.emit("mul", x, x)
+    y = cv.emit(REDUCE[op], x, axes=axes, keepdims=keep)
+    if op == "ReduceL2":
+        return cv.emit("sqrt", y)
+    return cv.emit("log", y) if op == "ReduceLogSum" else y
+
+
+def flipped(cv, x, axis):
+    size = cv.meta(x).shape[axis]
+    if not isinstance(size, int):
+        raise cv.unsupported(f"reversing symbolic axis {size}")
+    return cv.emit("take", x, np.arange(size - 1, -1, -1, dtype=np.int64), axis=axis), size
+
+
+@onnx_op("ArgMax", "ArgMin")
+def arg_extreme(cv, n):
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axis = int(n.attr("axis", 0)) % len(dims)
+    if n.op_type == "ArgMin":
+        x = cv.emit("neg", x)
+    last = n.attr("select_last_index", 0)
+    if last:
+        x, size = flipped(cv, x, axis)
+    index = cv.emit("argmax", x, axis=axis)
+    if last:
+        index = cv.emit("sub", np.array(size - 1, np.int64), index)
+    if n.attr("keepdims", 1):
+        index = reshape_to(cv, index, [1 if i == axis else d for i, d in enumerate(dims)])
+    return index
+
+
+@onnx_op("TopK")
+def topk(cv, n):
+    x = n.inputs[0]
+    k = int(n.attr("k")) if n.opset < 10 else int(cv.ints(n.inputs[1], "k")[0])
+    axis = int(n.attr("axis", -1)) % cv.meta(x).ndim
+    if n.attr("largest", 1):
+        return cv.emit("topk", x, k=k, axis=axis)
+    values, index = cv.emit("topk", reversed_order(cv, x), k=k, axis=axis)
+    return reversed_order(cv, values), index
+
+
+def reversed_order(cv, x):
+    """x mapped so that larger is smaller, exactly and reversibly: -x, and for integers ~x (-x wraps)."""
+    dt = dtype(cv.meta(x).dtype).numpy
+    if dt.kind not in "iu":
+        return cv.emit("neg", x)
+    return cv.emit("sub", np.array(np.iinfo(dt).max if dt.kind == "u" else -1, dt), x)
+
+
+@onnx_op("CumSum")
+def cumsum(cv, n):
+    x = n.inputs[0]
+    axis = int(cv.ints(n.inputs[1], "axis")[0]) % cv.meta(x).ndim
+    reverse = n.attr("reverse", 0)
+    if reverse:
+        x, _ = flipped(cv, x, axis)
+    y = cv.emit("cumsum", x, axis=axis)
+    if n.attr("exclusive", 0):
+        y = cv.emit("sub", y, x)
+    return flipped(cv, y, axis)[0] if reverse else y
+
+
+@onnx_op("DepthToSpace", "SpaceToDepth")
+def depth_space(cv, n):
+    x = n.inputs[0]
+    b, c, h, w = cv.meta(x).shape
+    s = int(n.attr("blocksize"))
+    if n.op_type == "SpaceToDepth":
+        y = reshape_to(cv, x, (b, c, h // s, s, w // s, s))
+        perm = (0, 3, 5, 1, 2, 4) if n.attr("mode", "DCR") == "DCR" else (0, 1, 3, 5, 2, 4)
+        return reshape_to(cv, cv.emit("permute", y, perm=perm), (b, c * s * s, h // s, w // s))
+    if n.attr("mode", "DCR") == "DCR":
+        y, perm = reshape_to(cv, x, (b, s, s, c // (s * s), h, w)), (0, 3, 4, 1, 5, 2)
+    else:
+        y, perm = reshape_to(cv, x, (b, c // (s * s), s, s, h, w)), (0, 1, 4, 2, 5, 3)
+    return reshape_to(cv, cv.emit("permute", y, perm=perm), (b, c // (s * s), h * s, w * s))

@@ -1,0 +1,349 @@
+"""ONNX's network layers: MatMul and Gemm, convolutions and pools, the norms, softmax."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from soma_runtime.dtypes import FLOATS, dtype, lowest
+from soma_runtime.loaders.onnx.ops.elementwise import scalar
+from soma_runtime.loaders.onnx.ops.layout import product, reshape_to
+from soma_runtime.loaders.onnx.ops.table import onnx_op
+
+
+def matrix_product(cv, a, b, transposed: bool):
+    """a @ b (b.T when `transposed`); a known 2-D b is stored [N, K] as the IR's linear layers' weights are,
+    so the fuse pass folds its bias, activation and residual in."""
+    if isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype.kind == "f" and not transposed:
+        b, transposed = np.ascontiguousarray(b.T), True
+    return cv.emit("matmul", a, b, transpose_b=transposed)
+
+
+@onnx_op("MatMul")
+def matmul(cv, n):
+    a, b = n.inputs
+    ra, rb = cv.meta(a).ndim, cv.meta(b).ndim
+    if ra == 1:
+        a = reshape_to(cv, a, (1,) + cv.meta(a).shape)
+    if rb == 1:
+        b = reshape_to(cv, b, cv.meta(b).shape + (1,))
+    y = matrix_product(cv, a, b, transposed=False)
+    dims = cv.meta(y).shape
+    if ra == 1 or rb == 1:
+        y = reshape_to(cv, y, dims[:-2] + (() if ra == 1 else dims[-2:-1]) + (() if rb == 1 else dims[-1:]))
+    return y
+
+
+@onnx_op("Gemm")
+def gemm(cv, n):
+    a, b, c = n.input(0), n.input(1), n.input(2)
+    if n.attr("transA", 0):
+        a = cv.emit("permute", a, perm=(1, 0))
+    y = matrix_product(cv, a, b, transposed=bool(n.attr("transB", 0)))
+    alpha, beta = n.attr("alpha", 1.0), n.attr("beta", 1.0)
+    if alpha != 1.0:
+        y = cv.emit("mul", y, scalar(cv, alpha, y))
+    if c is not None and beta != 0.0:
+        y = cv.emit("add", y, c if beta == 1.0 else cv.emit("mul", c, scalar(cv, beta, c)))
+    return y
+
+
+# --- convolutions and pools --------------------------------------------------------------------
+
+def spatial_pads(cv, n, sizes, kernel, strides, dilations) -> list[tuple[int, int]]:
+    """(before, after) per spatial axis, from `pads` or `auto_pad`."""
+    auto = n.attr("auto_pad", "NOTSET")
+    nd = len(kernel)
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        if not all(isinstance(s, int) for s in sizes):
+            raise cv.unsupported("auto_pad on symbolic sizes")
+        pads = []
+        for size, k, s, d in zip(sizes, kernel, strides, dilations):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            small, big = total // 2, total - total // 2
+            pads.append((small, big) if auto == "SAME_UPPER" else (big, small))
+        return pads
+    if auto == "VALID":
+        return [(0, 0)] * nd
+    pads = n.attr("pads") or [0] * (2 * nd)
+    return list(zip(pads[:nd], pads[nd:]))
+
+
+def padded(cv, x, pads, value):
+    """x with uneven spatial pads applied (the IR's conv and pool pad evenly); the even part left to them."""
+    even = [min(b, e) for b, e in pads]
+    if all(b == e for b, e in pads):
+        return x, tuple(even)
+    rank = cv.meta(x).ndim
+    widths = ((0, 0),) * (rank - len(pads)) + tuple((b - m, e - m) for (b, e), m in zip(pads, even))
+    return cv.emit("pad", x, pads=widths, mode="constant", value=value), tuple(even)
+
+
+@onnx_op("Conv")
+def conv(cv, n):
+    x, w, bias = n.input(0), n.input(1), n.input(2)
+    kernel = tuple(cv.meta(w).shape[2:])
+    nd = len(kernel)
+    if nd not in (1, 2):
+        raise cv.unsupported(f"a {nd}-D convolution")
+    strides = tuple(n.attr("strides") or (1,) * nd)
+    dilations = tuple(n.attr("dilations") or (1,) * nd)
+    pads = spatial_pads(cv, n, cv.meta(x).shape[2:], kernel, strides, dilations)
+    x, even = padded(cv, x, pads, 0.0)
+    return cv.emit(f"conv{nd}d", x, w, bias, stride=strides, padding=even, dilation=dilations,
+                   groups=int(n.attr("group", 1)))
+
+
+def zeros_between(cv, x, axis: int, stride: int):
+    """x with stride - 1 zeros between its elements along `axis` (a transposed convolution's input)."""
+    dims = list(cv.meta(x).shape)
+    spread = reshape_to(cv, x, dims[:axis + 1] + [1] + dims[axis + 1:])
+    widths = [(0, 0)] * (len(dims) + 1)
+    widths[axis + 1] = (0, stride - 1)
+    spread = cv.emit("pad", spread, pads=tuple(widths), mode="constant", value=0.0)
+    spread = reshape_to(cv, spread, dims[:axis] + [dims[axis] * stride] + dims[axis + 1:])
+    return cv.emit("slice", spread, axis=axis, start=0, stop=(dims[axis] - 1) * stride + 1)
+
+
+@onnx_op("ConvTranspose")
+def conv_transpose(cv, n):
+    """The convolution whose gradient it is: zeros between the inputs, the kernel flipped with its in and out
+    channels swapped (per group), padded fully, then the `pads` cropped from the result."""
+    x, w, bias = n.input(0), n.input(1), n.input(2)
+    kernel = tuple(cv.meta(w).shape[2:])
+    nd, groups = len(kernel), int(n.attr("group", 1))
+    if nd not in (1, 2):
+        raise cv.unsupported(f"a {nd}-D transposed convolution")
+    sizes = cv.meta(x).shape[2:]
+    if not all(isinstance(s, int) for s in sizes):
+        raise cv.unsupported(f"a transposed convolution over symbolic sizes {list(sizes)}")
+    strides = tuple(n.attr("strides") or (1,) * nd)
+    dilations = tuple(n.attr("dilations") or (1,) * nd)
+    extra = tuple(n.attr("output_padding") or (0,) * nd)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    full = [s * (size - 1) + e + span for size, s, e, span in zip(sizes, strides, extra, spans)]
+    wanted, auto = n.attr("output_shape"), n.attr("auto_pad", "NOTSET")
+    if wanted or auto in ("SAME_UPPER", "SAME_LOWER"):
+        wanted = list(wanted)[-nd:] if wanted else [size * s for size, s in zip(sizes, strides)]
+        totals = [f - o for f, o in zip(full, wanted)]
+        extra = tuple(e + max(0, -t) for e, t in zip(extra, totals))       # a longer output than the input makes
+        full = [f + max(0, -t) for f, t in zip(full, totals)]              # is more output padding
+        totals = [max(0, t) for t in totals]
+        pads = [(t // 2, t - t // 2) if auto != "SAME_LOWER" else (t - t // 2, t // 2) for t in totals]
+    elif auto == "VALID":
+        pads = [(0, 0)] * nd
+    else:
+        flat = n.attr("pads") or [0] * (2 * nd)
+        pads = list(zip(flat[:nd], flat[nd:]))
+    c_in, c_out = cv.meta(w).shape[0], cv.meta(w).shape[1] * groups
+    for axis, k in enumerate(kernel):
+        w = cv.emit("take", w, np.arange(k - 1, -1, -1, dtype=np.int64), axis=2 + axis)
+    w = reshape_to(cv, w, (groups, c_in // groups, c_out // groups, *kernel))
+    w = cv.emit("permute", w, perm=(0, 2, 1, *range(3, 3 + nd)))
+    w = reshape_to(cv, w, (c_out, c_in // groups, *kernel))
+    for axis, s in enumerate(strides):
+        if s > 1:
+            x = zeros_between(cv, x, 2 + axis, s)
+    widths = ((0, 0), (0, 0)) + tuple((span - 1, span - 1 + e) for span, e in zip(spans, extra))
+    x = cv.emit("pad", x, pads=widths, mode="constant", value=0.0)
+    w = np.ascontiguousarray(w) if isinstance(w, np.ndarray) else w
+    y = cv.emit(f"conv{nd}d", x, w, bias, stride=(1,) * nd, padding=(0,) * nd,
+                dilation=dilations, groups=groups)
+    for axis, ((before, after), length) in enumerate(zip(pads, full)):
+        if before or after:
+            y = cv.emit("slice", y, axis=2 + axis, start=before, stop=length - after)
+    return y
+
+
+def pool_windows(size: int, k: int, s: int, d: int, pads: tuple[int, int], ceil: bool) -> tuple[int, int]:
+    """Output length along one axis, and the padding past `pads` its last window needs (ceil mode)."""
+    span, total = (k - 1) * d + 1, size + pads[0] + pads[1]
+    out = (-(-(total - span) // s) if ceil else (total - span) // s) + 1
+    if ceil and (out - 1) * s >= size + pads[0]:        # a last window starting in the end padding is dropped
+        out -= 1
+    return out, max(0, (out - 1) * s + span - total)
+
+
+def pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads):
+    """A pool of any rank, dilation and ceil mode (and LpPool): each kernel offset a strided slice of the
+    padded input, combined by max or sum; the averages' divisors counted the same way at load time."""
+    sizes = cv.meta(x).shape[2:]
+    if not all(isinstance(s, int) for s in sizes):
+        raise cv.unsupported(f"pooling symbolic sizes {list(sizes)} with dilations, ceil mode or p-norms")
+    kind = n.op_type
+    ceil = bool(n.attr("ceil_mode", 0))
+    windows = [pool_windows(*args, ceil) for args in zip(sizes, kernel, strides, dilations, pads)]
+    widths = ((0, 0), (0, 0)) + tuple((b, e + extra) for (b, e), (_, extra) in zip(pads, windows))
+    p = int(n.attr("p", 2))
+    if kind == "LpPool":
+        x = cv.emit("abs", x) if p == 1 else cv.emit("mul", x, x) if p == 2 else \
+            cv.emit("pow", cv.emit("abs", x), scalar(cv, p, x))
+    lowest_value = lowest(dtype(cv.meta(x).dtype).numpy)
+    x = cv.emit("pad", x, pads=widths, mode="constant", value=float(lowest_value) if kind == "MaxPool" else 0.0)
+
+    def offsets(tensor, combine):
+        total = None
+        for offset in itertools.product(*(range(k) for k in kernel)):
+            part = tensor
+            for axis, (j, d, s, (out, _)) in enumerate(zip(offset, dilations, strides, windows)):
+                part = cv.emit("slice", part, axis=2 + axis, start=j * d, stop=j * d + (out - 1) * s + 1, step=s)
+            total = part if total is None else combine(total, part)
+        return total
+    if kind == "MaxPool":
+        return offsets(x, lambda a, b: cv.emit("maximum", a, b))
+    total = offsets(x, lambda a, b: cv.emit("add", a, b))
+    if kind == "LpPool":
+        return cv.emit("sqrt", total) if p == 2 else total if p == 1 else cv.emit("pow", total, scalar(cv, 1 / p, total))
+    counted = np.ones((1, 1) + tuple(sizes))              # the positions a window's average divides by
+    if n.attr("count_include_pad", 0):                    # the explicit pads count, a ceil mode's extra does not
+        counted = np.pad(counted, ((0, 0), (0, 0)) + tuple(pads), constant_values=1)
+        counted = np.pad(counted, ((0, 0), (0, 0)) + tuple((0, extra) for _, extra in windows))
+    else:
+        counted = np.pad(counted, widths)
+    divisor = np.zeros([1, 1] + [out for out, _ in windows])
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        divisor += counted[(slice(None), slice(None)) + tuple(slice(j * d, j * d + (out - 1) * s + 1, s) for j, d, s, (out, _)
+                                                              in zip(offset, dilations, strides, windows))]
+    return cv.emit("div", total, divisor.astype(dtype(cv.meta(total).dtype).numpy))
+
+
+@onnx_op("LpPool")
+def lp_pool(cv, n):
+    x = n.inputs[0]
+    kernel = tuple(n.attr("kernel_shape"))
+    nd = len(kernel)
+    strides, dilations = tuple(n.attr("strides") or (1,) * nd), tuple(n.attr("dilations") or (1,) * nd)
+    pads = spatial_pads(cv, n, cv.meta(x).shape[2:], kernel, strides, dilations)
+    return pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads)
+
+
+@onnx_op("MaxPool", "AveragePool")
+def pool(cv, n):
+    x = n.inputs[0]
+    kernel = tuple(n.attr("kernel_shape"))
+    nd = len(kernel)
+    strides = tuple(n.attr("strides") or (1,) * nd)
+    dilations = tuple(n.attr("dilations") or (1,) * nd)
+    if n.n_outputs > 1:
+        raise cv.unsupported("MaxPool's indices output is not supported")
+    pads = spatial_pads(cv, n, cv.meta(x).shape[2:], kernel, strides, dilations)
+    if any(d != 1 for d in dilations) or n.attr("ceil_mode", 0) or nd > 2 or cv.meta(x).dtype not in FLOATS:
+        return pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads)
+    if n.op_type == "MaxPool":
+        x, even = padded(cv, x, pads, -np.inf)
+        if any(2 * p > k for p, k in zip(even, kernel)):
+            x, even = cv.emit("pad", x, pads=((0, 0), (0, 0)) + tuple((p, p) for p in even), mode="constant",
+                              value=-np.inf), (0,) * nd
+        return cv.emit("max_pool", x, kernel=kernel, stride=strides, padding=even)
+    if not any(b or e for b, e in pads):
+        return cv.emit("avg_pool", x, kernel=kernel, stride=strides, padding=(0,) * nd)
+    rank = cv.meta(x).ndim
+    widths = ((0, 0),) * (rank - nd) + tuple(pads)
+    total = cv.emit("avg_pool", cv.emit("pad", x, pads=widths, mode="constant", value=0.0), kernel=kernel, stride=strides,
+                    padding=(0,) * nd)
+    if n.attr("count_include_pad", 0):
+        return total
+    sizes = cv.meta(x).shape[2:]
+    if not all(isinstance(s, int) for s in sizes):
+        raise cv.unsupported("average pooling without the pads' count over symbolic sizes")
+    ones = np.pad(np.ones((1, 1) + tuple(sizes), dtype(cv.meta(x).dtype).numpy), ((0, 0), (0, 0)) + tuple(pads))
+    share = cv.emit("avg_pool", ones, kernel=kernel, stride=strides, padding=(0,) * nd)
+    return cv.emit("div", total, share)
+
+
+@onnx_op("GlobalAveragePool", "GlobalMaxPool")
+def global_pool(cv, n):
+    x = n.inputs[0]
+    axes = tuple(range(2, cv.meta(x).ndim))
+    return cv.emit("reduce_mean" if n.op_type == "GlobalAveragePool" else "reduce_max", x, axes=axes, keepdims=True)
+
+
+# --- norms and softmax --------------------------------------------------------------------------
+
+def normalized(cv, x, axes, eps):
+    """(x - mean) / sqrt(var + eps) over `axes`, and the mean and 1/std kept for the outputs that ask."""
+    mean = cv.emit("reduce_mean", x, axes=axes, keepdims=True)
+    centered = cv.emit("sub", x, mean)
+    var = cv.emit("reduce_mean", cv.emit("mul", centered, centered), axes=axes, keepdims=True)
+    inv = cv.emit("rsqrt", cv.emit("add", var, scalar(cv, eps, var)))
+    return cv.emit("mul", centered, inv), mean, inv
+
+
+def channel_param(cv, p, rank):
+    """A per-channel [C] parameter shaped to broadcast over [N, C, *spatial]."""
+    return reshape_to(cv, p, (-1,) + (1,) * (rank - 2))
+
+
+@onnx_op("BatchNormalization")
+def batch_norm(cv, n):
+    x, scale, bias, mean, var = n.inputs[:5]
+    if n.attr("training_mode", 0) or n.n_outputs > 1 and n.opset >= 14:
+        raise cv.unsupported("training-mode batch normalization")
+    return cv.emit("batchnorm", x, mean, var, scale, bias, eps=float(n.attr("epsilon", 1e-5)))
+
+
+@onnx_op("InstanceNormalization")
+def instance_norm(cv, n):
+    x, scale, bias = n.inputs
+    rank = cv.meta(x).ndim
+    y, _, _ = normalized(cv, x, tuple(range(2, rank)), n.attr("epsilon", 1e-5))
+    return cv.emit("add", cv.emit("mul", y, channel_param(cv, scale, rank)), channel_param(cv, bias, rank))
+
+
+@onnx_op("GroupNormalization")
+def group_norm(cv, n):
+    x, scale, bias = n.inputs
+    dims = cv.meta(x).shape
+    groups = int(n.attr("num_groups"))
+    grouped = reshape_to(cv, x, (dims[0], groups, -1))
+    y = reshape_to(cv, normalized(cv, grouped, (2,), n.attr("epsilon", 1e-5))[0], dims)
+    if n.opset < 21:                  # scale and bias per group, before opset 21
+        per_channel = np.repeat(np.arange(groups), dims[1] // groups)
+        scale, bias = cv.emit("take", scale, per_channel, axis=0), cv.emit("take", bias, per_channel, axis=0)
+    return cv.emit("add", cv.emit("mul", y, channel_param(cv, scale, len(dims))), channel_param(cv, bias, len(dims)))
+
+
+@onnx_op("LayerNormalization")
+def layer_norm(cv, n):
+    x, scale, bias = n.input(0), n.input(1), n.input(2)
+    rank = cv.meta(x).ndim
+    axis = int(n.attr("axis", -1)) % rank
+    eps = float(n.attr("epsilon", 1e-5))
+    if axis == rank - 1 and n.n_outputs == 1 and cv.meta(scale).ndim == 1 and (bias is None or cv.meta(bias).ndim == 1):
+        return cv.emit("layernorm", x, scale, bias, eps=eps)
+    y, mean, inv = normalized(cv, x, tuple(range(axis, rank)), eps)
+    y = cv.emit("mul", y, scale)
+    return (y if bias is None else cv.emit("add", y, bias)), mean, inv
+
+
+@onnx_op("RMSNormalization")
+def rms_norm(cv, n):
+    x, scale = n.inputs
+    rank = cv.meta(x).ndim
+    axis = int(n.attr("axis", -1)) % rank
+    eps = float(n.attr("epsilon", 1e-5))
+    if axis == rank - 1 and cv.meta(scale).ndim == 1:
+        return cv.emit("rmsnorm", x, scale, eps=eps)
+    axes = tuple(range(axis, rank))
+    square = cv.emit("reduce_mean", cv.emit("mul", x, x), axes=axes, keepdims=True)
+    inv = cv.emit("rsqrt", cv.emit("add", square, scalar(cv, eps, square)))
+    return cv.emit("mul", cv.emit("mul", x, inv), scale)
+
+
+def log_softmax_of(cv, x, axis):
+    top = cv.emit("reduce_max", x, axes=(axis,), keepdims=True)
+    shifted = cv.emit("sub", x, top)
+    sums = cv.emit("reduce_sum", cv.emit("exp", shifted), axes=(axis,), keepdims=True)
+    return cv.emit("sub", shifted, cv.emit("log", sums))
+
+
+@onnx_op("Softmax", "LogSoftmax")
+def softmax(cv, n):
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axis = int(n.attr("axis", 1 if n.opset < 13 else -1)) % len(dims)
+    apply = (lambda v, a: cv.emit("softmax", v, axis=a)) if n.op_type == "Softmax" else (lambda v, a: log_softmax_of(cv, v, a))
+    if n.opset >= 13 or axis == len(dims) - 1:
+        return apply(x, axis - len(dims))           # counted from the end, as the fused ops' formulas are
+    rows = reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))      # before 13: over the flattened tail
+    return reshape_to(cv, apply(rows, -1), dims)
