@@ -22,9 +22,9 @@ PLANS_KEPT = 8
 
 
 class GraphRunner:
-    def __init__(self, graph: Graph, backend: Backend):
+    def __init__(self, graph: Graph, backend: Backend, recognition: bool = True):
         self.graph, self.backend = graph, backend
-        self.fusions = fuse(graph)
+        self.fusions = fuse(graph, recognition)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
 
     @property
@@ -75,8 +75,8 @@ class FamilyRunner:
     """A GraphFamily run: each distinct set of input shapes and values builds (once) a graph of its own, run
     by a GraphRunner; the most recent are kept."""
 
-    def __init__(self, family: GraphFamily, backend: Backend):
-        self.family, self.backend = family, backend
+    def __init__(self, family: GraphFamily, backend: Backend, recognition: bool = True):
+        self.family, self.backend, self.recognition = family, backend, recognition
         self.members: OrderedDict[tuple, GraphRunner] = OrderedDict()
 
     @property
@@ -100,11 +100,12 @@ class FamilyRunner:
         if key in self.members:
             self.members.move_to_end(key)
         else:
-            self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend)
+            self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend, self.recognition)
             if len(self.members) > PLANS_KEPT:
                 self.members.popitem(last=False)
         return self.members[key].run(arrays)
 
 
-def graph_runner(source: Graph | GraphFamily, backend: Backend) -> GraphRunner | FamilyRunner:
-    return FamilyRunner(source, backend) if isinstance(source, GraphFamily) else GraphRunner(source, backend)
+def graph_runner(source: Graph | GraphFamily, backend: Backend, recognition: bool = True) -> GraphRunner | FamilyRunner:
+    runner = FamilyRunner if isinstance(source, GraphFamily) else GraphRunner
+    return runner(source, backend, recognition)

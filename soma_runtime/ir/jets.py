@@ -114,6 +114,10 @@ class JetRegistry:
             return verified(opdef, jet, backend.name)
         return jet
 
+    def missed(self, backend: str) -> list[tuple[str, tuple]]:
+        """The (op, input dtypes) that found no jet on `backend` so far (run elsewhere, or by their atoms)."""
+        return sorted((op, dtypes) for op, name, dtypes in self._missed if name == backend)
+
     def _miss(self, opdef: OpDef, backend: Backend, dtypes: tuple, what: str) -> None:
         if (opdef.name, backend.name, dtypes) not in self._missed:
             self._missed.add((opdef.name, backend.name, dtypes))

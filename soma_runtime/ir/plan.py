@@ -105,9 +105,11 @@ class Plan:
         return cls(graph, backend, bindings=bindings_from(graph, inputs), **kw)
 
     def _run_once(self, node: Node, inputs: list):
+        """A constant node computed now, its symbolic sizes bound (GraphError where one is free)."""
+        attrs = bind_attrs(node.attrs, self.bindings)
         metas = [None if x is None else meta_of(x) for x in inputs]
-        kernel = REGISTRY.kernel_for(OPS[node.op], metas, node.attrs, self.fold_backend)
-        return kernel(*inputs, **OPS[node.op].full_attrs(node.attrs))
+        kernel = REGISTRY.kernel_for(OPS[node.op], metas, attrs, self.fold_backend)
+        return kernel(*inputs, **OPS[node.op].full_attrs(attrs))
 
     def _bind_metas(self, g: Graph) -> dict[str, TensorMeta]:
         metas = {k: m.bind(self.bindings, self.free) for k, m in g.inputs.items()}

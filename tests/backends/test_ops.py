@@ -391,6 +391,8 @@ case("reduce_prod", mk((3, 4, 5)), lambda x: x.prod(2, keepdim=True).prod(0, kee
      keepdims=True)
 case("take", int_inputs(mk((3, 5, 2)), [[4, 0], [-1, 2]]),
      lambda x, i: x.index_select(1, i.reshape(-1) % 5).reshape(3, 2, 2, 2), axis=1)
+case("scatter", lambda dt: [mk((5, 3))(dt)[0], np.array([3, 0], np.int64), mk((2, 3), seed=1)(dt)[0]],
+     lambda x, i, u: x.index_copy(0, i, u), axis=0)
 case("expand", mk((3, 1)), lambda x: x.expand(2, 3, 4), shape=(2, 3, 4))
 case("expand", mk((2, 3)), lambda x: x.expand(4, 2, 3), id="ones-keep", shape=(4, 1, 1))
 case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), value=0.5), id="constant", pads=((0, 0), (1, 2), (2, 1)), value=0.5)
@@ -400,6 +402,8 @@ case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (3, 1, 0, 2), mode="replicate"), i
      mode="edge")
 case("cumsum", mk((3, 7)), lambda x: torch.cumsum(x, 1), axis=1)
 case("cumsum", mk((5, 2, 3)), lambda x: torch.cumsum(x, 0), id="axis0", axis=0)
+case("cumprod", mk((3, 7)), lambda x: torch.cumprod(x, 1), axis=1)
+case("cumprod", ints([[2, -1, 3, 0, 5]], dtype=np.int64), lambda x: torch.cumprod(x, 1), ("f32",), id="int", axis=1)
 case("tile", mk((2, 3)), lambda x: torch.tile(x, (2, 3)), repeats=(2, 3))
 case("range", lambda dt: [np.array(2, np.int64), np.array(11, np.int64), np.array(3, np.int64)],
      lambda a, b, c: torch.arange(int(a), int(b), int(c)), id="int", dtypes=("f32",))

@@ -1,5 +1,6 @@
-"""ONNX conformance: every node test case the `onnx` package generates, run on the CPU backend and by
-onnxruntime in the same run, each compared with its expected outputs at the case's tolerances.
+"""ONNX conformance: every node test case the `onnx` package generates, run on the CPU backend, on the
+reference backend (the atoms) and, where there is a GPU, on CUDA, and by onnxruntime in the same run,
+each compared with its expected outputs at the case's tolerances.
 
 A case passes, or fails to load with a typed UnsupportedModelError naming why (the list is written out);
 a wrong answer, or any other error, fails the test. A half-precision output may sit two ulps from the
@@ -19,12 +20,13 @@ from onnx import TensorProto, numpy_helper
 from soma_runtime.backends import get
 from soma_runtime.engine.graph import graph_runner
 from soma_runtime.errors import UnsupportedModelError
+from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.loaders.onnx import onnx_graph
 
 ort = pytest.importorskip("onnxruntime")
 
 CASES_IN_ONNX_1_23_2 = 1884
-PASSING_NOW = 1391            # what this runtime passes: fewer is a regression
+PASSING_NOW = 1425            # what this runtime passes: fewer is a regression
 
 
 def array(value) -> np.ndarray:
@@ -101,34 +103,54 @@ def run_onnxruntime(case) -> bool:
     return True
 
 
-def test_the_onnx_node_tests_pass_on_cpu_where_onnxruntime_passes_them(request, capsys, tmp_path):
+@pytest.fixture(scope="module")
+def cases():
     from onnx.backend.test.case.node import collect_testcases
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cases = collect_testcases()
-    assert len(cases) == CASES_IN_ONNX_1_23_2
-    cpu = get("cpu")
+        found = collect_testcases()
+    assert len(found) == CASES_IN_ONNX_1_23_2
+    return found
+
+
+@pytest.fixture(scope="module")
+def onnxruntime_passes(cases) -> dict[str, bool]:
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {case.name: run_onnxruntime(case) for case in cases}
+
+
+def backends():
+    import torch
+    return ["cpu", "reference", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_the_onnx_node_tests_pass_where_onnxruntime_passes_them(backend, cases, onnxruntime_passes, request, capsys,
+                                                                tmp_path):
     logging.disable(logging.WARNING)            # "no cpu jet for ...; running its atoms" per exotic dtype
     try:
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ours = {case.name: run_case(case, cpu) for case in cases}
-            peer = {case.name: run_onnxruntime(case) for case in cases}
+            ours = {case.name: run_case(case, get(backend)) for case in cases}
     finally:
         logging.disable(logging.NOTSET)
     counts = collections.Counter(outcome for outcome, _ in ours.values())
-    passed = counts["pass"] + counts["ulp"]
-    report = {"passed": passed, "onnxruntime_passed": sum(peer.values()),
+    passed, peer = counts["pass"] + counts["ulp"], sum(onnxruntime_passes.values())
+    missed = REGISTRY.missed(backend)
+    report = {"backend": backend, "passed": passed, "onnxruntime_passed": peer,
               "half_precision_ulps_off": sorted(name for name, (o, _) in ours.items() if o == "ulp"),
               "unsupported": {name: why for name, (o, why) in sorted(ours.items()) if o == "unsupported"},
-              "onnxruntime_passes_we_do_not": sorted(name for name, ok in peer.items()
-                                                     if ok and ours[name][0] not in ("pass", "ulp"))}
+              "onnxruntime_passes_we_do_not": sorted(name for name, ok in onnxruntime_passes.items()
+                                                     if ok and ours[name][0] not in ("pass", "ulp")),
+              "ops_without_a_jet": [f"{op}{list(dtypes)}" for op, dtypes in missed]}
     cache = getattr(request.config, "cache", None)              # absent under -p no:cacheprovider
-    path = (cache.mkdir("onnx") if cache else tmp_path) / "node-tests.json"
+    path = (cache.mkdir("onnx") if cache else tmp_path) / f"node-tests-{backend}.json"
     path.write_text(json.dumps(report, indent=1))
     with capsys.disabled():
-        print(f"\n{passed} of {len(cases)} passed (onnxruntime: {sum(peer.values())}); {counts['ulp']} of them half-precision "
-              f"ulps off; {counts['unsupported']} unsupported, each with its reason in {path}")
+        print(f"\n{backend}: {passed} of {len(cases)} passed (onnxruntime: {peer}); {counts['ulp']} of them half-precision "
+              f"ulps off; {counts['unsupported']} unsupported and {len(missed)} op signatures without a {backend} jet, "
+              f"each listed in {path}")
     wrong = {name: why for name, (outcome, why) in ours.items() if outcome == "wrong"}
-    assert not wrong, f"wrong answers: {wrong}"
+    assert not wrong, f"wrong answers on {backend}: {wrong}"
     assert passed >= PASSING_NOW

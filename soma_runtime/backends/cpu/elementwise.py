@@ -286,6 +286,6 @@ def softmax(x, mask, axis, causal, window):
     return softmax_f32(x, axis)
 
 
-@jet("where", CPU, [("bool", F, F)])
+@jet("where", CPU, [("bool", t, t) for t in (REAL, INTEGER, "bool")])
 def where(cond, a, b, out=None):
     return deliver(np.where(cond, a, b), dtype_of(a), out)

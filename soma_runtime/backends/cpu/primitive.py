@@ -49,6 +49,15 @@ def take(x, index, out=None, axis=0):
     return deliver(np.take(x, index, axis=axis), dtype_of(x), out)
 
 
+@jet("scatter", CPU, [("*", INT, "*")])
+def scatter(x, index, updates, out=None, axis=0):
+    result = np.array(x, copy=True)
+    where = [slice(None)] * x.ndim
+    where[axis] = index
+    result[tuple(where)] = updates
+    return deliver(result, dtype_of(x), out)
+
+
 @jet("expand", CPU, [("*",)])
 def expand(x, out=None, shape=()):
     return np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(shape)))
@@ -61,10 +70,8 @@ def pad(x, out=None, pads=(), mode="constant", value=0.0):
     return deliver(np.pad(x, pads, mode=mode), dtype_of(x), out)
 
 
-@jet("cumsum", CPU, [(t,) for t in NUMBER])
-@float_kernel
-def cumsum(x, axis=-1):
-    return np.cumsum(x, axis=axis)
+for _name, _fn in {"cumsum": np.cumsum, "cumprod": np.cumprod}.items():
+    jet(_name, CPU, [(t,) for t in NUMBER])(float_kernel(lambda x, axis=-1, fn=_fn: fn(x, axis=axis)))
 
 
 @jet("tile", CPU, [("*",)])

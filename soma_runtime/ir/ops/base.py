@@ -236,7 +236,8 @@ def truncated_division(A, a, b):
     short = A.cmp("le", abs_atoms(A, b), abs_atoms(A, r))
     over = A.cmp("lt", A.mul(r, sign_a), A.lit(0))
     q = A.add(q, A.cmp("select", short, step, A.cmp("select", over, A.mul(step, A.lit(-1)), A.lit(0))))
-    return q, A.sub(a, A.mul(q, b))
+    infinite = A.cmp("eq", abs_atoms(A, b), A.lit(math.inf))          # x mod inf is x (q * b would be nan)
+    return q, A.cmp("select", infinite, a, A.sub(a, A.mul(q, b)))
 
 
 def attention_mask(A, scores, rows, cols, causal, window):

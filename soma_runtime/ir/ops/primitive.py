@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from soma_runtime.ir.graph import DYNAMIC, TensorMeta
+from soma_runtime.ir.graph import DYNAMIC, TensorMeta, same_dim
 from soma_runtime.ir.ops.base import arithmetic, broadcast_shapes, check, like_number, like_real, number_dtype, op, same_dtype
 
 INTS = ("i32", "i64")
@@ -133,6 +133,25 @@ def take(A, x, index, axis):
     return A.read("take", x, index, axis=axis)
 
 
+def scatter_rule(metas, attrs):
+    x, index, updates = metas
+    check(index.dtype in INTS and index.ndim == 1,
+          f"scatter indices must be a 1-D integer tensor, got {index.dtype}{list(index.shape)}")
+    axis = attrs["axis"] % x.ndim
+    want = tuple(index.shape[0] if i == axis else d for i, d in enumerate(x.shape))
+    fits = updates.ndim == x.ndim and all(same_dim(a, b) is not False for a, b in zip(updates.shape, want))
+    check(updates.dtype == x.dtype and fits,
+          f"scatter updates must be {x.dtype}{list(want)}, got {updates.dtype}{list(updates.shape)}")
+    return [x]
+
+
+@op("scatter", ["x", "index", "updates"], scatter_rule, attrs={"axis": 0}, ranks=(2, 1, 2))
+def scatter(A, x, index, updates, axis):
+    """x with its slices along `axis` at `index` replaced by those of `updates` (torch's index_copy; where
+    an index repeats, the last update stays)."""
+    return A.write("scatter", x, updates, index, axis=axis)
+
+
 def expand_rule(metas, attrs):
     return [TensorMeta(broadcast_shapes(metas[0].shape, tuple(attrs["shape"])), metas[0].dtype)]
 
@@ -190,15 +209,21 @@ def axis_rule(metas, attrs):
     return [x]
 
 
-@op("cumsum", ["x"], axis_rule, attrs={"axis": -1})
-def cumsum(A, x, axis):
-    """Running sums along an axis: each position's window of the n values up to it, over zeros before."""
-    n = x.shape[axis]
-    pads = [(0, 0)] * len(x.shape)
-    pads[axis] = (n - 1, 0)
-    padded = pad(A, x, tuple(pads), "constant", 0.0)
-    windows = A.slide(padded, axes=(axis,), window=(n,), stride=(1,), dilation=(1,))
-    return A.reduce("sum", windows, axis=-1, keepdims=False)
+def running(name: str, mode: str, identity: float):
+    """Running sums (products) along an axis: each position's window of the n values up to it, over the
+    identity before the first."""
+    def decompose(A, x, axis):
+        n = x.shape[axis]
+        pads = [(0, 0)] * len(x.shape)
+        pads[axis] = (n - 1, 0)
+        padded = pad(A, x, tuple(pads), "constant", identity)
+        windows = A.slide(padded, axes=(axis,), window=(n,), stride=(1,), dilation=(1,))
+        return A.reduce(mode, windows, axis=-1, keepdims=False)
+    op(name, ["x"], axis_rule, attrs={"axis": -1})(decompose)
+
+
+running("cumsum", "sum", 0.0)
+running("cumprod", "prod", 1.0)
 
 
 def tile_rule(metas, attrs):

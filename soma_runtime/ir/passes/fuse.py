@@ -324,11 +324,12 @@ def row_halves(t) -> list:
 
 # --- the pass ---------------------------------------------------------------------------------------------
 
-def fuse(graph: Graph) -> Counter:
-    """Rewrite `graph` in place to its fused form; returns {rule: times applied}."""
+def fuse(graph: Graph, recognition: bool = True) -> Counter:
+    """Rewrite `graph` in place to its fused form; returns {rule: times applied}. Without `recognition`,
+    only the rules run (what recognizing exporters' subgraphs buys is measured so)."""
     from soma_runtime.ir.builder import validate
     validate(graph)
-    report = recognize(graph)
+    report = recognize(graph) if recognition else Counter()
     r = Rewriter(graph)
     changed = True
     while changed:

@@ -226,7 +226,7 @@ class Converter:
     def emit(self, op: str, *inputs: Tensor | None, **attrs) -> Tensor | tuple:
         """An IR op on these inputs: evaluated now when every input is known (and fold.py knows the op, and
         no attribute is a symbolic size), else a node of the graph (known inputs become its constants)."""
-        sized = any(isinstance(d, Sym) for v in attrs.values() if isinstance(v, (tuple, list)) for d in v)
+        sized = any(isinstance(d, Sym) for v in attrs.values() for d in (v if isinstance(v, (tuple, list)) else [v]))
         if all(x is None or isinstance(x, np.ndarray) for x in inputs) and op in FOLD and not sized:
             try:
                 return FOLD[op](*inputs, **OPS[op].full_attrs(attrs))
@@ -238,10 +238,17 @@ class Converter:
         return self.builder.op(op, *values, name=self.node.name, **attrs)
 
     def value(self, x: Tensor) -> Value:
-        """A tensor as the graph's: a known array becomes a constant."""
+        """A tensor as the graph's: a known array becomes a constant; sizes the model leaves symbolic
+        (a sequence length used as data) are counted when the graph runs."""
         if isinstance(x, Value):
             return x
-        return self.builder.const(self.node.name + "/const", self.concrete(x, "a constant"))
+        if x.dtype != object:
+            return self.builder.const(self.node.name + "/const", x)
+        b, one = self.builder, self.builder.const(self.node.name + "/one", np.ones(1, np.int64))
+        parts = [b.op("reduce_sum", b.op("expand", one, shape=(v,)), axes=(0,), keepdims=True) if isinstance(v, Sym)
+                 else b.const(self.node.name + "/const", np.array([int(v)], np.int64)) for v in x.reshape(-1)]
+        flat = parts[0] if len(parts) == 1 else b.op("concat", *parts, axis=0)
+        return b.op("reshape", flat, shape=x.shape)
 
     def concrete(self, x: np.ndarray, what: str) -> np.ndarray:
         if x.dtype == object:

@@ -11,7 +11,7 @@ from soma_runtime.ir.graph import Sym
 from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.elementwise import scalar
 from soma_runtime.loaders.onnx.ops.table import onnx_op
-from soma_runtime.loaders.onnx.reader import tensor_array
+from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 
 BIG = 1 << 62            # an end past any real size: ONNX's INT64_MAX, "to the end"
 
@@ -147,6 +147,8 @@ def split(cv, n):
 def slice_axis(cv, x, axis, start, end, step):
     """One axis of an ONNX Slice: its clamping, negative indices and steps of either sign."""
     size = cv.meta(x).shape[axis]
+    if isinstance(end, Sym) and isinstance(start, int) and 0 <= start and step == 1:
+        return cv.emit("slice", x, axis=axis, start=start, stop=end)       # x[:, :sequence]: bound when planned
     if isinstance(start, Sym) or isinstance(end, Sym):
         raise SymbolicError(f"a slice from {start} to {end}: bounds given by symbolic sizes")
     if isinstance(size, int):
@@ -203,6 +205,17 @@ def tile(cv, n):
 
 @onnx_op("Range")
 def range_(cv, n):
+    """start, start + delta, ... below limit. A limit that is a symbolic size (positions 0..sequence-1)
+    becomes the running count of that many ones: its length stays the symbol, not a size the data decides."""
+    start, limit, delta = n.inputs
+    bounds = [x.reshape(-1)[0] if isinstance(x, np.ndarray) and x.size == 1 else None for x in (start, limit, delta)]
+    if isinstance(bounds[1], Sym) and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+                                          for b in (bounds[0], bounds[2])) and bounds[2] > 0:
+        first, step = int(bounds[0]), int(bounds[2])
+        count = (bounds[1] - first + step - 1) // step
+        ones = cv.emit("expand", np.array([1], np.int64), shape=(count,))
+        steps = cv.emit("sub", cv.emit("cumsum", ones, axis=0), np.array(1, np.int64))
+        return cv.emit("add", cv.emit("mul", steps, np.array(step, np.int64)), np.array(first, np.int64))
     return cv.emit("range", *n.inputs)
 
 
@@ -296,7 +309,7 @@ def arg_extreme(cv, n):
     dims = cv.meta(x).shape
     axis = int(n.attr("axis", 0)) % len(dims)
     if n.op_type == "ArgMin":
-        x = cv.emit("neg", x)
+        x = reversed_order(cv, x)
     last = n.attr("select_last_index", 0)
     if last:
         x, size = flipped(cv, x, axis)
@@ -306,6 +319,104 @@ def arg_extreme(cv, n):
     if n.attr("keepdims", 1):
         index = reshape_to(cv, index, [1 if i == axis else d for i, d in enumerate(dims)])
     return index
+
+
+@onnx_op("Hardmax")
+def hardmax(cv, n):
+    """1 where each row's first largest value is, 0 elsewhere (before opset 13, rows of the flattened tail)."""
+    x = n.inputs[0]
+    dims = cv.meta(x).shape
+    axis = int(n.attr("axis", 1 if n.opset < 13 else -1)) % len(dims)
+    rows = x if n.opset >= 13 else reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))
+    axis = axis if n.opset >= 13 else 1
+    shape = cv.meta(rows).shape
+    if not isinstance(shape[axis], int):
+        raise cv.unsupported(f"hardmax over symbolic axis {shape[axis]}")
+    index = reshape_to(cv, cv.emit("argmax", rows, axis=axis), [1 if i == axis else d for i, d in enumerate(shape)])
+    positions = np.arange(shape[axis], dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    hot = cv.emit("cast", cv.emit("equal", index, positions), dtype=cv.meta(x).dtype)
+    return hot if n.opset >= 13 else reshape_to(cv, hot, dims)
+
+
+@onnx_op("EyeLike")
+def eye_like(cv, n):
+    x = n.inputs[0]
+    rows, cols = cv.meta(x).shape
+    if not (isinstance(rows, int) and isinstance(cols, int)):
+        raise cv.unsupported(f"EyeLike of symbolic shape {[rows, cols]}")
+    to = dtype_name(n.attr("dtype"), cv.where()) if n.attr("dtype") is not None else cv.meta(x).dtype
+    return np.eye(rows, cols, k=int(n.attr("k", 0)), dtype=dtype(to).numpy)
+
+
+@onnx_op("GatherND")
+def gather_nd(cv, n):
+    """data[index[..., :]]: the first K axes (after `batch_dims`) of data flattened into one, each index
+    tuple made one position in it (negative ones counted from the end), then a take along that axis."""
+    data, index = n.inputs
+    dims, b = cv.meta(data).shape, int(n.attr("batch_dims", 0))
+    k = cv.meta(index).shape[-1]
+    if not isinstance(k, int) or not all(isinstance(d, int) for d in dims[:b + k]):
+        raise cv.unsupported("GatherND over symbolic sizes")
+    flat = flat_positions(cv, index, dims[b:b + k])
+    if b == 0:
+        rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
+        return cv.emit("take", rows, flat, axis=0)
+    batches = product(dims[:b])                          # each batch's rows offset by its own block
+    offsets = np.arange(batches, dtype=np.int64).reshape((batches,) + (1,) * (cv.meta(flat).ndim - b)) * product(dims[b:b + k])
+    flat = cv.emit("add", reshape_to(cv, flat, (batches,) + tuple(cv.meta(flat).shape[b:])), offsets)
+    rows = reshape_to(cv, data, (batches * product(dims[b:b + k]),) + tuple(dims[b + k:]))
+    out = cv.emit("take", rows, flat, axis=0)
+    return reshape_to(cv, out, tuple(cv.meta(index).shape[:-1]) + tuple(dims[b + k:]))
+
+
+def overwriting(cv, n):
+    if n.attr("reduction", "none") != "none":
+        raise cv.unsupported(f"scatter with reduction {n.attr('reduction')!r} (only plain writes are supported)")
+
+
+@onnx_op("ScatterND")
+def scatter_nd(cv, n):
+    """data with the slices at index tuples replaced: the first K axes flattened into one, each tuple one
+    position along it, written by the IR's scatter."""
+    overwriting(cv, n)
+    data, index, updates = n.inputs
+    dims, k = cv.meta(data).shape, cv.meta(index).shape[-1]
+    if not isinstance(k, int) or not all(isinstance(d, int) for d in dims):
+        raise cv.unsupported("ScatterND over symbolic sizes")
+    flat = reshape_to(cv, flat_positions(cv, index, dims[:k]), (-1,))
+    rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
+    written = cv.emit("scatter", rows, flat, reshape_to(cv, updates, (-1,) + tuple(dims[k:])), axis=0)
+    return reshape_to(cv, written, dims)
+
+
+@onnx_op("ScatterElements", "Scatter")
+def scatter_elements(cv, n):
+    """Each update to its own element: its position with the axis coordinate replaced by its index, all
+    of them written into the flattened data."""
+    overwriting(cv, n)
+    data, index, updates = n.inputs
+    dims, shape = cv.meta(data).shape, cv.meta(index).shape
+    if not all(isinstance(d, int) for d in (*dims, *shape)):
+        raise cv.unsupported("ScatterElements over symbolic sizes")
+    axis = int(n.attr("axis", 0)) % len(dims)
+    strides = [product(dims[i + 1:]) for i in range(len(dims))]
+    base = sum(np.arange(size, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(len(shape))]) * strides[d]
+               for d, size in enumerate(shape) if d != axis)
+    index = cv.emit("cast", index, dtype="i64") if cv.meta(index).dtype != "i64" else index
+    index = cv.emit("where", cv.emit("less", index, np.array(0, np.int64)), cv.emit("add", index, np.array(dims[axis], np.int64)),
+                    index)
+    flat = cv.emit("add", cv.emit("mul", index, np.array(strides[axis], np.int64)), np.asarray(base, np.int64))
+    written = cv.emit("scatter", reshape_to(cv, data, (-1,)), reshape_to(cv, flat, (-1,)), reshape_to(cv, updates, (-1,)), axis=0)
+    return reshape_to(cv, written, dims)
+
+
+def flat_positions(cv, index, sizes):
+    """Index tuples (the last axis of `index`) as positions in the row-major flattening of `sizes`."""
+    index = cv.emit("cast", index, dtype="i64") if cv.meta(index).dtype != "i64" else index
+    sizes_ = np.array(sizes, np.int64)
+    index = cv.emit("where", cv.emit("less", index, np.array(0, np.int64)), cv.emit("add", index, sizes_), index)
+    strides = np.array([product(sizes[i + 1:]) for i in range(len(sizes))], np.int64)
+    return cv.emit("reduce_sum", cv.emit("mul", index, strides), axes=(-1,), keepdims=False)
 
 
 @onnx_op("TopK")
@@ -327,16 +438,20 @@ def reversed_order(cv, x):
     return cv.emit("sub", np.array(np.iinfo(dt).max if dt.kind == "u" else -1, dt), x)
 
 
-@onnx_op("CumSum")
-def cumsum(cv, n):
+@onnx_op("CumSum", "CumProd")
+def cumulative(cv, n):
+    """Running sums or products; exclusive ones run over the input shifted by one (the identity first)."""
     x = n.inputs[0]
     axis = int(cv.ints(n.inputs[1], "axis")[0]) % cv.meta(x).ndim
     reverse = n.attr("reverse", 0)
     if reverse:
         x, _ = flipped(cv, x, axis)
-    y = cv.emit("cumsum", x, axis=axis)
     if n.attr("exclusive", 0):
-        y = cv.emit("sub", y, x)
+        dims = list(cv.meta(x).shape)
+        dims[axis] = 1
+        identity = np.full(dims, 0 if n.op_type == "CumSum" else 1, dtype(cv.meta(x).dtype).numpy)
+        x = cv.emit("concat", identity, cv.emit("slice", x, axis=axis, start=0, stop=-1), axis=axis)
+    y = cv.emit("cumsum" if n.op_type == "CumSum" else "cumprod", x, axis=axis)
     return flipped(cv, y, axis)[0] if reverse else y
 
 

