@@ -286,6 +286,9 @@ def reduce(cv, n):
         top = cv.emit("reduce_max", x, axes=axes, keepdims=True)
         sums = cv.emit("reduce_sum", cv.emit("exp", cv.emit("sub", x, top)), axes=axes, keepdims=keep)
         return cv.emit("add", cv.emit("log", sums), top if keep else cv.emit("reduce_max", x, axes=axes, keepdims=False))
+    if cv.meta(x).dtype == "bool" and op in ("ReduceMax", "ReduceMin"):      # any / all
+        y = cv.emit(REDUCE[op], cv.emit("cast", x, dtype="u8"), axes=axes, keepdims=keep)
+        return cv.emit("cast", y, dtype="bool")
     if op == "ReduceL1":
         x = cv.emit("abs", x)
     elif op in ("ReduceL2", "ReduceSumSquare"):

@@ -94,6 +94,52 @@ def conv(cv, n):
                    groups=int(n.attr("group", 1)))
 
 
+def diagonal(cv, x, letters: str) -> tuple[object, str]:
+    """An operand with a repeated letter (ii) reduced to its diagonal, the letter kept once."""
+    while len(set(letters)) < len(letters):
+        letter = next(c for c in letters if letters.count(c) > 1)
+        first, second = letters.index(letter), letters.index(letter, letters.index(letter) + 1)
+        size = cv.meta(x).shape[first]
+        rest = [i for i in range(len(letters)) if i not in (first, second)]
+        x = cv.emit("permute", x, perm=tuple(rest + [first, second]))
+        dims = cv.meta(x).shape
+        flat = reshape_to(cv, x, tuple(dims[:-2]) + (size * size,))
+        x = cv.emit("slice", flat, axis=len(dims) - 2, start=0, stop=size * size, step=size + 1)
+        letters = "".join(letters[i] for i in rest) + letter
+    return x, letters
+
+
+@onnx_op("Einsum")
+def einsum(cv, n):
+    """Each operand's axes laid out in one order of all the equation's letters (size 1 where it lacks
+    one), the operands multiplied, the letters the output lacks summed away."""
+    equation = n.attr("equation").replace(" ", "")
+    given, _, wanted = equation.partition("->")
+    terms = given.split(",")
+    spare = iter("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    ellipsis = ""
+    operands = []
+    for term, x in zip(terms, n.inputs):
+        if "..." in term:
+            extra = cv.meta(x).ndim - len(term.replace("...", ""))
+            ellipsis += "".join(next(spare) for _ in range(extra - len(ellipsis)))      # the longest ... seen
+            term = term.replace("...", ellipsis[len(ellipsis) - extra:])
+        operands.append(diagonal(cv, x, term))
+    if "->" not in equation:
+        counts = "".join(t for _, t in operands)
+        wanted = ellipsis + "".join(sorted(c for c in set(counts) if counts.count(c) == 1 and c not in ellipsis))
+    wanted = wanted.replace("...", ellipsis)
+    order = wanted + "".join(sorted({c for _, t in operands for c in t} - set(wanted)))
+    total = None
+    for x, term in operands:
+        x = cv.emit("permute", x, perm=tuple(term.index(c) for c in order if c in term))
+        dims = iter(cv.meta(x).shape)
+        x = reshape_to(cv, x, tuple(next(dims) if c in term else 1 for c in order))
+        total = x if total is None else cv.emit("mul", total, x)
+    summed = tuple(range(len(wanted), len(order)))
+    return cv.emit("reduce_sum", total, axes=summed, keepdims=False) if summed else total
+
+
 def zeros_between(cv, x, axis: int, stride: int):
     """x with stride - 1 zeros between its elements along `axis` (a transposed convolution's input)."""
     dims = list(cv.meta(x).shape)

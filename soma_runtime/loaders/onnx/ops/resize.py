@@ -1,14 +1,17 @@
-"""Resize (and the older Upsample): separable, so each resized axis is one linear map from its input
-positions to its output positions, computed here once from the sizes (ONNX's coordinate transforms
-and its nearest, linear and cubic kernels, with antialiasing and exclude_outside): a gather where each
-output takes one input (nearest), else a product with the [out, in] weights."""
+"""Resampling. Resize (and the older Upsample) is separable, so each resized axis is one linear map from
+its input positions to its output positions, computed here once from the sizes (ONNX's coordinate
+transforms and its nearest, linear and cubic kernels, with antialiasing and exclude_outside): a gather
+where each output takes one input (nearest), else a product with the [out, in] weights. GridSample's
+positions come with the data: its taps' indices and weights are computed in the graph."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
 from soma_runtime.dtypes import dtype
+from soma_runtime.loaders.onnx.ops.layout import reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 
@@ -168,3 +171,107 @@ def resize_op(cv, n):
 def upsample(cv, n):
     scales = n.attr("scales") if n.opset < 9 else floats(cv, n.inputs[1], "scales")
     return resize(cv, n, n.inputs[0], scales, None, None)
+
+
+# --- GridSample: each output samples the input where its grid point falls, computed as the model runs ---
+
+def cubic_weights(cv, f):
+    """Keys' cubic convolution (a = -0.75) at the four taps around a point f past the first of the middle two."""
+    a = -0.75
+
+    def near(t):                           # |t| <= 1
+        return cv.emit("add", cv.emit("mul", cv.emit("mul", t, t), cv.emit("sub", cv.emit("mul", t, scalar(cv, a + 2, t)),
+                                                                            scalar(cv, a + 3, t))), scalar(cv, 1, t))
+
+    def far(t):                            # 1 < |t| < 2
+        inner = cv.emit("add", cv.emit("mul", cv.emit("sub", cv.emit("mul", t, scalar(cv, a, t)), scalar(cv, 5 * a, t)), t),
+                        scalar(cv, 8 * a, t))
+        return cv.emit("sub", cv.emit("mul", inner, t), scalar(cv, 4 * a, t))
+    one, two = scalar(cv, 1, f), scalar(cv, 2, f)
+    return [far(cv.emit("add", f, one)), near(f), near(cv.emit("sub", one, f)), far(cv.emit("sub", two, f))]
+
+
+def scalar(cv, value, like):
+    return np.array(value, dtype(cv.meta(like).dtype).numpy)
+
+
+def reflected(cv, v, low: float, high: float):
+    """v folded back into [low, high] by reflecting off the near border as often as it takes."""
+    span = scalar(cv, high - low, v)
+
+    def fold(dx, near, far):
+        """dx past the `near` border: an even number of spans back from it, an odd one from the `far` one."""
+        turns = cv.emit("floor", cv.emit("div", dx, span))
+        rest = cv.emit("sub", dx, cv.emit("mul", turns, span))
+        odd = cv.emit("equal", cv.emit("mod", turns, scalar(cv, 2, v), fmod=True), scalar(cv, 1, v))
+        inward = 1 if near == low else -1
+        return cv.emit("where", odd, cv.emit("add", scalar(cv, far, v), cv.emit("mul", rest, scalar(cv, -inward, v))),
+                       cv.emit("add", scalar(cv, near, v), cv.emit("mul", rest, scalar(cv, inward, v))))
+    below = fold(cv.emit("sub", scalar(cv, low, v), v), low, high)
+    above = fold(cv.emit("sub", v, scalar(cv, high, v)), high, low)
+    inside = cv.emit("where", cv.emit("greater", v, scalar(cv, high, v)), above, v)
+    return cv.emit("where", cv.emit("less", v, scalar(cv, low, v)), below, inside)
+
+
+def truncated(cv, v):
+    return cv.emit("where", cv.emit("less", v, scalar(cv, 0, v)), cv.emit("ceil", v), cv.emit("floor", v))
+
+
+@onnx_op("GridSample")
+def grid_sample(cv, n):
+    x, grid = n.inputs
+    sizes, out = cv.meta(x).shape[2:], cv.meta(grid).shape[1:-1]
+    batch, channels = cv.meta(x).shape[:2]
+    if not all(isinstance(d, int) for d in (*sizes, *out, batch, channels)):
+        raise cv.unsupported("GridSample over symbolic sizes")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(n.attr("mode", "linear"), n.attr("mode", "linear"))
+    padding, aligned = n.attr("padding_mode", "zeros"), bool(n.attr("align_corners", 0))
+    if mode not in ("nearest", "linear", "cubic"):
+        raise cv.unsupported(f"GridSample mode {mode!r}")
+    d = len(sizes)
+    taps_per_axis = []                                   # per spatial axis: [(index, weight)] at each tap
+    for axis, size in enumerate(sizes):
+        c = cv.emit("take", grid, np.array(d - 1 - axis, np.int64), axis=-1)     # the grid's last component is x
+        one = scalar(cv, 1, c)
+        c = (cv.emit("mul", cv.emit("mul", cv.emit("add", c, one), scalar(cv, 0.5, c)), scalar(cv, size - 1, c)) if aligned else
+             cv.emit("mul", cv.emit("sub", cv.emit("mul", cv.emit("add", c, one), scalar(cv, size, c)), one), scalar(cv, 0.5, c)))
+        if mode == "nearest":
+            c = cv.emit("round", c)
+        low, high = (0.0, size - 1.0) if aligned else (-0.5, size - 0.5)
+        if padding == "border":
+            c = cv.emit("clip", c, min=0.0, max=float(size - 1))
+        elif padding == "reflection":
+            c = reflected(cv, c, low, high)
+        if mode == "nearest":
+            taps_per_axis.append([(c, None)])
+            continue
+        base = cv.emit("floor", c)
+        f = cv.emit("sub", c, base)
+        weights = [cv.emit("sub", one, f), f] if mode == "linear" else cubic_weights(cv, f)
+        first = 0 if mode == "linear" else -1
+        taps_per_axis.append([(cv.emit("add", base, scalar(cv, first + i, c)), w) for i, w in enumerate(weights)])
+    rows = reshape_to(cv, x, (batch, channels, int(np.prod(sizes))))
+    strides = [int(np.prod(sizes[i + 1:])) for i in range(d)]
+    total = None
+    for combo in itertools.product(*taps_per_axis):
+        flat, weight, valid = None, None, None
+        for axis, (index, w) in enumerate(combo):
+            size = sizes[axis]
+            if padding == "reflection" and mode != "nearest":
+                index = truncated(cv, reflected(cv, index, *((0.0, size - 1.0) if aligned else (-0.5, size - 0.5))))
+            inside = cv.emit("logical_and", cv.emit("greater_equal", index, scalar(cv, 0, index)),
+                             cv.emit("less", index, scalar(cv, size, index)))
+            valid = inside if valid is None else cv.emit("logical_and", valid, inside)
+            index = cv.emit("cast", cv.emit("clip", index, min=0.0, max=float(size - 1)), dtype="i64")
+            term = cv.emit("mul", index, np.array(strides[axis], np.int64))
+            flat = term if flat is None else cv.emit("add", flat, term)
+            weight = w if weight is None else (weight if w is None else cv.emit("mul", weight, w))
+        flat = cv.emit("expand", reshape_to(cv, flat, (batch, 1, int(np.prod(out)))), shape=(batch, channels, int(np.prod(out))))
+        sample = cv.emit("gather", rows, flat, axis=2)
+        factor = cv.emit("cast", valid, dtype=cv.meta(x).dtype) if padding == "zeros" else None
+        if weight is not None:
+            factor = weight if factor is None else cv.emit("mul", factor, weight)
+        if factor is not None:
+            sample = cv.emit("mul", sample, reshape_to(cv, factor, (batch, 1, int(np.prod(out)))))
+        total = sample if total is None else cv.emit("add", total, sample)
+    return reshape_to(cv, total, (batch, channels, *out))
