@@ -82,5 +82,6 @@ def tile(x, out=None, repeats=()):
 @jet("range", CPU, [(dt, dt, dt) for dt in ("i64", "i32", "f32")])
 def range_(start, limit, delta, out=None):
     """ONNX's Range: ceil((limit - start) / delta) values, in the inputs' dtype."""
+    start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))   # 0-d, or 1 from a device
     count = max(0, int(np.ceil((float(limit) - float(start)) / float(delta))))
-    return (np.asarray(start) + np.arange(count) * np.asarray(delta)).astype(np.asarray(start).dtype)
+    return (start + np.arange(count) * delta).astype(start.dtype)

@@ -67,7 +67,8 @@ def place(value):
         data = place(value.data)
         return DeviceQTensor(planar(data, value.dtype) if value.dtype.ggml_id in PLANES else data, value.dtype,
                              value.shape)
-    array = np.ascontiguousarray(value)
+    array = np.asarray(value)
+    array = array if array.flags.c_contiguous else np.ascontiguousarray(array)   # (which would make a 0-d one 1-d)
     bf16 = array.dtype.name == "bfloat16"                  # ml_dtypes' bf16: move the bits
     with warnings.catch_warnings():                        # read-only mmapped weights: copied to the device, never written
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

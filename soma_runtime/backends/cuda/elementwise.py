@@ -116,7 +116,7 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constex
     elif op == 2:
         y = a * b
     elif op == 3:
-        y = a / b
+        y = tl.div_rn(a, b)                 # IEEE division: "/" is the approximate div.full.f32
     elif op == 4:
         y = _power(a, b)
     elif op == 5:
