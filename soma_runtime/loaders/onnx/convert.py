@@ -156,6 +156,8 @@ class Converter:
                 raise self.unsupported(str(e)) from None
             except SymbolicError as e:
                 raise DataDependent(f"{self.where()}: {e}") from None
+            except (ArithmeticError, LookupError, TypeError, ValueError) as e:     # a model this converter misreads
+                raise self.unsupported(f"could not be converted ({type(e).__name__}: {e})") from None
             outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
             for name, value in zip(proto.output, outputs):
                 if name:
@@ -268,12 +270,16 @@ class Converter:
     def unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{self.where()}: {what}")
 
-    def ints(self, x: Tensor | None, what: str, default=None) -> list | None:
-        """A known 1-D (or scalar) integer tensor as a list of ints or symbolic dims."""
+    def ints(self, x: Tensor | None, what: str, default=None, symbolic: bool = False) -> list | None:
+        """A known 1-D (or scalar) integer tensor as a list of ints (and, where the caller takes them,
+        symbolic dims; elsewhere a symbolic one makes the graph a family, built per input shapes)."""
         value = self.known(x, what, None)
         if value is None:
             return default
-        return [v if isinstance(v, Sym) else int(v) for v in np.asarray(value).reshape(-1)]
+        values = [v if isinstance(v, Sym) else int(v) for v in np.asarray(value).reshape(-1)]
+        if not symbolic and any(isinstance(v, Sym) for v in values):
+            raise SymbolicError(f"its {what} {values} depend on the model's symbolic sizes")
+        return values
 
     @staticmethod
     def meta(x: Tensor) -> TensorMeta:

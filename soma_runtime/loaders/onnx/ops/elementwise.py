@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from soma_runtime.dtypes import dtype
+from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 from soma_runtime.loaders.onnx.reader import dtype_name
 
@@ -136,6 +137,27 @@ def trigonometric(cv, n):
         return cv.emit("mul", cv.emit("log", cv.emit("div", cv.emit("add", one, x), cv.emit("sub", one, x))), half)
     root = cv.emit("sqrt", cv.emit("add" if n.op_type == "Asinh" else "sub", cv.emit("mul", x, x), one))
     return cv.emit("log", cv.emit("add", x, root))
+
+
+RANDOM_SEED = 0                 # the generator's seed where a node names none: runs repeat exactly
+
+
+@onnx_op("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike")
+def random(cv, n):
+    """Noise drawn once, when the graph is built, from a generator seeded by the node's `seed` (else
+    RANDOM_SEED): a model that samples (a VITS voice's noise) gives the same output for the same input."""
+    like = n.input(0)
+    shape = tuple(n.attr("shape")) if like is None else cv.meta(like).shape
+    if not all(isinstance(d, int) for d in shape):
+        raise SymbolicError(f"noise of symbolic shape {list(shape)}")
+    to = n.attr("dtype")
+    target = dtype_name(to, cv.where()) if to is not None else (cv.meta(like).dtype if like is not None else "f32")
+    rng = np.random.default_rng(int(n.attr("seed", RANDOM_SEED)))
+    if "Normal" in n.op_type:
+        values = rng.normal(n.attr("mean", 0.0), n.attr("scale", 1.0), shape)
+    else:
+        values = rng.uniform(n.attr("low", 0.0), n.attr("high", 1.0), shape)
+    return values.astype(dtype(target).numpy)
 
 
 @onnx_op("Identity")

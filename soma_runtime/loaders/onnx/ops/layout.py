@@ -41,7 +41,7 @@ def constant(cv, n):
 @onnx_op("ConstantOfShape")
 def constant_of_shape(cv, n):
     value = numpy_helper.to_array(n.attrs["value"]).reshape(-1) if "value" in n.attrs else np.zeros(1, np.float32)
-    shape = cv.ints(n.inputs[0], "shape")
+    shape = cv.ints(n.inputs[0], "shape", symbolic=True)
     if not any(isinstance(d, Sym) for d in shape):
         return np.full(shape, value[0], value.dtype)
     return cv.emit("expand", value.reshape([1] * len(shape)), shape=tuple(shape))
@@ -70,7 +70,7 @@ def reshape_to(cv, x, dims):
 def reshape(cv, n):
     x = n.inputs[0]
     source = cv.meta(x).shape
-    target = cv.ints(n.inputs[1], "shape") if n.opset >= 5 else list(n.attr("shape"))
+    target = cv.ints(n.inputs[1], "shape", symbolic=True) if n.opset >= 5 else list(n.attr("shape"))
     if not n.attr("allowzero", 0):
         target = [source[i] if isinstance(d, int) and d == 0 else d for i, d in enumerate(target)]
     return reshape_to(cv, x, target)
@@ -170,7 +170,7 @@ def slice_(cv, n):
     if n.opset < 10:
         starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
     else:
-        starts, ends = cv.ints(n.inputs[1], "starts"), cv.ints(n.inputs[2], "ends")
+        starts, ends = cv.ints(n.inputs[1], "starts", symbolic=True), cv.ints(n.inputs[2], "ends", symbolic=True)
         axes, steps = cv.ints(n.input(3), "axes"), cv.ints(n.input(4), "steps")
     axes = list(range(len(starts))) if axes is None else axes
     steps = [1] * len(starts) if steps is None else steps
@@ -195,7 +195,7 @@ def gather_elements(cv, n):
 
 @onnx_op("Expand")
 def expand(cv, n):
-    return cv.emit("expand", n.inputs[0], shape=tuple(cv.ints(n.inputs[1], "shape")))
+    return cv.emit("expand", n.inputs[0], shape=tuple(cv.ints(n.inputs[1], "shape", symbolic=True)))
 
 
 @onnx_op("Tile")
