@@ -2,6 +2,8 @@
 bf16 or q8 activations on AMX), rope, embedding and the paged KV cache."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import njit, prange
 
@@ -15,10 +17,10 @@ from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import GATED
 
 SMALL_ROWS = 32      # up to this many rows, BLAS's packing of the weight costs more than the product
+SERIAL_WEIGHT = 1 << 17   # a weight under this many elements is read by one thread (waking others costs more)
 
 
-@njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True)
-def _few_rows_matmul(a, w, out):
+def few_rows_matmul(a, w, out):
     """a [M, K] @ w[N, K].T for small M: each weight row is read once and dotted with 4 rows at a time."""
     rows = a.shape[0]
     for n in prange(w.shape[0]):
@@ -39,6 +41,18 @@ def _few_rows_matmul(a, w, out):
             for k in range(wr.size):
                 s += a[r, k] * wr[k]
             out[r, n] = s
+
+
+def named(fn, name: str):
+    """fn as a function of another name: numba caches what it compiles under the function's name."""
+    clone = types.FunctionType(fn.__code__, fn.__globals__, name)
+    clone.__qualname__ = name
+    return clone
+
+
+FASTMATH = {"reassoc", "contract", "nsz"}
+_few_rows_matmul = njit(parallel=True, fastmath=FASTMATH, cache=True)(few_rows_matmul)
+_few_rows_serial = njit(fastmath=FASTMATH, cache=True)(named(few_rows_matmul, "few_rows_serial"))   # the same sums
 
 
 @jet("matmul", CPU, [(F, F, b, r, n) for b in ("none", F) for r in ("none", F) for n in ("none", F)]
@@ -101,7 +115,8 @@ def product(a, b, out, transpose_b, activations):
     b = f32(b)
     if transpose_b and b.ndim == 2 and all_f32(a, b) and a.size // a.shape[-1] <= SMALL_ROWS:
         result = out_f32(out, (*a.shape[:-1], b.shape[0]))
-        _few_rows_matmul(dense(a).reshape(-1, a.shape[-1]), dense(b), result.reshape(-1, b.shape[0]))
+        kernel = _few_rows_serial if b.size < SERIAL_WEIGHT else _few_rows_matmul
+        kernel(dense(a).reshape(-1, a.shape[-1]), dense(b), result.reshape(-1, b.shape[0]))
         return result
     b = np.swapaxes(b, -1, -2) if transpose_b else b
     if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:     # one BLAS call over all rows, not one per batch item
