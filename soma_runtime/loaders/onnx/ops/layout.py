@@ -341,6 +341,24 @@ def hardmax(cv, n):
     return hot if n.opset >= 13 else reshape_to(cv, hot, dims)
 
 
+@onnx_op("OneHot")
+def one_hot(cv, n):
+    """on where an index (negative from the end of depth) equals its position along the new axis, else off."""
+    index, depth, values = n.inputs
+    depth = int(np.asarray(cv.known(depth, "depth")).reshape(-1)[0])
+    rank = cv.meta(index).ndim + 1
+    axis = int(n.attr("axis", -1)) % rank
+    index = cv.emit("cast", index, dtype="i64") if cv.meta(index).dtype != "i64" else index
+    negative = cv.emit("less", index, np.array(0, np.int64))
+    index = cv.emit("where", negative, cv.emit("add", index, np.array(depth, np.int64)), index)
+    dims = list(cv.meta(index).shape)
+    dims.insert(axis, 1)
+    positions = np.arange(depth, dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(rank)])
+    hot = cv.emit("equal", reshape_to(cv, index, dims), positions)
+    off, on = (cv.emit("take", values, np.array(i, np.int64), axis=0) for i in (0, 1))
+    return cv.emit("where", hot, on, off)
+
+
 @onnx_op("EyeLike")
 def eye_like(cv, n):
     x = n.inputs[0]

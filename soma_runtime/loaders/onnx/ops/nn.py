@@ -323,9 +323,21 @@ def channel_param(cv, p, rank):
 @onnx_op("BatchNormalization")
 def batch_norm(cv, n):
     x, scale, bias, mean, var = n.inputs[:5]
-    if n.attr("training_mode", 0) or n.n_outputs > 1 and n.opset >= 14:
-        raise cv.unsupported("training-mode batch normalization")
-    return cv.emit("batchnorm", x, mean, var, scale, bias, eps=float(n.attr("epsilon", 1e-5)))
+    eps = float(n.attr("epsilon", 1e-5))
+    if not n.attr("training_mode", 0):
+        if n.n_outputs > 1:
+            raise cv.unsupported("batch normalization's running statistics outside training mode")
+        return cv.emit("batchnorm", x, mean, var, scale, bias, eps=eps)
+    rank = cv.meta(x).ndim                      # training: this batch's statistics, and the running ones updated
+    y, batch_mean, inv = normalized(cv, x, (0, *range(2, rank)), eps)
+    y = cv.emit("add", cv.emit("mul", y, channel_param(cv, scale, rank)), channel_param(cv, bias, rank))
+    batch_var = cv.emit("sub", cv.emit("reciprocal", cv.emit("mul", inv, inv)), scalar(cv, eps, x))
+    momentum = float(n.attr("momentum", 0.9))
+
+    def running(old, new):
+        new = reshape_to(cv, new, (-1,))
+        return cv.emit("add", cv.emit("mul", old, scalar(cv, momentum, x)), cv.emit("mul", new, scalar(cv, 1 - momentum, x)))
+    return y, running(mean, batch_mean), running(var, batch_var)
 
 
 @onnx_op("InstanceNormalization")
