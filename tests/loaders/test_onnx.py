@@ -150,3 +150,14 @@ def test_the_cli_runs_an_onnx_file_on_npy_and_npz_inputs_and_prints_its_info(tmp
     info = json.loads(capsys.readouterr().out.split("\n", 2)[-1])
     assert info["task"] == "graph" and info["opsets"] == {"ai.onnx": 17} and info["onnx_ops"]["MatMul"] == 2
     assert main(["run", "--model", path, "--prompt", "hello"]) != 0      # a graph takes arrays, not a prompt
+
+
+def test_an_output_that_is_a_symbolic_size_is_computed_per_shape(tmp_path):
+    graph = helper.make_graph([helper.make_node("Shape", ["x"], ["s"])], "shape",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                              [helper.make_tensor_value_info("s", TensorProto.INT64, [2])])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
+    model = Runtime("cpu").load(path)
+    for n in (5, 2):
+        x = np.zeros((n, 3), np.float32)
+        np.testing.assert_array_equal(model.run({"x": x})["s"], onnxruntime_run(path, {"x": x})[0])

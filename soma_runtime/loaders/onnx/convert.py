@@ -190,8 +190,11 @@ class Converter:
         producers = g.producers()
         for name in names:
             value = self.env[name]
+            if isinstance(value, np.ndarray) and value.dtype == object:      # Shape(x) of a symbolic x: built per shape
+                raise DataDependent(f"{self.path}: output {name!r} holds sizes the model leaves symbolic "
+                                    f"({', '.join(map(str, value.flat))})")
             if isinstance(value, np.ndarray):
-                g.constants[name] = self.concrete(value, f"output {name!r}")
+                g.constants[name] = value
             elif value.name != name and value.name in producers and value.name not in g.outputs and name not in g.tensors:
                 self.rename(value.name, name)
             elif value.name != name:
@@ -251,12 +254,6 @@ class Converter:
                  else b.const(self.node.name + "/const", np.array([int(v)], np.int64)) for v in x.reshape(-1)]
         flat = parts[0] if len(parts) == 1 else b.op("concat", *parts, axis=0)
         return b.op("reshape", flat, shape=x.shape)
-
-    def concrete(self, x: np.ndarray, what: str) -> np.ndarray:
-        if x.dtype == object:
-            raise SymbolicError(f"{what} computed from the model's symbolic dims ({', '.join(map(str, x.flat))}) "
-                                f"is used as data")
-        return x
 
     def known(self, x: Tensor | None, what: str, default=None) -> np.ndarray | None:
         """A tensor's value, needed now (a shape, axes, a count); UnsupportedModelError when only the data decides it."""
