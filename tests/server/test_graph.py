@@ -50,3 +50,22 @@ def test_bad_inputs_are_400s_naming_them(client, body, needle):
 def test_other_tasks_routes_refuse_a_graph(client):
     r = client[0].post("/v1/completions", json={"model": "ln", "prompt": "hi"})
     assert r.status_code == 400 and "graph task" in r.json()["error"]["message"]
+
+
+def test_an_onnx_file_is_served_on_v1_run_as_onnxruntime_runs_it():
+    """Silero VAD (If subgraphs on the `sr` input, an LSTM): one chunk over HTTP, equal to onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    silero_vad = pytest.importorskip("silero_vad")
+    import os
+    path = os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.onnx")
+    registry = ModelRegistry(Runtime("cpu"), memory_budget=2**30)
+    registry.load(path, "vad")
+    chunk = (np.random.default_rng(2).standard_normal((1, 576)) * 0.1).astype(np.float32)
+    state = np.zeros((2, 1, 128), np.float32)
+    with TestClient(create_app(registry)) as c:
+        r = c.post("/v1/run", json={"model": "vad", "inputs": {"input": chunk.tolist(), "state": state.tolist(), "sr": 16000}})
+    assert r.status_code == 200, r.text
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
+        None, {"input": chunk, "state": state, "sr": np.array(16000, np.int64)})
+    np.testing.assert_allclose(np.array(r.json()["outputs"]["output"], np.float32), want[0], atol=1e-5)
+    np.testing.assert_allclose(np.array(r.json()["outputs"]["stateN"], np.float32), want[1], atol=1e-5)
