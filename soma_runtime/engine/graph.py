@@ -18,7 +18,9 @@ from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
 from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan, bindings_from
 
-PLANS_KEPT = 8
+PLANS_KEPT = 64                  # plans kept, most recent first, while their arenas together stay under
+ARENAS_KEPT = 1 << 30            # this many bytes (a graph run at many lengths re-plans none of them)
+MEMBERS_KEPT = 8                 # a family's members, each a converted graph
 
 
 class GraphRunner:
@@ -45,7 +47,8 @@ class GraphRunner:
                 self.plans[key] = Plan(self.graph, self.backend, bindings_from(self.graph, arrays))
             except GraphError as e:          # sizes that disagree with the graph's own
                 raise RequestError(str(e)) from None
-            if len(self.plans) > PLANS_KEPT:
+            while len(self.plans) > 1 and (len(self.plans) > PLANS_KEPT or
+                                           sum(plan.arena.nbytes for plan in self.plans.values()) > ARENAS_KEPT):
                 self.plans.popitem(last=False)
         outputs = self.plans[key].run(arrays)
         return {name: np.asarray(self.backend.fetch(value)) for name, value in zip(self.graph.outputs, outputs)}
@@ -101,7 +104,7 @@ class FamilyRunner:
             self.members.move_to_end(key)
         else:
             self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend, self.recognition)
-            if len(self.members) > PLANS_KEPT:
+            if len(self.members) > MEMBERS_KEPT:
                 self.members.popitem(last=False)
         return self.members[key].run(arrays)
 
