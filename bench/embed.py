@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from workers import median_of, run_worker
 
 OUT = Path(__file__).parent / "out"
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
@@ -67,21 +65,6 @@ WORKERS = {"ours": worker_ours, "ours f32": lambda threads: worker_ours(threads,
            "sentence-transformers": worker_st, "sentence-transformers bf16": lambda threads: worker_st(threads, True)}
 
 
-def run_worker(name: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
-    r = subprocess.run([sys.executable, __file__, "--worker", name, "--threads", str(threads)],
-                       capture_output=True, text=True, env=env, timeout=1800, check=False)
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
-
-
-def median_round(rounds: list[dict]) -> dict:
-    """Per batch size, the median over rounds (the machine's speed drifts between minutes)."""
-    if any("error" in r for r in rounds):
-        return next(r for r in rounds if "error" in r)
-    return {**rounds[0], **{f"batch_{b}": float(np.median([r[f"batch_{b}"] for r in rounds])) for b in BATCHES},
-            "rounds": rounds}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -94,8 +77,8 @@ def main():
     rounds = {name: [] for name in WORKERS}
     for _ in range(args.rounds):
         for name in WORKERS:
-            rounds[name].append(run_worker(name, args.threads))
-    results = {name: median_round(r) for name, r in rounds.items()}
+            rounds[name].append(run_worker(__file__, name, threads=args.threads, timeout=1800))
+    results = {name: median_of(r) for name, r in rounds.items()}
     print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}, median of {args.rounds} alternating rounds")
     print(f"{'engine':28s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
     peer = results["sentence-transformers"]

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from workers import median_of, run_worker
 
 OUT = Path(__file__).parent / "out"
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "city", "river", "music",
@@ -133,20 +132,6 @@ def piper(engine: str, threads: int) -> dict:
     return {"piper_real_time_factor": seconds / audio_seconds, "piper_audio_s": audio_seconds}
 
 
-def run_worker(engine: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
-    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--threads", str(threads)],
-                       capture_output=True, text=True, env=env, timeout=3600, check=False)
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
-
-
-def median(rounds: list[dict]) -> dict:
-    if any("error" in r for r in rounds):
-        return next(r for r in rounds if "error" in r)
-    keys = [k for k, v in rounds[0].items() if isinstance(v, float)]
-    return {**rounds[0], **{k: float(np.median([r[k] for r in rounds])) for k in keys}}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -159,8 +144,8 @@ def main():
     rounds = {engine: [] for engine in ENGINES}
     for _ in range(args.rounds):
         for engine in ENGINES:
-            rounds[engine].append(run_worker(engine, args.threads))
-    results = {engine: median(r) for engine, r in rounds.items()}
+            rounds[engine].append(run_worker(__file__, engine, threads=args.threads))
+    results = {engine: median_of(r) for engine, r in rounds.items()}
     print(f"threads={args.threads}, median of {args.rounds} alternating rounds (each the best of 5 passes)")
     rows = [("MiniLM batch 1 (sent/s)", "minilm_batch_1_sent_s", True),
             ("MiniLM batch 32 (sent/s)", "minilm_batch_32_sent_s", True),
