@@ -26,6 +26,9 @@ class Sym:
         self.expr = expr
 
     def _op(self, other, sym, flip=False):
+        if isinstance(other, (int, np.integer)) and (other == 0 and sym in "+-" or other == 1 and sym in ("*", "//")) \
+                and not (flip and sym in ("-", "//")):
+            return self                        # x + 0, x * 1: the expression stays short
         a, b = (other, self) if flip else (self, other)
         return Sym(f"({a}{sym}{b})")
 
@@ -56,7 +59,12 @@ def dynamic_dim(node: str, output: int) -> Sym:
 
 
 def is_dynamic(d: Dim) -> bool:
-    return isinstance(d, Sym) and any(name.startswith("dyn_") for name in _NAME.findall(d.expr))
+    return isinstance(d, Sym) and any(name.startswith("dyn_") for name in names_in(d))
+
+
+def names_in(d: Sym) -> set[str]:
+    """The named sizes a symbolic size is an expression of."""
+    return set(_NAME.findall(d.expr))
 
 
 def dim(d) -> Dim:
@@ -72,8 +80,7 @@ def dim(d) -> Dim:
 def resolve(d: Dim, bindings: dict[str, int]) -> int:
     if isinstance(d, int):
         return d
-    names = set(_NAME.findall(d.expr))
-    missing = names - bindings.keys()
+    missing = names_in(d) - bindings.keys()
     if missing:
         raise GraphError(f"dim {d} needs a value for {', '.join(sorted(missing))}")
     return int(eval(d.expr, {"__builtins__": {}}, dict(bindings)))
@@ -102,7 +109,7 @@ class TensorMeta:
 
     def bind(self, bindings: dict[str, int], free: frozenset[str] = frozenset()) -> TensorMeta:
         """Concrete dims from the bindings; dims over a `free` name stay symbolic."""
-        shape = tuple(d if isinstance(d, Sym) and free & set(_NAME.findall(d.expr)) else resolve(d, bindings)
+        shape = tuple(d if isinstance(d, Sym) and free & names_in(d) else resolve(d, bindings)
                       for d in self.shape)
         return TensorMeta(shape, self.dtype, self.residency)
 

@@ -20,7 +20,7 @@ from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import GraphError
 from soma_runtime.ir.builder import validate
-from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, resolve
+from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, names_in, resolve
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS
 from soma_runtime.ir.passes import eliminate_dead_nodes, fold_constants, plan_memory
@@ -33,6 +33,8 @@ class Step:
     outputs: list[str]
     attrs: dict
     out: np.ndarray | None       # arena view the kernel writes into, if planned
+    binds: tuple = ()            # (output, axis, name): sizes only the data decides, read off what it made
+    lazy: bool = False           # attrs hold such sizes, resolved when the step runs
 
     @property
     def single(self) -> bool:
@@ -40,14 +42,24 @@ class Step:
 
 
 def bind_attrs(attrs: dict, bindings: dict[str, int]) -> dict:
-    """Resolve symbolic sizes inside tuple attrs (a reshape to (B, S, -1))."""
+    """Resolve symbolic sizes inside tuple attrs (a reshape to (B, S, -1)); a size the data decides stays
+    symbolic until its node has run."""
     def one(v):
         if isinstance(v, (tuple, list)):
-            return tuple(resolve(Sym(x), bindings) if isinstance(x, str) else one(x) for x in v)
+            return tuple(one(Sym(x)) if isinstance(x, str) else one(x) for x in v)
         if isinstance(v, Sym):
-            return resolve(v, bindings)
+            return v if is_dynamic(v) and not names_in(v) <= bindings.keys() else resolve(v, bindings)
         return v
     return {k: (v if isinstance(v, str) else one(v)) for k, v in attrs.items()}
+
+
+def symbolic_attrs(attrs: dict) -> bool:
+    return any(isinstance(d, Sym) for v in attrs.values() for d in (v if isinstance(v, tuple) else (v,)))
+
+
+def dynamic_names(meta: TensorMeta) -> list[tuple[int, str]]:
+    """The axes of a planned output whose size is a name only the data decides (bound when it is made)."""
+    return [(axis, d.expr) for axis, d in enumerate(meta.shape) if is_dynamic(d) and names_in(d) == {d.expr}]
 
 
 def bindings_from(graph: Graph, inputs: dict) -> dict[str, int]:
@@ -107,6 +119,8 @@ class Plan:
     def _run_once(self, node: Node, inputs: list):
         """A constant node computed now, its symbolic sizes bound (GraphError where one is free)."""
         attrs = bind_attrs(node.attrs, self.bindings)
+        if symbolic_attrs(attrs):
+            raise GraphError(f"{node.name}: a size its data decides is not known before the graph runs")
         metas = [None if x is None else meta_of(x) for x in inputs]
         kernel = REGISTRY.kernel_for(OPS[node.op], metas, attrs, self.fold_backend)
         return kernel(*inputs, **OPS[node.op].full_attrs(attrs))
@@ -133,7 +147,9 @@ class Plan:
             np_dtype = dtype(meta.dtype).numpy
             count = int(np.prod(meta.shape, dtype=np.int64))
             out = self.arena[off: off + count * np_dtype.itemsize].view(np_dtype).reshape(meta.shape)
-        return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out)
+        binds = tuple((k, axis, name) for k, o in enumerate(n.outputs) for axis, name in dynamic_names(self.metas[o]))
+        return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out, binds,
+                    symbolic_attrs(n.attrs))
 
     def _fix_views(self) -> dict:
         """Views (reshape, split, ...) of arena buffers and constants are the same views every run:
@@ -181,9 +197,11 @@ class Plan:
         return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]
 
     def _run_steps(self, env: dict) -> None:
+        bindings = dict(self.bindings)        # and the sizes the data decides, as their nodes run
         for step, dead in zip(self.steps, self.dead):
             out = step.out
-            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=out, **step.attrs)
+            attrs = bind_attrs(step.attrs, bindings) if step.lazy else step.attrs
+            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=out, **attrs)
             if out is not None and result is not out:
                 out[...] = result
                 result = out
@@ -191,5 +209,7 @@ class Plan:
                 env[step.outputs[0]] = result
             else:
                 env.update(zip(step.outputs, result))
+            for k, axis, name in step.binds:
+                bindings[name] = int(np.shape(env[step.outputs[k]])[axis])
             for name in dead:
                 del env[name]

@@ -411,6 +411,7 @@ case("range", lambda dt: [np.array(0.5, np.float32), np.array(2.0, np.float32), 
      lambda a, b, c: torch.arange(float(a), float(b), float(c), dtype=torch.float32), id="float", dtypes=("f32",))
 case("range", lambda dt: [np.array(5, np.int64), np.array(1, np.int64), np.array(-2, np.int64)],
      lambda a, b, c: torch.arange(int(a), int(b), int(c)), id="down", dtypes=("f32",))
+case("nonzero", lambda dt: [np.round(randn(3, 4, 5)).astype(NP[dt])], lambda x: torch.nonzero(x).T)
 
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
@@ -482,10 +483,20 @@ case("sample", sampling_rows(1000, rows=3, seed=1), lambda x, p: torch_sample(x,
 case("conv1d", mk((2, 4, 9), (6, 2, 3), (6,)), lambda x, w, b: F.conv1d(x, w, b, 2, 1, 2, 2), id="groups-stride-dilation",
      stride=2, padding=1, dilation=2, groups=2)
 case("conv1d", mk((1, 3, 5), (2, 3, 5)), lambda x, w: F.conv1d(x, w), id="full-kernel")
+case("conv1d", mk((2, 4, 1100), (6, 2, 3), (6,)), lambda x, w, b: F.conv1d(x, w, b, 2, 4, 3, 2), id="long-groups-stride",
+     stride=2, padding=4, dilation=3, groups=2)
 case("conv2d", mk((1, 3, 7, 6), (4, 3, 3, 2), (4,)), lambda x, w, b: F.conv2d(x, w, b, (2, 1), (1, 0)),
      id="stride-pad", stride=(2, 1), padding=(1, 0))
 case("conv2d", mk((2, 3, 5, 5), (3, 1, 3, 3)), lambda x, w: F.conv2d(x, w, None, 1, 1, 1, 3), id="depthwise",
      padding=1, groups=3)
+case("conv_transpose1d", mk((2, 4, 9), (4, 3, 8), (6,)),
+     lambda x, w, b: F.conv_transpose1d(x, w, b, 4, 2, 1, 2), id="groups-stride-pad-extra", stride=4, groups=2,
+     crop=((2, 1),))
+case("conv_transpose1d", mk((1, 3, 5), (3, 2, 3)), lambda x, w: F.conv_transpose1d(x, w, None, 1, 0, 0, 1, 2), id="dilation",
+     dilation=2)
+case("conv_transpose2d", mk((1, 3, 4, 5), (3, 2, 3, 2), (2,)),
+     lambda x, w, b: F.conv_transpose2d(x, w, b, (2, 3), (1, 0), (1, 2)), id="stride-pad-extra", stride=(2, 3),
+     crop=((1, 0), (0, -2)))
 case("max_pool", mk((1, 2, 7, 6)), lambda x: F.max_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2),
      padding=(1, 0))
 case("max_pool", mk((2, 3, 8)), lambda x: F.max_pool1d(x, 3), id="1d", kernel=(3,))

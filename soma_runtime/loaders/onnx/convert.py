@@ -255,6 +255,13 @@ class Converter:
         flat = parts[0] if len(parts) == 1 else b.op("concat", *parts, axis=0)
         return b.op("reshape", flat, shape=x.shape)
 
+    def arange(self, count) -> Tensor:
+        """0, 1, ... count - 1 (i64) for a count that may be a symbolic size: the running sum of that many ones."""
+        if not isinstance(count, Sym):
+            return np.arange(count, dtype=np.int64)
+        ones = self.emit("expand", np.array([1], np.int64), shape=(count,))
+        return self.emit("sub", self.emit("cumsum", ones, axis=0), np.array(1, np.int64))
+
     def known(self, x: Tensor | None, what: str, default=None) -> np.ndarray | None:
         """A tensor's value, needed now (a shape, axes, a count); UnsupportedModelError when only the data decides it."""
         if x is None:

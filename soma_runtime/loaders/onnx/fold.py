@@ -108,6 +108,7 @@ RAW = {
     "reshape": lambda x, shape: np.reshape(x, tuple(shape)),
     "permute": lambda x, perm: np.transpose(x, perm),
     "expand": expand, "tile": lambda x, repeats: np.tile(x, repeats), "range": arange,
+    "nonzero": lambda x: np.array(np.nonzero(x), np.int64).reshape(x.ndim, -1),
     "reduce_sum": reduce(np.sum), "reduce_prod": reduce(np.prod), "reduce_max": reduce(np.max),
     "reduce_min": reduce(np.min),
 }

@@ -7,7 +7,6 @@ import math
 import numpy as np
 
 from soma_runtime.dtypes import dtype
-from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 from soma_runtime.loaders.onnx.reader import dtype_name
 
@@ -140,24 +139,32 @@ def trigonometric(cv, n):
 
 
 RANDOM_SEED = 0                 # the generator's seed where a node names none: runs repeat exactly
+NOISE_TABLE = 1 << 20           # noise of a size only the run decides is read from this many draws, cycling
 
 
 @onnx_op("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike")
 def random(cv, n):
     """Noise drawn once, when the graph is built, from a generator seeded by the node's `seed` (else
-    RANDOM_SEED): a model that samples (a VITS voice's noise) gives the same output for the same input."""
+    RANDOM_SEED): a model that samples (a VITS voice's noise) gives the same output for the same input.
+    Noise of a symbolic shape is the first of a table of draws (the same numbers, for any size)."""
     like = n.input(0)
     shape = tuple(n.attr("shape")) if like is None else cv.meta(like).shape
-    if not all(isinstance(d, int) for d in shape):
-        raise SymbolicError(f"noise of symbolic shape {list(shape)}")
+    known = all(isinstance(d, int) for d in shape)
     to = n.attr("dtype")
     target = dtype_name(to, cv.where()) if to is not None else (cv.meta(like).dtype if like is not None else "f32")
     rng = np.random.default_rng(int(n.attr("seed", RANDOM_SEED)))
+    size = shape if known else NOISE_TABLE
     if "Normal" in n.op_type:
-        values = rng.normal(n.attr("mean", 0.0), n.attr("scale", 1.0), shape)
+        values = rng.normal(n.attr("mean", 0.0), n.attr("scale", 1.0), size).astype(dtype(target).numpy)
     else:
-        values = rng.uniform(n.attr("low", 0.0), n.attr("high", 1.0), shape)
-    return values.astype(dtype(target).numpy)
+        values = rng.uniform(n.attr("low", 0.0), n.attr("high", 1.0), size).astype(dtype(target).numpy)
+    if known:
+        return values
+    count = 1
+    for d in shape:
+        count = count * d
+    index = cv.emit("mod", cv.arange(count), np.array(NOISE_TABLE, np.int64), fmod=True)
+    return cv.emit("reshape", cv.emit("take", values, index, axis=0), shape=tuple(shape))
 
 
 @onnx_op("Identity")
@@ -180,6 +187,8 @@ def dropout(cv, n):
 @onnx_op("Cast")
 def cast(cv, n):
     x, target = n.inputs[0], dtype_name(n.attr("to"), cv.where())
+    if isinstance(x, np.ndarray) and x.dtype == object and target not in ("i32", "i64"):
+        x = cv.value(x)                   # symbolic sizes as other numbers: counted when the graph runs
     return x if cv.meta(x).dtype == target else cv.emit("cast", x, dtype=target)
 
 

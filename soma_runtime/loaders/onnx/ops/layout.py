@@ -212,11 +212,29 @@ def range_(cv, n):
     if isinstance(bounds[1], Sym) and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
                                           for b in (bounds[0], bounds[2])) and bounds[2] > 0:
         first, step = int(bounds[0]), int(bounds[2])
-        count = (bounds[1] - first + step - 1) // step
-        ones = cv.emit("expand", np.array([1], np.int64), shape=(count,))
-        steps = cv.emit("sub", cv.emit("cumsum", ones, axis=0), np.array(1, np.int64))
+        steps = cv.arange((bounds[1] - first + step - 1) // step)
         return cv.emit("add", cv.emit("mul", steps, np.array(step, np.int64)), np.array(first, np.int64))
     return cv.emit("range", *n.inputs)
+
+
+@onnx_op("NonZero")
+def nonzero(cv, n):
+    """The coordinates of the nonzero elements, [rank, count]: a count only the data decides."""
+    x = n.inputs[0]
+    if cv.meta(x).ndim == 0:
+        raise cv.unsupported("NonZero of a scalar")
+    return cv.emit("nonzero", x)
+
+
+@onnx_op("Compress")
+def compress(cv, n):
+    """The slices along `axis` (of the flattened input without one) where the condition is true."""
+    x, condition = n.inputs
+    axis = n.attr("axis")
+    if axis is None:
+        x, axis = reshape_to(cv, x, (product(cv.meta(x).shape),)), 0
+    kept = cv.emit("take", cv.emit("nonzero", condition), np.array(0, np.int64), axis=0)
+    return cv.emit("take", x, kept, axis=int(axis) % cv.meta(x).ndim)
 
 
 @onnx_op("Pad")
@@ -376,8 +394,8 @@ def gather_nd(cv, n):
     data, index = n.inputs
     dims, b = cv.meta(data).shape, int(n.attr("batch_dims", 0))
     k = cv.meta(index).shape[-1]
-    if not isinstance(k, int) or not all(isinstance(d, int) for d in dims[:b + k]):
-        raise cv.unsupported("GatherND over symbolic sizes")
+    if not isinstance(k, int):
+        raise cv.unsupported("GatherND with index tuples of symbolic length")
     flat = flat_positions(cv, index, dims[b:b + k])
     if b == 0:
         rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
@@ -402,8 +420,8 @@ def scatter_nd(cv, n):
     overwriting(cv, n)
     data, index, updates = n.inputs
     dims, k = cv.meta(data).shape, cv.meta(index).shape[-1]
-    if not isinstance(k, int) or not all(isinstance(d, int) for d in dims):
-        raise cv.unsupported("ScatterND over symbolic sizes")
+    if not isinstance(k, int):
+        raise cv.unsupported("ScatterND with index tuples of symbolic length")
     flat = reshape_to(cv, flat_positions(cv, index, dims[:k]), (-1,))
     rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
     written = cv.emit("scatter", rows, flat, reshape_to(cv, updates, (-1,) + tuple(dims[k:])), axis=0)
@@ -434,9 +452,8 @@ def scatter_elements(cv, n):
 def flat_positions(cv, index, sizes):
     """Index tuples (the last axis of `index`) as positions in the row-major flattening of `sizes`."""
     index = cv.emit("cast", index, dtype="i64") if cv.meta(index).dtype != "i64" else index
-    sizes_ = np.array(sizes, np.int64)
-    index = cv.emit("where", cv.emit("less", index, np.array(0, np.int64)), cv.emit("add", index, sizes_), index)
-    strides = np.array([product(sizes[i + 1:]) for i in range(len(sizes))], np.int64)
+    index = cv.emit("where", cv.emit("less", index, np.array(0, np.int64)), cv.emit("add", index, dims_array(sizes)), index)
+    strides = dims_array([product(sizes[i + 1:]) for i in range(len(sizes))])
     return cv.emit("reduce_sum", cv.emit("mul", index, strides), axes=(-1,), keepdims=False)
 
 

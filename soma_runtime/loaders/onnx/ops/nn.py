@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 
 from soma_runtime.dtypes import FLOATS, dtype, lowest
+from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.elementwise import scalar
 from soma_runtime.loaders.onnx.ops.layout import product, reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
@@ -140,64 +141,41 @@ def einsum(cv, n):
     return cv.emit("reduce_sum", total, axes=summed, keepdims=False) if summed else total
 
 
-def zeros_between(cv, x, axis: int, stride: int):
-    """x with stride - 1 zeros between its elements along `axis` (a transposed convolution's input)."""
-    dims = list(cv.meta(x).shape)
-    spread = reshape_to(cv, x, dims[:axis + 1] + [1] + dims[axis + 1:])
-    widths = [(0, 0)] * (len(dims) + 1)
-    widths[axis + 1] = (0, stride - 1)
-    spread = cv.emit("pad", spread, pads=tuple(widths), mode="constant", value=0.0)
-    spread = reshape_to(cv, spread, dims[:axis] + [dims[axis] * stride] + dims[axis + 1:])
-    return cv.emit("slice", spread, axis=axis, start=0, stop=(dims[axis] - 1) * stride + 1)
-
-
 @onnx_op("ConvTranspose")
 def conv_transpose(cv, n):
-    """The convolution whose gradient it is: zeros between the inputs, the kernel flipped with its in and out
-    channels swapped (per group), padded fully, then the `pads` cropped from the result."""
+    """The IR's transposed convolution, its crop the `pads` less the `output_padding` (a negative crop
+    extends); pads past the kernel's span are sliced off after it."""
     x, w, bias = n.input(0), n.input(1), n.input(2)
     kernel = tuple(cv.meta(w).shape[2:])
     nd, groups = len(kernel), int(n.attr("group", 1))
     if nd not in (1, 2):
         raise cv.unsupported(f"a {nd}-D transposed convolution")
     sizes = cv.meta(x).shape[2:]
-    if not all(isinstance(s, int) for s in sizes):
-        raise cv.unsupported(f"a transposed convolution over symbolic sizes {list(sizes)}")
     strides = tuple(n.attr("strides") or (1,) * nd)
     dilations = tuple(n.attr("dilations") or (1,) * nd)
     extra = tuple(n.attr("output_padding") or (0,) * nd)
     spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    full = [s * (size - 1) + e + span for size, s, e, span in zip(sizes, strides, extra, spans)]
     wanted, auto = n.attr("output_shape"), n.attr("auto_pad", "NOTSET")
     if wanted or auto in ("SAME_UPPER", "SAME_LOWER"):
+        if not all(isinstance(s, int) for s in sizes):
+            raise SymbolicError(f"an output shape fitted to symbolic sizes {list(sizes)}")
+        full = [s * (size - 1) + e + span for size, s, e, span in zip(sizes, strides, extra, spans)]
         wanted = list(wanted)[-nd:] if wanted else [size * s for size, s in zip(sizes, strides)]
         totals = [f - o for f, o in zip(full, wanted)]
         extra = tuple(e + max(0, -t) for e, t in zip(extra, totals))       # a longer output than the input makes
-        full = [f + max(0, -t) for f, t in zip(full, totals)]              # is more output padding
-        totals = [max(0, t) for t in totals]
+        totals = [max(0, t) for t in totals]                               # is more output padding
         pads = [(t // 2, t - t // 2) if auto != "SAME_LOWER" else (t - t // 2, t // 2) for t in totals]
     elif auto == "VALID":
         pads = [(0, 0)] * nd
     else:
         flat = n.attr("pads") or [0] * (2 * nd)
         pads = list(zip(flat[:nd], flat[nd:]))
-    c_in, c_out = cv.meta(w).shape[0], cv.meta(w).shape[1] * groups
-    for axis, k in enumerate(kernel):
-        w = cv.emit("take", w, np.arange(k - 1, -1, -1, dtype=np.int64), axis=2 + axis)
-    w = reshape_to(cv, w, (groups, c_in // groups, c_out // groups, *kernel))
-    w = cv.emit("permute", w, perm=(0, 2, 1, *range(3, 3 + nd)))
-    w = reshape_to(cv, w, (c_out, c_in // groups, *kernel))
-    for axis, s in enumerate(strides):
-        if s > 1:
-            x = zeros_between(cv, x, 2 + axis, s)
-    widths = ((0, 0), (0, 0)) + tuple((span - 1, span - 1 + e) for span, e in zip(spans, extra))
-    x = cv.emit("pad", x, pads=widths, mode="constant", value=0.0)
-    w = np.ascontiguousarray(w) if isinstance(w, np.ndarray) else w
-    y = cv.emit(f"conv{nd}d", x, w, bias, stride=(1,) * nd, padding=(0,) * nd,
-                dilation=dilations, groups=groups)
-    for axis, ((before, after), length) in enumerate(zip(pads, full)):
-        if before or after:
-            y = cv.emit("slice", y, axis=2 + axis, start=before, stop=length - after)
+    crops = [(b, e - x_) for (b, e), x_ in zip(pads, extra)]
+    within = tuple((min(b, span - 1), min(e, span - 1)) for (b, e), span in zip(crops, spans))
+    y = cv.emit(f"conv_transpose{nd}d", x, w, bias, stride=strides, dilation=dilations, groups=groups, crop=within)
+    for axis, ((b, e), (wb, we)) in enumerate(zip(crops, within)):
+        if b > wb or e > we:
+            y = cv.emit("slice", y, axis=2 + axis, start=b - wb, stop=cv.meta(y).shape[2 + axis] - (e - we))
     return y
 
 
