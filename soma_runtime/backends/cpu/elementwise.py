@@ -80,7 +80,10 @@ def relu(x): return np.maximum(x, 0)
 
 @jet("leaky_relu", CPU, [(F,)])
 @float_kernel
-def leaky_relu(x, negative_slope): return np.where(x > 0, x, x * np.float32(negative_slope))
+def leaky_relu(x, negative_slope):
+    """max(x, slope * x) where the slope is at most 1 (two passes over x, not where's four)."""
+    scaled = x * np.float32(negative_slope)
+    return np.maximum(x, scaled, out=scaled) if 0 <= negative_slope <= 1 else np.where(x > 0, x, scaled)
 
 
 # erf as Eigen's rational approximation on [-4, 4] (|error| < 5e-7): it vectorizes, libm's erf does not
