@@ -19,9 +19,9 @@ def run_worker(script: str, *args: str, threads: int, timeout: int = 3600) -> di
 
 
 def median_of(rounds: list[dict]) -> dict:
-    """Each float figure's median over the rounds (the machine's speed drifts between minutes); the first
-    error where a round failed."""
+    """Each float figure's median over the rounds that have it (the machine's speed drifts between minutes);
+    the first error where a round failed."""
     if any("error" in r for r in rounds):
         return next(r for r in rounds if "error" in r)
-    keys = [k for k, v in rounds[0].items() if isinstance(v, float)]
+    keys = [k for k, v in rounds[0].items() if isinstance(v, float) and all(k in r for r in rounds)]
     return {**rounds[0], **{k: float(np.median([r[k] for r in rounds])) for k in keys}, "rounds": rounds}
