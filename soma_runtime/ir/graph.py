@@ -26,11 +26,21 @@ class Sym:
         self.expr = expr
 
     def _op(self, other, sym, flip=False):
-        if isinstance(other, (int, np.integer)) and (other == 0 and sym in "+-" or other == 1 and sym in ("*", "//")) \
-                and not (flip and sym in ("-", "//")):
-            return self                        # x + 0, x * 1: the expression stays short
+        if isinstance(other, (int, np.integer)) and sym in "+-" and not (flip and sym == "-"):
+            return self.offset(int(other) if sym == "+" else -int(other))
+        if isinstance(other, (int, np.integer)) and other == 1 and sym in ("*", "//") and not (flip and sym == "//"):
+            return self                        # x * 1: the expression stays short
         a, b = (other, self) if flip else (self, other)
         return Sym(f"({a}{sym}{b})")
+
+    def offset(self, k: int) -> Sym:
+        """self + k, constants gathered into one: ((n + 6) - 6) - 1 is (n-1)."""
+        base, known = self.expr, 0
+        match = _OFFSET.match(self.expr)
+        if match:
+            base, known = match[1], int(match[3]) * (1 if match[2] == "+" else -1)
+        total = known + k
+        return Sym(base) if total == 0 else Sym(f"({base}{'+' if total > 0 else '-'}{abs(total)})")
 
     def __add__(self, o): return self._op(o, "+")
     def __radd__(self, o): return self._op(o, "+", True)
@@ -50,6 +60,7 @@ class Sym:
 
 Dim = int | Sym
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+_OFFSET = re.compile(r"^\((.*)([+-])(\d+)\)$")        # (expression + constant), as _op writes it
 DYNAMIC = Sym("dynamic")       # what a shape rule says of a size only the data decides (a range's length)
 
 

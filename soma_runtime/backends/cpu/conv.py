@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 
 from soma_runtime.backends.cpu.common import CPU, F, float_kernel
+from soma_runtime.backends.cpu.linear import product
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
 
@@ -49,7 +50,10 @@ def conv(x, weight, bias, stride, padding, dilation, groups):
     P, K, G = int(np.prod(spatial)), int(np.prod(kernel)), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
     w = weight.reshape(G, O // G, (C // G) * K)
-    y = np.matmul(cols, w.transpose(0, 2, 1))                       # [G, N*P, O/G]
+    if G == 1:             # the matmul jet's product: a few rows (a streaming model's chunk) without BLAS's threads
+        y = product(cols[0], w[0], None, True, "f32")[None]
+    else:
+        y = np.matmul(cols, w.transpose(0, 2, 1))                   # [G, N*P, O/G]
     y = y.reshape(G, N, P, O // G).transpose(1, 0, 3, 2).reshape(N, O, *spatial)
     return y if bias is None else y + bias.reshape((O,) + (1,) * nd)
 
@@ -81,6 +85,7 @@ def tap_sum(x, weight, bias, stride, dilation, groups):
 
 @jet("conv_transpose1d", CPU, [(F, F, F), (F, F, "none")])
 @jet("conv_transpose2d", CPU, [(F, F, F), (F, F, "none")])
+@jet("conv_transpose3d", CPU, [(F, F, F), (F, F, "none")])
 @float_kernel
 def conv_transpose(x, weight, bias, stride, dilation, groups, crop):
     """Each input times the kernel, overlap-added `stride` apart: one matmul per group ([O/g * K, C/g] @

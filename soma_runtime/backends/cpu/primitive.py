@@ -11,7 +11,7 @@ from soma_runtime.ir.jets import jet
 
 UNARY = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x,
          "erf": erf, "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,
-         "neg": np.negative, "abs": np.abs}
+         "neg": np.negative, "abs": np.abs, "atan": np.arctan}
 for _name, _fn in UNARY.items():
     jet(_name, CPU, [(REAL,)] + ([(INTEGER,)] if _name in ("neg", "abs") else []))(float_kernel(_fn))
 for _name, _fn in {"pow": np.power, "minimum": np.minimum, "maximum": np.maximum}.items():
@@ -58,6 +58,18 @@ def scatter(x, index, updates, out=None, axis=0):
     return deliver(result, dtype_of(x), out)
 
 
+REDUCE_AT = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+@jet("scatter_reduce", CPU, [("*", INT, "*")])
+def scatter_reduce(x, index, updates, out=None, axis=0, reduction="add"):
+    result = np.array(x, copy=True)
+    where = [slice(None)] * x.ndim
+    where[axis] = np.where(index < 0, index + x.shape[axis], index)
+    REDUCE_AT[reduction].at(result, tuple(where), updates)
+    return deliver(result, dtype_of(x), out)
+
+
 @jet("expand", CPU, [("*",)])
 def expand(x, out=None, shape=()):
     return np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(shape)))
@@ -65,9 +77,20 @@ def expand(x, out=None, shape=()):
 
 @jet("pad", CPU, [("*",)])
 def pad(x, out=None, pads=(), mode="constant", value=0.0):
-    if mode == "constant":
+    if mode == "constant":                               # negative pads crop
+        x = x[tuple(slice(max(0, -a), x.shape[i] - max(0, -b)) for i, (a, b) in enumerate(pads))]
+        pads = tuple((max(0, a), max(0, b)) for a, b in pads)
         return deliver(np.pad(x, pads, mode="constant", constant_values=value), dtype_of(x), out)
-    return deliver(np.pad(x, pads, mode=mode), dtype_of(x), out)
+    for axis, (before, after) in enumerate(pads):        # each padded axis read at folded indices (np.pad's
+        if before or after:                              # own machinery costs a streaming model's whole step)
+            n = x.shape[axis]
+            index = np.arange(-before, n + after)
+            if mode == "edge":
+                index = np.clip(index, 0, n - 1)
+            else:
+                index = n - 1 - np.abs(n - 1 - np.abs(index))
+            x = np.take(x, index, axis=axis)
+    return deliver(x, dtype_of(x), out)
 
 
 for _name, _fn in {"cumsum": np.cumsum, "cumprod": np.cumprod}.items():

@@ -126,6 +126,11 @@ def conv_transpose1d(A, x, weight, bias, **attrs): return conv_transpose_atoms(A
 def conv_transpose2d(A, x, weight, bias, **attrs): return conv_transpose_atoms(A, x, weight, bias, nd=2, **attrs)
 
 
+@op("conv_transpose3d", ["x", "weight", "bias?"], conv_transpose_rule(3), attrs=CONV_TRANSPOSE_ATTRS, tol=4.0,
+    ranks=(5, 5, 1), struct={"stride": ((1, 1, 1), (2, 2, 2))})
+def conv_transpose3d(A, x, weight, bias, **attrs): return conv_transpose_atoms(A, x, weight, bias, nd=3, **attrs)
+
+
 def pool_rule(metas, attrs):
     x = metas[0]
     float_dtype(x)

@@ -63,9 +63,9 @@ def transpose(A, x, dim0, dim1): return A.read("transpose", x, axis1=dim0, axis2
 def slice_length(n, start, stop, step):
     """Elements in x[start:stop:step] of an axis of n; a symbolic stop (a length the data binds) is taken
     to be within the axis."""
-    if isinstance(n, int) and not isinstance(stop, Sym):
+    if isinstance(n, int) and not isinstance(stop, Sym) and not isinstance(start, Sym):
         return len(range(*slice(start, stop, step).indices(n)))
-    if start < 0 and stop is None and step == 1:     # a tail of a symbolic length, e.g. the last token
+    if isinstance(start, int) and start < 0 and stop is None and step == 1:     # a tail, e.g. the last token
         return -start
     stop = n if stop is None else stop
     return (stop - start + step - 1) // step

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from soma_runtime.ir.atoms import Ref
 from soma_runtime.ir.graph import DYNAMIC, TensorMeta, same_dim
 from soma_runtime.ir.ops.base import (
     arithmetic,
@@ -40,6 +41,23 @@ unary("floor", lambda A, x: A.exp("floor", x))
 unary("ceil", lambda A, x: A.mul(A.exp("floor", A.mul(x, A.lit(-1))), A.lit(-1)))
 unary("round", lambda A, x: A.exp("round", x))                 # half to even, as numpy, torch and ONNX
 unary("neg", lambda A, x: A.mul(x, A.lit(-1)), like_number)
+
+
+def atan_atoms(A, x):
+    """atan: |x| folded into [0, 1] (atan t = pi/2 - atan 1/t), a first guess within 2e-3 refined by three
+    Newton steps on tan y = t (y -= cos y (sin y - t cos y): each squares the error), the sign put back."""
+    size = A.cmp("max", x, A.mul(x, A.lit(-1)))
+    inverted = A.cmp("lt", A.lit(1), size)
+    t = A.cmp("select", inverted, A.exp("recip", size), size)
+    y = A.add(A.mul(t, A.lit(math.pi / 4)), A.mul(A.mul(t, A.sub(A.lit(1), t)), A.lit(0.273)))
+    for _ in range(3):
+        cos = A.exp("cos", y)
+        y = A.sub(y, A.mul(cos, A.sub(A.exp("sin", y), A.mul(t, cos))))
+    y = A.cmp("select", inverted, A.sub(A.lit(math.pi / 2), y), y)
+    return A.cmp("select", A.cmp("lt", x, A.lit(0)), A.mul(y, A.lit(-1)), y)
+
+
+unary("atan", atan_atoms)
 unary("abs", lambda A, x: A.cmp("max", x, A.mul(x, A.lit(-1))), like_number)
 
 
@@ -162,6 +180,29 @@ def scatter(A, x, index, updates, axis):
     return A.write("scatter", x, updates, index, axis=axis)
 
 
+REDUCTIONS = ("add", "mul", "max", "min")
+
+
+@op("scatter_reduce", ["x", "index", "updates"], scatter_rule, attrs={"axis": 0, "reduction": "add"},
+    struct={"reduction": REDUCTIONS}, ranks=(2, 1, 2))
+def scatter_reduce(A, x, index, updates, axis, reduction):
+    """x with the slices of `updates` combined into those along `axis` at `index` by add, mul, max or min
+    (every update counts where an index repeats; x's own values take part). Each of x's slices j reduces the
+    updates whose index is j: a [n, m] table of hits."""
+    n, m = x.shape[axis], index.shape[0]
+    rank = len(x.shape)
+    index = A.cmp("select", A.cmp("lt", index, A.lit(0)), A.add(index, A.param(n)), index)
+    hits = A.cmp("eq", A.read("reshape", A.read("iota", n=n, axis=0, ndim=1), shape=(n, 1)),
+                 A.read("reshape", index, shape=(1, m)))
+    hits = A.read("reshape", hits, shape=(1,) * axis + (n, m) + (1,) * (rank - axis - 1))
+    spread = A.read("expand", updates, axis=axis)                                # [..., 1, m, ...]
+    identity = {"add": 0.0, "mul": 1.0, "max": -math.inf, "min": math.inf}[reduction]
+    mode = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}[reduction]
+    combined = A.reduce(mode, A.cmp("select", hits, spread, A.lit(identity)), axis=axis + 1, keepdims=False)
+    return A.add(x, combined) if reduction == "add" else A.mul(x, combined) if reduction == "mul" else \
+        A.cmp(reduction, x, combined)
+
+
 def expand_rule(metas, attrs):
     return [TensorMeta(broadcast_shapes(metas[0].shape, tuple(attrs["shape"])), metas[0].dtype)]
 
@@ -177,8 +218,10 @@ PAD_MODES = ("constant", "reflect", "edge")
 
 def pad_rule(metas, attrs):
     x, pads = metas[0], attrs["pads"]
-    check(len(pads) == x.ndim and all(len(p) == 2 and min(p) >= 0 for p in pads),
-          f"pads must give (before, after) >= 0 for each of {x.ndim} axes, got {list(pads)}")
+    check(len(pads) == x.ndim and all(len(p) == 2 for p in pads),
+          f"pads must give (before, after) for each of {x.ndim} axes, got {list(pads)}")
+    check(all(not isinstance(n + a + b, int) or n + a + b >= 0 for n, (a, b) in zip(x.shape, pads)),
+          f"pads {list(pads)} crop more than the axes {list(x.shape)} hold")
     check(attrs["mode"] in PAD_MODES, f"mode must be one of {', '.join(PAD_MODES)}, got {attrs['mode']!r}")
     if attrs["mode"] == "reflect":
         check(all(not isinstance(n, int) or max(p) < n for n, p in zip(x.shape, pads)),
@@ -193,8 +236,16 @@ def pad_rule(metas, attrs):
 def pad(A, x, pads, mode, value):
     """Constant: x placed in a tensor of `value`. Reflect and edge: each axis read at indices folded
     back into it (reflect mirrors about the end values, edge repeats them), one read per axis whatever
-    its pads, so the formula depends on the rank alone."""
+    its pads, so the formula depends on the rank alone. A negative pad crops (as ONNX's and torch's)."""
     pads = tuple(pads) or ((0, 0),) * len(x.shape)
+    if mode == "constant" and any(isinstance(p, int) and p < 0 for pair in pads for p in pair):
+        shape = list(x.shape)                  # what a negative pad crops, sliced off first
+        for axis, (before, after) in enumerate(pads):
+            if before < 0 or after < 0:
+                x = A.read("slice", x, axis=axis, start=max(0, -before), stop=shape[axis] - max(0, -after))
+                shape[axis] -= max(0, -before) + max(0, -after)
+        x = Ref(x.index, tuple(shape), x.dtype)
+        pads = tuple((max(0, a), max(0, b)) for a, b in pads)
     if mode == "constant":
         shape = tuple(n + a + b for n, (a, b) in zip(x.shape, pads))
         out = A.read("fill", shape=shape, value=value)

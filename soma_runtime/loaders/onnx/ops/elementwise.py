@@ -15,7 +15,7 @@ BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", 
           "Or": "logical_or"}
 UNARY = {"Abs": "abs", "Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Sin": "sin",
          "Cos": "cos", "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu", "Erf": "erf", "Floor": "floor", "Ceil": "ceil",
-         "Round": "round", "Not": "logical_not"}
+         "Round": "round", "Not": "logical_not", "Atan": "atan"}
 VARIADIC = {"Max": "maximum", "Min": "minimum", "Sum": "add", "Mean": "add"}
 
 
@@ -121,12 +121,16 @@ def variadic(cv, n):
     return total
 
 
-@onnx_op("Tan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")
+@onnx_op("Tan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Asin", "Acos")
 @in_f32
 def trigonometric(cv, n):
-    """The functions the IR's exp, log, sin and cos write: tan = sin/cos, sinh = (e^x - e^-x)/2, ..."""
+    """The functions the IR's exp, log, sin, cos and atan write: tan = sin/cos, sinh = (e^x - e^-x)/2,
+    asin = atan(x / sqrt(1 - x^2)), acos = pi/2 - asin, ..."""
     x = n.inputs[0]
     one, half = scalar(cv, 1, x), scalar(cv, 0.5, x)
+    if n.op_type in ("Asin", "Acos"):
+        asin = cv.emit("atan", cv.emit("div", x, cv.emit("sqrt", cv.emit("sub", one, cv.emit("mul", x, x)))))
+        return asin if n.op_type == "Asin" else cv.emit("sub", scalar(cv, np.pi / 2, x), asin)
     if n.op_type == "Tan":
         return cv.emit("div", cv.emit("sin", x), cv.emit("cos", x))
     if n.op_type in ("Sinh", "Cosh"):
@@ -327,3 +331,11 @@ def shrink(cv, n):
     zero = scalar(cv, 0, x)
     above = cv.emit("where", cv.emit("greater", x, scalar(cv, lambd, x)), cv.emit("sub", x, scalar(cv, bias, x)), zero)
     return cv.emit("where", cv.emit("less", x, scalar(cv, -lambd, x)), cv.emit("add", x, scalar(cv, bias, x)), above)
+
+
+@onnx_op("Binarizer", domain="ai.onnx.ml")
+def binarizer(cv, n):
+    """1 where x is above the threshold, else 0, in x's dtype."""
+    x = n.inputs[0]
+    above = cv.emit("greater", x, scalar(cv, n.attr("threshold", 0.0), x))
+    return cv.emit("cast", above, dtype=cv.meta(x).dtype)

@@ -147,10 +147,11 @@ def split(cv, n):
 def slice_axis(cv, x, axis, start, end, step):
     """One axis of an ONNX Slice: its clamping, negative indices and steps of either sign."""
     size = cv.meta(x).shape[axis]
-    if isinstance(end, Sym) and isinstance(start, int) and 0 <= start and step == 1:
-        return cv.emit("slice", x, axis=axis, start=start, stop=end)       # x[:, :sequence]: bound when planned
+    if (isinstance(start, Sym) or isinstance(end, Sym)) and step > 0:   # x[:, :sequence]: bound when planned
+        return cv.emit("slice", x, axis=axis, start=start, stop=None if isinstance(end, int) and end >= BIG else end,
+                       step=step)                                       # (Python's slices clamp as ONNX's do)
     if isinstance(start, Sym) or isinstance(end, Sym):
-        raise SymbolicError(f"a slice from {start} to {end}: bounds given by symbolic sizes")
+        raise SymbolicError(f"a reversed slice from {start} to {end}: bounds given by symbolic sizes")
     if isinstance(size, int):
         start, stop, step = slice(start, None if end >= BIG else end, step).indices(size)
         if step < 0:
@@ -245,7 +246,7 @@ def pad(cv, n):
     if n.opset < 11:
         pads, value, axes = n.attr("pads", n.attr("paddings")), n.attr("value", 0.0), None
     else:
-        pads = cv.ints(n.inputs[1], "pads")
+        pads = cv.ints(n.inputs[1], "pads", symbolic=True)
         given = cv.known(n.input(2), "pad value", np.zeros(0))
         value = given.reshape(-1)[0].item() if given.size else 0.0
         axes = cv.ints(n.input(3), "axes")
@@ -253,17 +254,56 @@ def pad(cv, n):
     half = len(pads) // 2
     widths = [(0, 0)] * rank
     for a, before, after in zip(axes, pads[:half], pads[half:]):
-        widths[a] = (int(before), int(after))
+        widths[a] = (before, after)
+    if mode == "wrap":
+        return wrapped(cv, x, widths)
     if mode not in ("constant", "reflect", "edge"):
         raise cv.unsupported(f"pad mode {mode!r}")
-    for a, (before, after) in enumerate(widths):          # negative pads crop
-        if before < 0 or after < 0:
+    for a, (before, after) in enumerate(widths):          # negative pads crop (symbolic ones, when planned)
+        if isinstance(before, int) and before < 0 or isinstance(after, int) and after < 0:
             size = cv.meta(x).shape[a]
-            x = slice_axis(cv, x, a, max(-before, 0), size - max(-after, 0) if after < 0 else BIG, 1)
-    widths = tuple((max(b, 0), max(e, 0)) for b, e in widths)
-    if not any(b or e for b, e in widths):
+            x = slice_axis(cv, x, a, max(-before, 0) if isinstance(before, int) else 0,
+                           size - max(-after, 0) if isinstance(after, int) and after < 0 else BIG, 1)
+            widths[a] = tuple(max(p, 0) if isinstance(p, int) else p for p in (before, after))
+    widths = tuple(widths)
+    if not any(isinstance(p, Sym) or p for pair in widths for p in pair):
         return x
     return cv.emit("pad", x, pads=widths, mode=mode, value=float(value))
+
+
+def wrapped(cv, x, widths):
+    """Wrap padding: each axis read at its positions less the pad before, modulo its length."""
+    for a, (before, after) in enumerate(widths):
+        size = cv.meta(x).shape[a]
+        if not all(isinstance(v, int) for v in (size, before, after)):
+            raise cv.unsupported("wrap padding of symbolic sizes")
+        if before or after:
+            x = cv.emit("take", x, np.arange(-before, size + after, dtype=np.int64) % size, axis=a)
+    return x
+
+
+@onnx_op("ReverseSequence")
+def reverse_sequence(cv, n):
+    """Each batch entry's first `length` steps reversed (the rest kept): a gather along the time axis at
+    length - 1 - t where t < length."""
+    x, lengths = n.inputs
+    dims = cv.meta(x).shape
+    time_axis, batch_axis = int(n.attr("time_axis", 0)), int(n.attr("batch_axis", 1))
+    steps = dims[time_axis]
+    if not isinstance(steps, int):
+        raise cv.unsupported("reversing sequences of symbolic length")
+    t = np.arange(steps, dtype=np.int64).reshape([-1 if i == time_axis else 1 for i in range(len(dims))])
+    length = reshape_to(cv, lengths, [-1 if i == batch_axis else 1 for i in range(len(dims))])
+    reverse = cv.emit("sub", cv.emit("sub", length, np.array(1, np.int64)), t)
+    index = cv.emit("where", cv.emit("less", t, length), reverse, t)
+    return cv.emit("gather", x, cv.emit("expand", index, shape=tuple(dims)), axis=time_axis)
+
+
+@onnx_op("ArrayFeatureExtractor", domain="ai.onnx.ml")
+def array_feature_extractor(cv, n):
+    """The elements of the last axis at the given indices."""
+    x, index = n.inputs
+    return cv.emit("take", x, reshape_to(cv, index, (-1,)), axis=cv.meta(x).ndim - 1)
 
 
 @onnx_op("Trilu")
@@ -408,36 +448,58 @@ def gather_nd(cv, n):
     return reshape_to(cv, out, tuple(cv.meta(index).shape[:-1]) + tuple(dims[b + k:]))
 
 
-def overwriting(cv, n):
-    if n.attr("reduction", "none") != "none":
-        raise cv.unsupported(f"scatter with reduction {n.attr('reduction')!r} (only plain writes are supported)")
+def scattering(cv, n, x, index, updates):
+    """The IR's scatter (along axis 0 of flattened rows) or, for a `reduction`, its scatter_reduce."""
+    reduction = n.attr("reduction", "none")
+    if reduction == "none":
+        return cv.emit("scatter", x, index, updates, axis=0)
+    if reduction not in ("add", "mul", "max", "min"):
+        raise cv.unsupported(f"scatter with reduction {reduction!r}")
+    return cv.emit("scatter_reduce", x, index, updates, axis=0, reduction=reduction)
 
 
 @onnx_op("ScatterND")
 def scatter_nd(cv, n):
     """data with the slices at index tuples replaced: the first K axes flattened into one, each tuple one
     position along it, written by the IR's scatter."""
-    overwriting(cv, n)
     data, index, updates = n.inputs
     dims, k = cv.meta(data).shape, cv.meta(index).shape[-1]
     if not isinstance(k, int):
         raise cv.unsupported("ScatterND with index tuples of symbolic length")
     flat = reshape_to(cv, flat_positions(cv, index, dims[:k]), (-1,))
     rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
-    written = cv.emit("scatter", rows, flat, reshape_to(cv, updates, (-1,) + tuple(dims[k:])), axis=0)
+    written = scattering(cv, n, rows, flat, reshape_to(cv, updates, (-1,) + tuple(dims[k:])))
     return reshape_to(cv, written, dims)
 
 
 @onnx_op("ScatterElements", "Scatter")
 def scatter_elements(cv, n):
+    data, index, updates = n.inputs
+    return scattered_elements(cv, n, data, index, updates, int(n.attr("axis", 0)) % cv.meta(data).ndim)
+
+
+@onnx_op("TensorScatter")
+def tensor_scatter(cv, n):
+    """A cache's update written at each batch entry's write index along `axis` (consecutive positions; in
+    circular mode wrapping past the end)."""
+    cache, update, starts = n.inputs[0], n.inputs[1], n.input(2)
+    dims, shape = cv.meta(cache).shape, cv.meta(update).shape
+    axis = int(n.attr("axis", -2)) % len(dims)
+    starts = np.zeros(dims[0], np.int64) if starts is None else starts
+    at = [-1 if i == 0 else 1 for i in range(len(dims))]
+    steps = np.arange(shape[axis], dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(len(dims))])
+    index = cv.emit("add", reshape_to(cv, cv.emit("cast", starts, dtype="i64"), at), steps)
+    if n.attr("mode", "linear") == "circular":
+        index = cv.emit("mod", index, np.array(dims[axis], np.int64))
+    return scattered_elements(cv, n, cache, cv.emit("expand", index, shape=tuple(shape)), update, axis)
+
+
+def scattered_elements(cv, n, data, index, updates, axis):
     """Each update to its own element: its position with the axis coordinate replaced by its index, all
     of them written into the flattened data."""
-    overwriting(cv, n)
-    data, index, updates = n.inputs
     dims, shape = cv.meta(data).shape, cv.meta(index).shape
     if not all(isinstance(d, int) for d in (*dims, *shape)):
-        raise cv.unsupported("ScatterElements over symbolic sizes")
-    axis = int(n.attr("axis", 0)) % len(dims)
+        raise cv.unsupported("a scatter of elements over symbolic sizes")
     strides = [product(dims[i + 1:]) for i in range(len(dims))]
     base = sum(np.arange(size, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(len(shape))]) * strides[d]
                for d, size in enumerate(shape) if d != axis)
@@ -445,7 +507,7 @@ def scatter_elements(cv, n):
     index = cv.emit("where", cv.emit("less", index, np.array(0, np.int64)), cv.emit("add", index, np.array(dims[axis], np.int64)),
                     index)
     flat = cv.emit("add", cv.emit("mul", index, np.array(strides[axis], np.int64)), np.asarray(base, np.int64))
-    written = cv.emit("scatter", reshape_to(cv, data, (-1,)), reshape_to(cv, flat, (-1,)), reshape_to(cv, updates, (-1,)), axis=0)
+    written = scattering(cv, n, reshape_to(cv, data, (-1,)), reshape_to(cv, flat, (-1,)), reshape_to(cv, updates, (-1,)))
     return reshape_to(cv, written, dims)
 
 

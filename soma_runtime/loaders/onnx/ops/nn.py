@@ -148,7 +148,7 @@ def conv_transpose(cv, n):
     x, w, bias = n.input(0), n.input(1), n.input(2)
     kernel = tuple(cv.meta(w).shape[2:])
     nd, groups = len(kernel), int(n.attr("group", 1))
-    if nd not in (1, 2):
+    if nd not in (1, 2, 3):
         raise cv.unsupported(f"a {nd}-D transposed convolution")
     sizes = cv.meta(x).shape[2:]
     strides = tuple(n.attr("strides") or (1,) * nd)
@@ -177,6 +177,47 @@ def conv_transpose(cv, n):
         if b > wb or e > we:
             y = cv.emit("slice", y, axis=2 + axis, start=b - wb, stop=cv.meta(y).shape[2 + axis] - (e - we))
     return y
+
+
+@onnx_op("Col2Im")
+def col2im(cv, n):
+    """Blocks (columns of C x kernel values) summed back into the image they were read from: a transposed
+    convolution, per channel, of the blocks' grid with one-hot kernels (block value k lands at offset k)."""
+    x = n.inputs[0]
+    image, kernel = cv.ints(n.inputs[1], "image shape"), cv.ints(n.inputs[2], "block shape")
+    nd = len(kernel)
+    if nd not in (1, 2, 3):
+        raise cv.unsupported(f"a {nd}-D image")
+    strides, dilations = n.attr("strides") or [1] * nd, n.attr("dilations") or [1] * nd
+    pads = n.attr("pads") or [0] * (2 * nd)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    grid = [(size + pads[a] + pads[nd + a] - span) // s + 1 for a, (size, span, s) in enumerate(zip(image, spans, strides))]
+    batch, columns = cv.meta(x).shape[:2]
+    blocks = product(kernel)
+    channels = columns // blocks
+    one_hot = np.eye(blocks, dtype=dtype(cv.meta(x).dtype).numpy).reshape(blocks, 1, *kernel)
+    one_hot = np.tile(one_hot, (channels,) + (1,) * (nd + 1))
+    full = [s * (g - 1) + span for g, s, span in zip(grid, strides, spans)]
+    crop = tuple((pads[a], full[a] - pads[a] - image[a]) for a in range(nd))
+    return cv.emit(f"conv_transpose{nd}d", reshape_to(cv, x, (batch, columns, *grid)), one_hot, None, stride=tuple(strides),
+                   dilation=tuple(dilations), groups=channels, crop=crop)
+
+
+@onnx_op("LRN")
+def lrn(cv, n):
+    """Local response normalization: x / (bias + alpha / size * the sum of squares over `size` neighbouring
+    channels) ** beta, the window's sum as that many slices of the zero-padded squares added."""
+    x = n.inputs[0]
+    size = int(n.attr("size"))
+    rank, channels = cv.meta(x).ndim, cv.meta(x).shape[1]
+    squares = cv.emit("mul", x, x)
+    pads = ((0, 0), ((size - 1) // 2, size // 2)) + ((0, 0),) * (rank - 2)
+    padded = cv.emit("pad", squares, pads=pads, mode="constant", value=0.0)
+    total = cv.emit("slice", padded, axis=1, start=0, stop=channels)
+    for k in range(1, size):
+        total = cv.emit("add", total, cv.emit("slice", padded, axis=1, start=k, stop=channels + k))
+    scale = cv.emit("add", scalar(cv, n.attr("bias", 1.0), x), cv.emit("mul", total, scalar(cv, n.attr("alpha", 1e-4) / size, x)))
+    return cv.emit("div", x, cv.emit("pow", scale, scalar(cv, n.attr("beta", 0.75), x)))
 
 
 def pool_windows(size: int, k: int, s: int, d: int, pads: tuple[int, int], ceil: bool) -> tuple[int, int]:
@@ -391,7 +432,12 @@ def softmax(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
     axis = int(n.attr("axis", 1 if n.opset < 13 else -1)) % len(dims)
-    apply = (lambda v, a: cv.emit("softmax", v, axis=a)) if n.op_type == "Softmax" else (lambda v, a: log_softmax_of(cv, v, a))
+    if n.op_type == "LogSoftmax":
+        apply = lambda v, a: log_softmax_of(cv, v, a)
+    elif cv.meta(x).dtype not in FLOATS:                          # f64: the fused op's jets take the narrower floats
+        apply = lambda v, a: cv.emit("exp", log_softmax_of(cv, v, a))
+    else:
+        apply = lambda v, a: cv.emit("softmax", v, axis=a)
     if n.opset >= 13 or axis == len(dims) - 1:
         return apply(x, axis - len(dims))           # counted from the end, as the fused ops' formulas are
     rows = reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))      # before 13: over the flattened tail
