@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -43,11 +44,11 @@ def conv(x, weight, bias, stride, padding, dilation, groups):
     N, C = x.shape[:2]
     O, kernel = weight.shape[0], weight.shape[2:]
     st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
-    if nd == 1 and (x.shape[2] >= LONG_SEQUENCE or kernel[0] == 1):
+    if nd == 1 and x.shape[2] >= LONG_SEQUENCE:
         return tap_sum(pad(x, pd, 0), weight, bias, st[0], dl[0], groups)
     cols = windows(pad(x, pd, 0), kernel, st, dl)                    # [N, C, *out, *k]
     spatial = cols.shape[2:2 + nd]
-    P, K, G = int(np.prod(spatial)), int(np.prod(kernel)), groups
+    P, K, G = math.prod(spatial), math.prod(kernel), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
     w = weight.reshape(G, O // G, (C // G) * K)
     if G == 1:             # the matmul jet's product: a few rows (a streaming model's chunk) without BLAS's threads

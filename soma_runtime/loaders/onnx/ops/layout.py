@@ -299,6 +299,55 @@ def reverse_sequence(cv, n):
     return cv.emit("gather", x, cv.emit("expand", index, shape=tuple(dims)), axis=time_axis)
 
 
+@onnx_op("Unique")
+def unique(cv, n):
+    """The distinct elements (or slices along `axis`), sorted or in first-seen order, with where each is first
+    seen, where each input's lands, and how often each occurs. All from one [n, n] table of which items equal
+    which: an item is first seen where no earlier one equals it; its place among the distinct items is how
+    many of those come before it (are smaller, when sorted); each output is scattered to those places, as
+    many as the data holds."""
+    x = n.inputs[0]
+    dims, axis = list(cv.meta(x).shape), n.attr("axis")
+    if axis is None:
+        x, axis, dims = reshape_to(cv, x, (product(dims),)), 0, [product(dims)]
+    axis = int(axis) % len(dims)
+    count = dims[axis]
+    if not all(isinstance(d, int) for d in dims):
+        raise cv.unsupported("Unique over symbolic sizes")
+    moved = cv.emit("permute", x, perm=(axis, *(i for i in range(len(dims)) if i != axis))) if axis else x
+    items = reshape_to(cv, moved, (count, -1))                                    # [n, r]
+    mine, theirs = reshape_to(cv, items, (count, 1, -1)), reshape_to(cv, items, (1, count, -1))
+    same = cv.emit("equal", mine, theirs)                                         # [n, n, r]
+    equal = cv.emit("reduce_min", cv.emit("cast", same, dtype="u8"), axes=(2,), keepdims=False)
+    earlier = np.tril(np.ones((count, count), np.uint8), -1)                      # j < i
+    repeated = cv.emit("reduce_max", cv.emit("mul", equal, earlier), axes=(1,), keepdims=False)
+    first = cv.emit("equal", repeated, np.array(0, np.uint8))                     # [n]
+    firsts = cv.emit("cast", first, dtype="i64")
+    if n.attr("sorted", 1):                 # j's item lexicographically before i's: smaller where all before agree
+        below = cv.emit("cast", cv.emit("less", theirs, mine), dtype="i64")
+        agreed = cv.emit("slice", cv.emit("cumprod", cv.emit("cast", same, dtype="i64"), axis=2), axis=2, start=0, stop=-1)
+        agreed = cv.emit("concat", np.ones((count, count, 1), np.int64), agreed, axis=2)       # all before k agree
+        before = cv.emit("reduce_max", cv.emit("mul", below, agreed), axes=(2,), keepdims=False)
+    else:                                   # j first seen before i's item was
+        seen = cv.emit("argmax", cv.emit("cast", equal, dtype="i64"), axis=1)
+        before = cv.emit("less", np.arange(count, dtype=np.int64)[None, :], reshape_to(cv, seen, (count, 1)))
+        before = cv.emit("cast", before, dtype="i64")
+    place = cv.emit("reduce_sum", cv.emit("mul", before, reshape_to(cv, firsts, (1, count))), axes=(1,), keepdims=False)
+    positions = cv.emit("take", cv.emit("nonzero", first), np.array(0, np.int64), axis=0)   # [u], u the data's
+    distinct = cv.meta(positions).shape[0]
+    at = cv.emit("take", place, positions, axis=0)
+
+    def placed(values):
+        meta = cv.meta(values)
+        empty = cv.emit("expand", np.zeros((1,) * meta.ndim, dtype(meta.dtype).numpy), shape=(distinct, *meta.shape[1:]))
+        return cv.emit("scatter", empty, at, cv.emit("take", values, positions, axis=0), axis=0)
+    values = reshape_to(cv, placed(items), (distinct, *(d for i, d in enumerate(dims) if i != axis)))
+    if axis:
+        values = cv.emit("permute", values, perm=(*range(1, axis + 1), 0, *range(axis + 1, len(dims))))
+    counts = cv.emit("reduce_sum", cv.emit("cast", equal, dtype="i64"), axes=(1,), keepdims=False)
+    return values, placed(np.arange(count, dtype=np.int64)), place, placed(counts)
+
+
 @onnx_op("ArrayFeatureExtractor", domain="ai.onnx.ml")
 def array_feature_extractor(cv, n):
     """The elements of the last axis at the given indices."""
