@@ -115,15 +115,15 @@ def test_truncated_and_corrupt_files_are_load_errors_naming_the_file(tmp_path):
 
 def test_an_unsupported_op_names_the_node_its_op_and_opset(tmp_path):
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["h"], name="first"),
-                               helper.make_node("Unique", ["h"], ["y"], name="dedupe")], "g",
+                               helper.make_node("Det", ["h"], ["y"], name="determinant")], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
     path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"model\.onnx: node 'dedupe' \(Unique, opset 17\)"):
+    with pytest.raises(UnsupportedModelError, match=r"model\.onnx: node 'determinant' \(Det, opset 17\)"):
         Runtime("cpu").load(path)
     graph.node[1].domain, graph.node[1].op_type = "com.example", "Frobnicate"
     custom = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
-    with pytest.raises(UnsupportedModelError, match=r"node 'dedupe' \(Frobnicate, opset 1\): op com\.example\.Frobnicate"):
+    with pytest.raises(UnsupportedModelError, match=r"node 'determinant' \(Frobnicate, opset 1\): op com\.example\.Frobnicate"):
         Runtime("cpu").load(save(custom, tmp_path, "custom.onnx"))
 
 
@@ -161,3 +161,34 @@ def test_an_output_that_is_a_symbolic_size_is_computed_per_shape(tmp_path):
     for n in (5, 2):
         x = np.zeros((n, 3), np.float32)
         np.testing.assert_array_equal(model.run({"x": x})["s"], onnxruntime_run(path, {"x": x})[0])
+
+
+def test_sizes_the_data_decides_are_bound_as_the_graph_runs(tmp_path):
+    """A TopK whose k is counted from the data, and the positive entries gathered by NonZero and written back
+    doubled by ScatterND (a spline flow's masked update): one graph, equal to onnxruntime for any data."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["positive"]),
+             helper.make_node("Cast", ["positive"], ["ones"], to=TensorProto.INT64),
+             helper.make_node("ReduceSum", ["ones"], ["count"], keepdims=1),
+             helper.make_node("Reshape", ["count", "flat"], ["k"]),
+             helper.make_node("Reshape", ["x", "flat"], ["row"]),
+             helper.make_node("TopK", ["row", "k"], ["top", "where"], axis=-1),
+             helper.make_node("NonZero", ["positive"], ["at"]),
+             helper.make_node("Transpose", ["at"], ["tuples"], perm=[1, 0]),
+             helper.make_node("GatherND", ["x", "tuples"], ["picked"]),
+             helper.make_node("Add", ["picked", "picked"], ["doubled"]),
+             helper.make_node("ScatterND", ["x", "tuples", "doubled"], ["y"])]
+    graph = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info(name, dt, None) for name, dt in
+                               (("top", TensorProto.FLOAT), ("where", TensorProto.INT64), ("y", TensorProto.FLOAT))],
+                              [numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                               numpy_helper.from_array(np.array([-1], np.int64), "flat")])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
+    model = Runtime("cpu").load(path)
+    counts = set()
+    for seed in range(4):
+        x = np.random.default_rng(seed).standard_normal((3, 4)).astype(np.float32)
+        got, want = model.run({"x": x}), onnxruntime_run(path, {"x": x})
+        for name, expected in zip(("top", "where", "y"), want):
+            np.testing.assert_array_equal(got[name], expected)
+        counts.add(len(want[0]))
+    assert len(counts) > 1                               # the data did decide the sizes

@@ -570,13 +570,23 @@ def flat_positions(cv, index, sizes):
 
 @onnx_op("TopK")
 def topk(cv, n):
+    """The k largest (smallest) along an axis. A k the data decides: the whole axis ordered, its first k
+    taken (a count bound when the graph runs)."""
     x = n.inputs[0]
-    k = int(n.attr("k")) if n.opset < 10 else int(cv.ints(n.inputs[1], "k")[0])
     axis = int(n.attr("axis", -1)) % cv.meta(x).ndim
+    counted = n.opset >= 10 and not isinstance(n.inputs[1], np.ndarray)
+    if counted and not isinstance(cv.meta(x).shape[axis], int):
+        raise cv.unsupported("TopK of a computed k over a symbolic axis")
+    k = cv.meta(x).shape[axis] if counted else int(n.attr("k")) if n.opset < 10 else int(cv.ints(n.inputs[1], "k")[0])
     if n.attr("largest", 1):
-        return cv.emit("topk", x, k=k, axis=axis)
-    values, index = cv.emit("topk", reversed_order(cv, x), k=k, axis=axis)
-    return reversed_order(cv, values), index
+        values, index = cv.emit("topk", x, k=k, axis=axis)
+    else:
+        values, index = cv.emit("topk", reversed_order(cv, x), k=k, axis=axis)
+        values = reversed_order(cv, values)
+    if not counted:
+        return values, index
+    first = cv.emit("range", np.array(0, np.int64), reshape_to(cv, n.inputs[1], ()), np.array(1, np.int64))
+    return cv.emit("take", values, first, axis=axis), cv.emit("take", index, first, axis=axis)
 
 
 def reversed_order(cv, x):
