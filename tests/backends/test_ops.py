@@ -235,8 +235,10 @@ case("div", ints(NUMERATORS, DENOMINATORS, dtype=np.int8), lambda a, b: torch.di
 case("mod", ints(NUMERATORS, DENOMINATORS), torch.remainder, ("f32",), id="int-python")
 case("mod", ints(NUMERATORS, DENOMINATORS), torch.fmod, ("f32",), id="int-fmod", fmod=True)
 case("mod", mk((4, 6), (6,), positive=(1,)), torch.fmod, id="fmod", fmod=True)
-for name, fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum}.items():
+INTEGER_ARITHMETIC = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum, "minimum": torch.minimum}
+for name, fn in INTEGER_ARITHMETIC.items():
     case(name, ints(NUMERATORS, DENOMINATORS, dtype=np.int64), fn, ("f32",), id="int")
+    case(name, ints([[3 << 40, -(5 << 33) - 1]], [[7, (1 << 33) + 3]], dtype=np.int64), fn, ("f32",), id="int-wide")
 case("neg", ints(NUMERATORS), torch.neg, ("f32",), id="int")
 case("reduce_sum", ints(NUMERATORS, dtype=np.int64), lambda x: x.sum(-1), ("f32",), id="int")
 case("topk", ints([[3, 9, 1, 9, -2]], dtype=np.int64), lambda x: torch.topk(x, 2, -1, sorted=True), ("f32",), id="int", k=2)
@@ -404,6 +406,8 @@ case("scatter_reduce", lambda dt: [np.arange(6, dtype=np.int64).reshape(3, 2), n
      lambda x, i, u: x.index_reduce(0, i, u, "amax"), ("f32",), id="int-max", axis=0, reduction="max")
 case("expand", mk((3, 1)), lambda x: x.expand(2, 3, 4), shape=(2, 3, 4))
 case("expand", mk((2, 3)), lambda x: x.expand(4, 2, 3), id="ones-keep", shape=(4, 1, 1))
+case("take", lambda dt: [np.arange(15, dtype=np.int64).reshape(5, 3), np.array([[4, -5]], np.int64)],
+     lambda x, i: x[i % 5], ("f32",), id="int-rows")
 case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), value=0.5), id="constant", pads=((0, 0), (1, 2), (2, 1)), value=0.5)
 case("pad", mk((2, 3, 4)), lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"), id="reflect", pads=((0, 0), (1, 2), (2, 1)),
      mode="reflect")
@@ -431,6 +435,8 @@ case("concat", mk((1, 3)), lambda *xs: torch.cat(xs, 0), id="single", axis=0)
 case("split", mk((4, 9)), lambda x: torch.split(x, [2, 3, 4], dim=1), sizes=(2, 3, 4), axis=1)
 case("split", non_contiguous(mk((6, 3))), lambda x: torch.split(x, [1, 5], dim=0), id="non-contiguous", sizes=(1, 5), axis=0)
 case("where", lambda dt: [randn(3, 4) > 0] + mk((3, 4), (1, 4), seed=1)(dt), torch.where, id="broadcast")
+case("where", lambda dt: [randn(3, 4) > 0, np.arange(12, dtype=np.int64).reshape(3, 4), np.array([-(1 << 40)], np.int64)],
+     torch.where, ("f32",), id="int")
 case("slice", mk((5, 9)), lambda x: x[:, 1:8:3], axis=-1, start=1, stop=8, step=3)
 case("gather", int_inputs(mk((3, 4)), [[0, 3], [1, 1], [2, 0]]), lambda x, i: torch.gather(x, 1, i), axis=1)
 case("cast", mk((3, 5)), lambda x: x.half().float(), id="to-f16", dtypes=("f32",), dtype="f16")

@@ -1,9 +1,10 @@
-"""CUDA jets for layout ops: views of device tensors (a copy only where a view cannot be had)."""
+"""CUDA jets for layout ops: views of device tensors (a copy only where a view cannot be had), and the
+indexed reads (take) that gather rows."""
 from __future__ import annotations
 
 import torch
 
-from soma_runtime.backends.cuda.device import CUDA, device_jet
+from soma_runtime.backends.cuda.device import CUDA, INT, device_jet
 from soma_runtime.ir.jets import jet
 
 ANY = "*"
@@ -48,3 +49,19 @@ def split(x, sizes=(), axis=0):
 @device_jet
 def concat(*xs, axis=0):
     return torch.cat(xs, dim=axis)
+
+
+@jet("expand", CUDA, [(ANY,)])
+@device_jet
+def expand(x, shape=()):
+    return x.expand(torch.broadcast_shapes(x.shape, tuple(shape)))
+
+
+@jet("take", CUDA, [(ANY, INT)])
+@device_jet
+def take(x, index, axis=0):
+    """x's slices along `axis` at `index` (any shape; negative counts from the end), as numpy's take."""
+    axis = axis % x.ndim
+    flat = index.reshape(-1).to(torch.int64)
+    flat = torch.where(flat < 0, flat + x.shape[axis], flat)
+    return x.index_select(axis, flat).reshape(x.shape[:axis] + index.shape + x.shape[axis + 1:])

@@ -1,5 +1,5 @@
 """CUDA jets for the primitive ops beyond elementwise.py's float functions: comparisons and logic (one
-kernel, the relation a compile-time constant, a bool out) and reductions (reduced axes moved last,
+kernel, the relation a compile-time constant, a bool out), where, and reductions (reduced axes moved last,
 each row reduced by one program, in f32)."""
 from __future__ import annotations
 
@@ -57,6 +57,26 @@ def compare_jet(kind: int):
 
 for _name, _kind in COMPARE.items():
     jet(_name, CUDA, [("bool", "bool")] if _name.startswith("logical") else [(F, F), (INT, INT)])(compare_jet(_kind))
+
+
+@chained
+@triton.jit
+def _where_kernel(c_ptr, a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    after_prior()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    c = tl.load(c_ptr + offs, mask=keep)
+    tl.store(out_ptr + offs, tl.where(c, tl.load(a_ptr + offs, mask=keep), tl.load(b_ptr + offs, mask=keep)), mask=keep)
+
+
+@jet("where", CUDA, [("bool", "*", "*")])
+@device_jet
+def where(condition, a, b):
+    """a where the condition holds, else b, in any dtype (the three broadcast together)."""
+    condition, a, b = (t.contiguous() for t in torch.broadcast_tensors(condition, a, b))
+    out = torch.empty_like(a)
+    _where_kernel[flat_grid(a.numel())](condition, a, b, out, a.numel(), BLOCK=BLOCK)
+    return out
 
 
 @chained
