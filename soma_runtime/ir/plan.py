@@ -6,8 +6,9 @@ node's kernel from the jet registry once, and lays intermediates out in one aren
 shape inference, no allocation for planned tensors.
 A dim left `free` may take any size per run; only graph inputs may carry it (the decoder's
 context length: its slots and spans vary per step, no intermediate does). A dim only the data decides
-(a range's length) is known once its node has run: such tensors, and what follows from them, are
-left out of the arena and sized by their kernels.
+(a range's length, a nonzero's count) is bound once its node has run, and the attributes that hold
+it (a reshape to it) resolve per run: such tensors, and what follows from them, are left out of the
+arena and sized by their kernels.
 """
 from __future__ import annotations
 

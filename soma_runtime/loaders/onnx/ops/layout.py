@@ -1,6 +1,7 @@
 """ONNX ops that shape, index and reduce: constants, Shape, Reshape and its kin, Slice, Gather, Pad,
-reductions, ArgMax, TopK. Shapes, axes and counts must be known at load time (they become the IR
-ops' attributes); a dim the model names stays symbolic."""
+scatters, reductions, ArgMax, TopK, NonZero, Unique. Axes must be known at load time (they become the
+IR ops' attributes); a dim the model names stays symbolic, and a count only the data decides (NonZero's,
+a computed TopK k) is bound when the graph runs."""
 from __future__ import annotations
 
 import numpy as np
