@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -254,6 +255,8 @@ def pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads):
                 part = cv.emit("slice", part, axis=2 + axis, start=j * d, stop=j * d + (out - 1) * s + 1, step=s)
             total = part if total is None else combine(total, part)
         return total
+    if kind == "MaxPool" and n.n_outputs > 1:
+        return max_with_indices(cv, n, x, kernel, strides, dilations, pads, [out for out, _ in windows], sizes)
     if kind == "MaxPool":
         return offsets(x, lambda a, b: cv.emit("maximum", a, b))
     total = offsets(x, lambda a, b: cv.emit("add", a, b))
@@ -270,6 +273,57 @@ def pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads):
         divisor += counted[(slice(None), slice(None)) + tuple(slice(j * d, j * d + (out - 1) * s + 1, s) for j, d, s, (out, _)
                                                               in zip(offset, dilations, strides, windows))]
     return cv.emit("div", total, divisor.astype(dtype(cv.meta(total).dtype).numpy))
+
+
+def max_with_indices(cv, n, x, kernel, strides, dilations, pads, outs, sizes):
+    """MaxPool's values and where each came from: the kernel offsets in order, each taking a position where it
+    is strictly larger (the first largest wins), the positions flattened over the unpadded input (row-major,
+    or its spatial axes column-major with storage_order 1)."""
+    batch, channels = cv.meta(x).shape[:2]
+    if not all(isinstance(d, int) for d in (batch, channels)):
+        raise cv.unsupported("MaxPool's indices over symbolic sizes")
+    order = list(range(len(sizes)))[::-1] if n.attr("storage_order", 0) else list(range(len(sizes)))
+    strides_of = {axis: math.prod(sizes[a] for a in order[order.index(axis) + 1:]) for axis in order}
+    plane = np.arange(batch * channels, dtype=np.int64).reshape(batch, channels, *[1] * len(sizes)) * math.prod(sizes)
+    best = at = None
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        part, where = x, plane
+        for axis, (j, d, s, out, (before, _)) in enumerate(zip(offset, dilations, strides, outs, pads)):
+            part = cv.emit("slice", part, axis=2 + axis, start=j * d, stop=j * d + (out - 1) * s + 1, step=s)
+            position = np.arange(out, dtype=np.int64) * s + j * d - before
+            where = where + position.reshape([-1 if i == axis else 1 for i in range(len(sizes))]) * strides_of[axis]
+        if best is None:
+            best, at = part, np.broadcast_to(where, (batch, channels, *outs)).copy()
+            continue
+        larger = cv.emit("greater", part, best)
+        best, at = cv.emit("where", larger, part, best), cv.emit("where", larger, where, at)
+    return best, at
+
+
+@onnx_op("MaxUnpool")
+def max_unpool(cv, n):
+    """Each value written at the position its index names in an output of zeros: the pool's inverse shape,
+    the index flat over it; a given output shape holds that one, padded at the ends (indices re-flattened)."""
+    x, index = n.inputs[0], n.inputs[1]
+    kernel = tuple(n.attr("kernel_shape"))
+    nd = len(kernel)
+    strides = n.attr("strides") or [1] * nd
+    pads = n.attr("pads") or [0] * (2 * nd)
+    dims = cv.meta(x).shape
+    inverse = [*dims[:2], *((size - 1) * s - pads[a] - pads[nd + a] + k
+                            for a, (size, s, k) in enumerate(zip(dims[2:], strides, kernel)))]
+    shape = cv.ints(n.input(2), "output shape") or inverse
+    if list(shape) != inverse:
+        index, flat = cv.emit("cast", index, dtype="i64"), None
+        for axis in range(len(inverse)):
+            within = math.prod(inverse[axis + 1:])
+            coordinate = cv.emit("mod", cv.emit("div", index, np.array(within, np.int64)), np.array(inverse[axis], np.int64))
+            flat = coordinate if flat is None else \
+                cv.emit("add", cv.emit("mul", flat, np.array(shape[axis], np.int64)), coordinate)
+        index = flat
+    zeros = np.zeros(math.prod(shape), dtype(cv.meta(x).dtype).numpy)
+    written = cv.emit("scatter", zeros, reshape_to(cv, index, (-1,)), reshape_to(cv, x, (-1,)), axis=0)
+    return reshape_to(cv, written, tuple(shape))
 
 
 @onnx_op("LpPool")
@@ -289,10 +343,9 @@ def pool(cv, n):
     nd = len(kernel)
     strides = tuple(n.attr("strides") or (1,) * nd)
     dilations = tuple(n.attr("dilations") or (1,) * nd)
-    if n.n_outputs > 1:
-        raise cv.unsupported("MaxPool's indices output is not supported")
     pads = spatial_pads(cv, n, cv.meta(x).shape[2:], kernel, strides, dilations)
-    if any(d != 1 for d in dilations) or n.attr("ceil_mode", 0) or nd > 2 or cv.meta(x).dtype not in FLOATS:
+    if any(d != 1 for d in dilations) or n.attr("ceil_mode", 0) or nd > 2 or cv.meta(x).dtype not in FLOATS or \
+            n.n_outputs > 1:
         return pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads)
     if n.op_type == "MaxPool":
         x, even = padded(cv, x, pads, -np.inf)
