@@ -192,3 +192,25 @@ def test_sizes_the_data_decides_are_bound_as_the_graph_runs(tmp_path):
             np.testing.assert_array_equal(got[name], expected)
         counts.add(len(want[0]))
     assert len(counts) > 1                               # the data did decide the sizes
+
+
+@pytest.mark.parametrize("centered", [0, 1])
+def test_non_max_suppression_keeps_what_onnxruntime_keeps(tmp_path, centered):
+    """Random overlapping boxes, two batches of three classes: the same boxes kept, in the same order."""
+    node = helper.make_node("NonMaxSuppression", ["boxes", "scores", "most", "iou", "floor"], ["kept"],
+                            center_point_box=centered)
+    graph = helper.make_graph([node], "nms", [helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [2, 40, 4]),
+                                              helper.make_tensor_value_info("scores", TensorProto.FLOAT, [2, 3, 40])],
+                              [helper.make_tensor_value_info("kept", TensorProto.INT64, None)],
+                              [numpy_helper.from_array(np.array([7], np.int64), "most"),
+                               numpy_helper.from_array(np.array([0.4], np.float32), "iou"),
+                               numpy_helper.from_array(np.array([0.2], np.float32), "floor")])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
+    model = Runtime("cpu").load(path)
+    generator = np.random.default_rng(3)
+    for _ in range(3):
+        corner = generator.uniform(0, 10, (2, 40, 2))
+        boxes = np.concatenate([corner, corner + generator.uniform(0.5, 4, (2, 40, 2))], axis=-1).astype(np.float32)
+        scores = generator.uniform(0, 1, (2, 3, 40)).astype(np.float32)
+        feed = {"boxes": boxes, "scores": scores}
+        np.testing.assert_array_equal(model.run(feed)["kept"], onnxruntime_run(path, feed)[0])
