@@ -55,7 +55,10 @@ def bind_attrs(attrs: dict, bindings: dict[str, int]) -> dict:
 
 
 def symbolic_attrs(attrs: dict) -> bool:
-    return any(isinstance(d, Sym) for v in attrs.values() for d in (v if isinstance(v, tuple) else (v,)))
+    """Whether a size is still symbolic anywhere in the attrs (a pad's (before, after) pairs nest)."""
+    def symbolic(v) -> bool:
+        return isinstance(v, Sym) or isinstance(v, (tuple, list)) and any(symbolic(x) for x in v)
+    return any(symbolic(v) for v in attrs.values())
 
 
 def dynamic_names(meta: TensorMeta) -> list[tuple[int, str]]:

@@ -164,8 +164,9 @@ def test_an_output_that_is_a_symbolic_size_is_computed_per_shape(tmp_path):
 
 
 def test_sizes_the_data_decides_are_bound_as_the_graph_runs(tmp_path):
-    """A TopK whose k is counted from the data, and the positive entries gathered by NonZero and written back
-    doubled by ScatterND (a spline flow's masked update): one graph, equal to onnxruntime for any data."""
+    """A TopK whose k is counted from the data; the positive entries gathered by NonZero and written back
+    doubled by ScatterND (a spline flow's masked update), and padded by their own count: one graph, equal
+    to onnxruntime for any data."""
     nodes = [helper.make_node("Greater", ["x", "zero"], ["positive"]),
              helper.make_node("Cast", ["positive"], ["ones"], to=TensorProto.INT64),
              helper.make_node("ReduceSum", ["ones"], ["count"], keepdims=1),
@@ -176,19 +177,24 @@ def test_sizes_the_data_decides_are_bound_as_the_graph_runs(tmp_path):
              helper.make_node("Transpose", ["at"], ["tuples"], perm=[1, 0]),
              helper.make_node("GatherND", ["x", "tuples"], ["picked"]),
              helper.make_node("Add", ["picked", "picked"], ["doubled"]),
-             helper.make_node("ScatterND", ["x", "tuples", "doubled"], ["y"])]
+             helper.make_node("ScatterND", ["x", "tuples", "doubled"], ["y"]),
+             helper.make_node("Shape", ["picked"], ["many"]),
+             helper.make_node("Concat", ["one", "many"], ["pads"], axis=0),
+             helper.make_node("Pad", ["picked", "pads"], ["padded"])]
     graph = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
                               [helper.make_tensor_value_info(name, dt, None) for name, dt in
-                               (("top", TensorProto.FLOAT), ("where", TensorProto.INT64), ("y", TensorProto.FLOAT))],
+                               (("top", TensorProto.FLOAT), ("where", TensorProto.INT64), ("y", TensorProto.FLOAT),
+                                ("padded", TensorProto.FLOAT))],
                               [numpy_helper.from_array(np.array(0, np.float32), "zero"),
-                               numpy_helper.from_array(np.array([-1], np.int64), "flat")])
+                               numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+                               numpy_helper.from_array(np.array([1], np.int64), "one")])
     path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
     model = Runtime("cpu").load(path)
     counts = set()
     for seed in range(4):
         x = np.random.default_rng(seed).standard_normal((3, 4)).astype(np.float32)
         got, want = model.run({"x": x}), onnxruntime_run(path, {"x": x})
-        for name, expected in zip(("top", "where", "y"), want):
+        for name, expected in zip(("top", "where", "y", "padded"), want):
             np.testing.assert_array_equal(got[name], expected)
         counts.add(len(want[0]))
     assert len(counts) > 1                               # the data did decide the sizes
