@@ -103,12 +103,15 @@ def activate(x, kind: tl.constexpr, a, b):
 
 @chained
 @triton.jit
-def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constexpr):
+def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """Floats in f32; integers (add, sub, mul, min, max) in their own width, wrapping as C and numpy do."""
     after_prior()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
-    a = tl.load(a_ptr + offs, mask=keep).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=keep).to(tl.float32)
+    a = tl.load(a_ptr + offs, mask=keep)
+    b = tl.load(b_ptr + offs, mask=keep)
+    if FLOAT:
+        a, b = a.to(tl.float32), b.to(tl.float32)
     if op == 0:
         y = a + b
     elif op == 1:
@@ -124,29 +127,6 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constex
     else:
         y = tl.maximum(a, b)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
-
-
-@chained
-@triton.jit
-def _integer_binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, BLOCK: tl.constexpr):
-    """Integer add, sub, mul, min and max in the inputs' own width (wrapping as C and numpy do): the shape
-    arithmetic an exported graph computes from its data stays on the device."""
-    after_prior()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = offs < n
-    a = tl.load(a_ptr + offs, mask=keep)
-    b = tl.load(b_ptr + offs, mask=keep)
-    if op == 0:
-        y = a + b
-    elif op == 1:
-        y = a - b
-    elif op == 2:
-        y = a * b
-    elif op == 5:
-        y = tl.minimum(a, b)
-    else:
-        y = tl.maximum(a, b)
-    tl.store(out_ptr + offs, y, mask=keep)
 
 
 @chained
@@ -187,7 +167,7 @@ def flat_grid(n: int):
 def binary(a, b, op: int):
     a, b = (t.contiguous() for t in torch.broadcast_tensors(a, b))
     out = torch.empty_like(a)
-    _binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, BLOCK=BLOCK)
+    _binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, FLOAT=a.is_floating_point(), BLOCK=BLOCK)
     return out
 
 
@@ -199,18 +179,8 @@ for _name, _op in BINARY.items():
     jet(_name, CUDA, [(F, F)])(binary_jet(_op))
 
 
-def integer_binary_jet(op: int):
-    @device_jet
-    def run(a, b):
-        a, b = (t.contiguous() for t in torch.broadcast_tensors(a, b))
-        out = torch.empty_like(a)
-        _integer_binary_kernel[flat_grid(a.numel())](a, b, out, a.numel(), op=op, BLOCK=BLOCK)
-        return out
-    return run
-
-
-for _name in ("add", "sub", "mul", "minimum", "maximum"):
-    jet(_name, CUDA, [(INT, INT)])(integer_binary_jet(BINARY[_name]))
+for _name in ("add", "sub", "mul", "minimum", "maximum"):     # an exported graph's shape arithmetic stays here
+    jet(_name, CUDA, [(INT, INT)])(binary_jet(BINARY[_name]))
 
 
 def unary(x, kind: int, negative_slope=0.01, approximate="none", min=None, max=None):
