@@ -30,12 +30,16 @@ from soma_runtime.dtypes import FLOATS, dtype_of
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_rss_mb
+from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.stops import check_stops
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.chat import ChatTemplate
+from soma_runtime.tools.loop import ToolLoop
+from soma_runtime.tools.registry import ToolRegistry
+from soma_runtime.tools.turn import Turn
 
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
@@ -134,15 +138,15 @@ class TextModel(Model):
         return self.weight_bytes() + per_token * self.engine.n_ctx
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
-                ignore_eos: bool = False, **params) -> GenerationRequest:
+                ignore_eos: bool = False, constraint: Constraint | None = None, **params) -> GenerationRequest:
         """A checked GenerationRequest: every argument of the wrong type or out of range is a RequestError
         naming it; `max_tokens` is cut to what the context leaves after the prompt. `ignore_eos` runs to
-        `max_tokens` past end-of-sequence tokens (benchmarks)."""
+        `max_tokens` past end-of-sequence tokens (benchmarks); `constraint`, what the text must match."""
         max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
         if not isinstance(ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}")
         req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
-                                ignore_eos)
+                                ignore_eos, constraint)
         self.engine.check(req)
         req.max_tokens = min(req.max_tokens, self.engine.n_ctx - len(req.prompt_ids))
         return req
@@ -161,10 +165,14 @@ class TextModel(Model):
         stop = stop if stop is not None else self.loaded.sampling.get("stop")
         return [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop or []
 
-    def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, **params) -> Iterator[Token]:
+    def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop=None, json_schema=None,
+                 regex: str | None = None, grammar: str | None = None, constraint: Constraint | None = None,
+                 **params) -> Iterator[Token]:
         """Stream tokens for a raw prompt (text, or token ids); each has .id, .text, .finish_reason. The
-        request runs through the model's scheduling loop (streams generated at once are batched)."""
-        return self.scheduler.run(self.request(self.prompt_ids(prompt), max_tokens, stop, **params))
+        request runs through the model's scheduling loop (streams generated at once are batched). The text
+        can be held to a JSON schema, a regex or a grammar (Lark, or GBNF)."""
+        constraint = constraint or constraint_of(json_schema, regex, grammar)
+        return self.scheduler.run(self.request(self.prompt_ids(prompt), max_tokens, stop, constraint=constraint, **params))
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A raw prompt's token ids: text is tokenized (after a length check that needs no tokenizing),
@@ -187,12 +195,26 @@ class TextModel(Model):
     def complete(self, prompt: str | list[int], **params) -> str:
         return "".join(t.text for t in self.generate(prompt, **params))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def template(self) -> ChatTemplate:
         if self.template_error is not None:
             raise self.template_error
         if self.chat_template is None:
             raise RequestError(f"model {self.id} has no chat template; use generate() with a raw prompt")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template().render(messages, add_generation_prompt)
+
+    def turn(self, messages: list[dict], tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool = True,
+             constraint: Constraint | None = None) -> Turn:
+        """The prompt and constraint of the assistant's next reply (tools shown to the model, a call or a
+        response format enforced, reasoning left free), and how to read the reply."""
+        turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
+        self.check_length(turn.text)
+        return turn
+
+    def turn_ids(self, turn: Turn) -> list[int]:
+        return self.tokenizer.encode(turn.text, add_special=False)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The prompt tokens of a conversation, through the model's chat template."""
@@ -200,10 +222,24 @@ class TextModel(Model):
         self.check_length(text)
         return self.tokenizer.encode(text, add_special=False)
 
-    def chat(self, messages: list[dict], stream: bool = True, **params):
-        """Apply the model's chat template and generate the assistant's reply."""
-        tokens = self.generate(self.chat_ids(messages), **params)
-        return tokens if stream else "".join(t.text for t in tokens)
+    def chat(self, messages: list[dict], stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
+             tool_choice=None, parallel_tool_calls: bool = True, max_tool_steps: int = 8, json_schema=None,
+             regex: str | None = None, grammar: str | None = None, **params):
+        """Apply the model's chat template and generate the assistant's reply (held to a JSON schema, a regex
+        or a grammar if given; a thinking model's reasoning stays free). With a ToolRegistry, run the tool
+        loop: calls are checked, run, and their results fed back until a reply calls none. Streams Tokens;
+        `stream=False` gives the final reply's content (with a list of tools, the Reply: content, reasoning,
+        tool_calls)."""
+        constraint = constraint_of(json_schema, regex, grammar)
+        if isinstance(tools, ToolRegistry):
+            loop = ToolLoop(self, messages, tools, tool_choice, parallel_tool_calls, max_tool_steps, constraint, params)
+            return loop if stream else loop.final()
+        turn = self.turn(messages, tools, tool_choice, parallel_tool_calls, constraint)
+        tokens = self.generate(self.turn_ids(turn), constraint=turn.constraint, **params)
+        if stream:
+            return tokens
+        reply = turn.read("".join(t.text for t in tokens))
+        return reply if tools else reply.content
 
     def logits(self, prompt: str | list[int]) -> np.ndarray:
         """Next-token logits at every position of the prompt: [tokens, vocab] f32."""

@@ -80,6 +80,8 @@ def cmd_run(args) -> int:
     if args.prompt is None:
         raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
     params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
+    params.update(json_schema=read_text(args.json_schema, "--json-schema"), regex=args.regex,
+                  grammar=read_text(args.grammar, "--grammar"))
     prompt = read_prompt(args.prompt)
     if args.chat or args.system:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
@@ -94,6 +96,17 @@ def cmd_run(args) -> int:
     logging.getLogger("soma_runtime").info("prefill %.1f tok/s, decode %.1f tok/s, %d tokens, finish=%s",
                                            m["prefill_tok_s"], m["decode_tok_s"], m["generated_tokens"], m["finish_reason"])
     return 0
+
+
+def read_text(path: str | None, flag: str) -> str | None:
+    """A constraint file's text (a JSON schema, a Lark or GBNF grammar)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestError(f"{flag} {path}: cannot read it ({e})") from None
 
 
 def read_inputs(specs: list[str]) -> dict:
@@ -253,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeat-penalty", type=float, default=None)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    held = r.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", default=None, metavar="FILE", help="the reply must validate against this JSON schema")
+    held.add_argument("--regex", default=None, metavar="RE", help="the reply must match this regular expression")
+    held.add_argument("--grammar", default=None, metavar="FILE", help="the reply must parse by this Lark (or GBNF) grammar")
     r.set_defaults(run=cmd_run)
 
     models = sub.add_parser("models", help="inspect models").add_subparsers(dest="models_command", required=True)

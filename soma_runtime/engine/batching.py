@@ -207,6 +207,9 @@ class Scheduler:
             batch, jobs = self._batch()
             if not batch:
                 return
+            for job, (_, _, want) in zip(jobs, batch):      # grammar masks: computed while the forward runs
+                if want and job.stream.guide is not None:
+                    job.stream.guide.prepare()
             step = self.engine.launch(batch, self._sampling(jobs, batch))
         if self._goes_on(jobs, batch):
             self.ahead = jobs, self.engine.launch_next([job.stream for job in jobs], step)

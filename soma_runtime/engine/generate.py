@@ -21,6 +21,7 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderIO, DecoderStep
 from soma_runtime.architectures.decoder import Weights, build_decoder, cache_of, sample_width
 from soma_runtime.backends.base import Backend
+from soma_runtime.engine.grammar import Constraint, Grammars
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.stops import StopMatcher, check_stops
@@ -47,6 +48,8 @@ class Metrics:
     decode_ms: float = 0.0
     peak_rss_mb: float = 0.0
     finish_reason: str | None = None
+    mask_ms_mean: float = 0.0      # a grammar's token mask, per constrained token
+    mask_ms_p99: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -64,12 +67,17 @@ class Metrics:
 @dataclass
 class Token:
     """One step of a stream: the token id, the text it completes (may be empty), and the end if any.
-    With logprobs asked for: the token's log-probability and the most likely alternatives."""
+    With logprobs asked for: the token's log-probability and the most likely alternatives. In a tool
+    loop, a reply's calls come after it as tokens of their own (id -1, no text)."""
     id: int
     text: str
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    tool_call: object | None = None       # in a tool loop: the call a reply made (tools.formats.ToolCall)
+
+    def is_tool_call(self) -> bool:
+        return self.tool_call is not None
 
 
 @dataclass
@@ -80,6 +88,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None        # alternatives to report per token (0: only the chosen one)
     ignore_eos: bool = False           # run to max_tokens past end-of-sequence tokens (benchmarks)
+    constraint: Constraint | None = None   # what the generated text must match
 
 
 def peak_rss_mb() -> float:
@@ -96,6 +105,7 @@ class Stream:
         self.sampler = Sampler(req.sampling)
         self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_ids[-4:])
         self.stops = StopMatcher(req.stop)
+        self.guide = engine.grammars.guide(req.constraint) if req.constraint is not None else None
         self.history, self.generated = list(req.prompt_ids), []
         self.metrics = Metrics(prompt_tokens=len(req.prompt_ids))
         self.pending: list[int] | None = None          # set by start()
@@ -131,7 +141,7 @@ class Stream:
     @property
     def on_model(self) -> bool:
         """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host)."""
-        return self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None
+        return self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None and self.guide is None
 
     def draws(self) -> np.ndarray | None:
         """The `sampling` rows of this stream's next step (one row), where the model samples for it."""
@@ -151,7 +161,14 @@ class Stream:
         the token itself (0-d: chosen where the model runs, from `draws()`); say if the stream ends."""
         if self.prefilling:
             self.engine.pool.publish(self.seq, self.req.prompt_ids)
-        token = int(choice) if np.ndim(choice) == 0 else self.sampler(choice, self.history, self.generated)
+        allowed = self.guide.allowed() if self.guide is not None else None
+        dead = allowed is not None and not allowed.any()       # a grammar with no way on: the text so far is all
+        if dead:
+            token = min(self.engine.stop_ids, default=int(np.argmax(choice)))
+        elif np.ndim(choice) == 0:
+            token = int(choice)
+        else:
+            token = self.sampler(choice, self.history, self.generated, allowed)
         self.history.append(token)
         self.generated.append(token)
         self.clock()
@@ -160,17 +177,23 @@ class Stream:
             logp = log_softmax(choice)
             top = np.argsort(-logp, kind="stable")[: self.req.logprobs]
             out.logprob, out.top_logprobs = float(logp[token]), [(int(i), float(logp[i])) for i in top]
+        if self.guide is not None and not dead:
+            self.guide.advance(token, self.engine.tokenizer.decode([token], skip_special=False))
         if token in self.engine.stop_ids and not self.req.ignore_eos:
             out.text, out.finish_reason = self.stops.flush(), "stop"
         else:
             out.text, stopped = self.stops.push(self.detok.push(token))
-            if stopped:
+            if stopped or dead or (self.guide is not None and self.guide.done):
+                out.text += self.stops.flush() if not stopped else ""
                 out.finish_reason = "stop"
             elif len(self.generated) >= self.req.max_tokens or len(self.history) >= self.engine.n_ctx:
                 out.text, out.finish_reason = out.text + self.stops.flush(), "length"
             else:
                 self.pending = [token]
         self.finish_reason = self.metrics.finish_reason = out.finish_reason
+        if out.finish_reason and self.guide is not None and self.guide.mask_seconds:
+            ms = np.asarray(self.guide.mask_seconds) * 1e3
+            self.metrics.mask_ms_mean, self.metrics.mask_ms_p99 = float(ms.mean()), float(np.percentile(ms, 99))
         return out
 
 
@@ -202,6 +225,7 @@ class Engine:
         self.placed: dict[str, object] = {}       # the weights on the device, shared by every plan
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
+        self.grammars = Grammars(tokenizer.hf.to_str(), cfg.vocab_size, sorted(self.stop_ids))
         self.metrics = Metrics()
         self.lock = threading.Lock()          # one forward at a time: plans own their arenas
 
@@ -297,3 +321,5 @@ class Engine:
         if req.logprobs is not None and (type(req.logprobs) is not int or not 0 <= req.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
         req.sampling.validate()
+        if req.constraint is not None:
+            self.grammars.matcher(req.constraint)          # compiled (and cached) now: a bad one fails the request

@@ -101,8 +101,11 @@ class Sampler:
         u = min(self.rng.random(), LAST_BELOW_ONE) if p.temperature > 0 else 0.0     # kept < 1 once in f32
         return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u], np.float32)
 
-    def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:
+        """The next token; `allowed` ([vocab] bool, a grammar's mask) keeps the choice to those tokens."""
         p = self.params
+        if allowed is not None:
+            logits = np.where(allowed, logits, -np.inf)
         logits = apply_repeat_penalty(np.asarray(logits, np.float64), history[-p.repeat_last_n:] if p.repeat_last_n else history,
                                       p.repeat_penalty)
         logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)

@@ -1,8 +1,10 @@
 """OpenAI's wire format: request bodies validated into engine requests, responses and stream chunks.
 
-Fields OpenAI defines and this server does not act on (user, tools, response_format, ...) are
-accepted and ignored, as llama.cpp's server does, so existing clients work unchanged; llama.cpp's
-sampling extensions (top_k, min_p, repeat_penalty) are accepted too.
+Structured output (`response_format`; llama.cpp's `grammar` and `json_schema` on completions) and tools
+(`tools`, `tool_choice`, `parallel_tool_calls`; replies with `tool_calls`, streamed as deltas) are acted
+on. Fields OpenAI defines and this server does not act on (user, ...) are accepted and ignored, as
+llama.cpp's server does, so existing clients work unchanged; llama.cpp's sampling extensions (top_k,
+min_p, repeat_penalty) are accepted too.
 """
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from soma_runtime.api import TextModel
 from soma_runtime.engine.generate import GenerationRequest, Token
+from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.engine.sampling import MAX_TOP_K, SEED_LIMIT
 from soma_runtime.errors import RequestError
+from soma_runtime.tools.turn import ReplyStream, Turn
+
+ARGUMENT_FRAGMENT = 32        # characters of a streamed call's arguments per chunk
 
 
 class Sampling(BaseModel):
@@ -35,9 +41,30 @@ class Sampling(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None
+    response_format: dict | None = None
+    _turn: Turn | None = PrivateAttr(None)
+
+    @property
+    def turn(self) -> Turn | None:
+        """The chat turn the request became (its reply is read through it), once engine_requests ran."""
+        return self._turn
+
+    def format_constraint(self) -> Constraint | None:
+        """`response_format`: text, json_object (llama.cpp: with an optional `schema`), or json_schema."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return Constraint.json_schema(fmt["schema"]) if fmt.get("schema") is not None else constraint_of(json_object=True)
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or spec.get("schema") is None:
+                raise RequestError("response_format json_schema needs {json_schema: {name, schema}}")
+            return Constraint.json_schema(spec["schema"])
+        raise RequestError(f"response_format type must be text, json_object or json_schema, got {fmt.get('type')!r}")
 
     def requests(self, model: TextModel, prompt_ids: list[int], logprobs: int | None,
-                 default_max: int | None) -> list[GenerationRequest]:
+                 default_max: int | None, constraint: Constraint | None = None) -> list[GenerationRequest]:
         """One engine request per choice; with a seed, choice i draws from seed + i (-1: unseeded, as llama.cpp)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -45,7 +72,7 @@ class Sampling(BaseModel):
                                                 "presence_penalty", "frequency_penalty")}
         max_tokens = self.max_tokens or default_max or model.context_length       # cut to what the context leaves
         seeded = self.seed is not None and self.seed != -1
-        return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs,
+        return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs, constraint=constraint,
                               seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params) for i in range(self.n)]
 
     @property
@@ -71,14 +98,17 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-    def prompt_ids(self, model: TextModel) -> list[int]:
-        return model.chat_ids([m.as_dict() for m in self.messages])
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def engine_requests(self, model: TextModel) -> list[GenerationRequest]:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
-        return self.requests(model, self.prompt_ids(model), (self.top_logprobs or 0) if self.logprobs else None, None)
+        self._turn = model.turn([m.as_dict() for m in self.messages], self.tools, self.tool_choice, self.parallel_tool_calls,
+                               self.format_constraint())
+        return self.requests(model, model.turn_ids(self._turn), (self.top_logprobs or 0) if self.logprobs else None, None,
+                             self._turn.constraint)
 
 
 class CompletionRequest(Sampling):
@@ -86,6 +116,9 @@ class CompletionRequest(Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = 16          # OpenAI's default for completions
+    grammar: str | None = None           # llama.cpp's: GBNF (or Lark)
+    json_schema: dict | None = None      # llama.cpp's
+    regex: str | None = None
 
     def prompt_ids(self, model: TextModel) -> list[int]:
         prompt = self.prompt
@@ -96,7 +129,11 @@ class CompletionRequest(Sampling):
         return model.prompt_ids(prompt)
 
     def engine_requests(self, model: TextModel) -> list[GenerationRequest]:
-        return self.requests(model, self.prompt_ids(model), self.logprobs, 16)
+        given = constraint_of(self.json_schema, self.regex, self.grammar)
+        formatted = self.format_constraint()
+        if given is not None and formatted is not None:
+            raise RequestError("give response_format or grammar/json_schema/regex, not both")
+        return self.requests(model, self.prompt_ids(model), self.logprobs, 16, given or formatted)
 
 
 def new_id(prefix: str) -> str:
@@ -115,10 +152,12 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
 class Choice:
     """One choice being generated: its text, logprobs and finish, in chat or completion shape."""
 
-    def __init__(self, index: int, model: TextModel, chat: bool):
-        self.index, self.model, self.chat = index, model, chat
+    def __init__(self, index: int, model: TextModel, chat: bool, turn: Turn | None = None):
+        self.index, self.model, self.chat, self.turn = index, model, chat, turn
         self.text, self.tokens, self.finish_reason = "", 0, None
         self.logprobs: list[tuple[Token, str]] = []
+        self.reader = ReplyStream(turn) if turn is not None and (turn.calls is not None or turn.thinks) else None
+        self.calls = 0
 
     def piece(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
@@ -143,13 +182,53 @@ class Choice:
                 "top_logprobs": [{self.piece(i): lp for i, lp in t.top_logprobs} for t, _ in entries]}
 
     def final(self) -> dict:
-        body = {"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text}
-        return {"index": self.index, **body, "logprobs": self.logprobs_json(self.logprobs), "finish_reason": self.finish_reason}
+        if not self.chat:
+            body, finish = {"text": self.text}, self.finish_reason
+        else:
+            body, finish = self.message()
+        return {"index": self.index, **body, "logprobs": self.logprobs_json(self.logprobs), "finish_reason": finish}
 
-    def delta(self, token: Token) -> dict:
+    def message(self) -> tuple[dict, str | None]:
+        """The chat reply, read as reasoning, content and tool calls; its finish reason."""
+        if self.turn is None:
+            return {"message": {"role": "assistant", "content": self.text}}, self.finish_reason
+        reply = self.turn.read(self.text)
+        message = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [c.as_openai() for c in reply.tool_calls]
+        finish = "tool_calls" if reply.tool_calls and self.finish_reason == "stop" else self.finish_reason
+        return {"message": message}, finish
+
+    def deltas(self, token: Token) -> list[dict]:
+        """The stream chunks' choices for one token: its text, or (reading reasoning and tool calls) the
+        pieces it completes; calls come whole at the end, id and name first, then the arguments in fragments."""
         entries = [(token, self.piece(token.id))] if token.logprob is not None else []
-        body = {"delta": {"content": token.text}} if self.chat else {"text": token.text}
-        return {"index": self.index, **body, "logprobs": self.logprobs_json(entries), "finish_reason": token.finish_reason}
+        logprobs = self.logprobs_json(entries)
+        if self.reader is None:
+            body = {"delta": {"content": token.text}} if self.chat else {"text": token.text}
+            return [{"index": self.index, **body, "logprobs": logprobs, "finish_reason": token.finish_reason}]
+        pieces = self.reader.feed(token.text) + (self.reader.finish() if token.finish_reason else [])
+        deltas = []
+        for kind, value in pieces:
+            if kind == "call":
+                deltas += self.call_deltas(value)
+            else:
+                deltas.append({"reasoning_content" if kind == "reasoning" else "content": value})
+        if token.finish_reason:
+            finish = "tool_calls" if self.calls and token.finish_reason == "stop" else token.finish_reason
+            deltas.append({"finish": finish})
+        return [{"index": self.index, "delta": {} if "finish" in d else d, "logprobs": logprobs if i == 0 else None,
+                 "finish_reason": d.get("finish")} for i, d in enumerate(deltas)]
+
+    def call_deltas(self, call) -> list[dict]:
+        index, self.calls = self.calls, self.calls + 1
+        head = {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+        args = call.arguments
+        return [head] + [{"tool_calls": [{"index": index, "function": {"arguments": args[i:i + ARGUMENT_FRAGMENT]}}]}
+                         for i in range(0, len(args), ARGUMENT_FRAGMENT)]
 
 
 def envelope(kind: Literal["chat", "text"], stream: bool, request_id: str, model_id: str, created: int | None = None) -> dict:

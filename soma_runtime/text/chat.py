@@ -33,6 +33,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except (jinja2.exceptions.TemplateError, RecursionError, ValueError) as e:
             raise ModelLoadError(f"the chat template does not compile ({type(e).__name__}: {e})") from None
+        self.source = source
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -50,5 +51,7 @@ def check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), (str, list)):
+        content_ok = isinstance(m, dict) and (isinstance(m.get("content", ""), (str, list)) or
+                                              (m.get("content") is None and bool(m.get("tool_calls"))))
+        if not content_ok or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}] must have a role in {ROLES} and text content, got {m!r}")

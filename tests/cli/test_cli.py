@@ -53,3 +53,22 @@ def test_models_info_lists_the_fusions_the_pass_found():
     assert found == {"stack matmuls": layers, "norm->matmul": 2 * layers + 1, "matmul->residual": 2 * layers,
                      "gate/up+swiglu|geglu": layers, "rope->kv_append": layers, "rope->attention": layers,
                      "kv_append k+v": layers}
+
+
+def test_run_holds_the_reply_to_a_schema_a_regex_or_a_grammar(tmp_path):
+    import re
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"tier": {"type": "integer", "minimum": 0, "maximum": 3}}, "required": ["tier"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "yes.gbnf").write_text('root ::= " " ("yes" | "no")')
+    r = soma("run", "--chat", "--prompt", "Pick a tier", "--json-schema", str(tmp_path / "schema.json"), "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)
+    r = soma("run", "--prompt", "The year:", "--regex", " [0-9]{4}", "--seed", "2")
+    assert r.returncode == 0 and re.fullmatch(r" [0-9]{4}\n", r.stdout), r.stderr
+    r = soma("run", "--prompt", "Is it?", "--grammar", str(tmp_path / "yes.gbnf"))
+    assert r.returncode == 0 and r.stdout in (" yes\n", " no\n"), r.stderr
+    r = soma("run", "--prompt", "x", "--regex", "[a-")
+    assert r.returncode != 0 and "invalid regex" in r.stderr

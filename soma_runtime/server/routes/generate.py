@@ -88,7 +88,7 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
     reqs = await run_in_threadpool(body.engine_requests, served.model)
     gen = Generation(served, reqs, state.metrics, state.max_queue)
     rid = openai.new_id("chatcmpl" if chat else "cmpl")
-    choices = [openai.Choice(i, served.model, chat) for i in range(len(reqs))]
+    choices = [openai.Choice(i, served.model, chat, body.turn) for i in range(len(reqs))]
     head = openai.envelope("chat" if chat else "text", body.stream, rid, served.id)
     echo = getattr(body, "echo", False) and served.model.detokenize(reqs[0].prompt_ids)
     if echo:
@@ -113,7 +113,8 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
         try:
             async for i, token in gen.tokens():
                 choices[i].add(token)
-                yield sse({**head, "choices": [choices[i].delta(token)]})
+                for delta in choices[i].deltas(token):
+                    yield sse({**head, "choices": [delta]})
         except Exception as exc:              # headers are gone: the error travels as the last event
             log.exception("generation failed mid-stream")
             yield sse(openai.error_body(str(exc), "server_error"))

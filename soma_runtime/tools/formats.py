@@ -1,0 +1,246 @@
+"""Tool-call formats by model family, told from the chat template: how a family writes its calls (so a
+grammar can force them, or start forcing once a call opens) and how they are parsed back out of the
+generated text. Families: Hermes/Qwen `<tool_call>{json}</tool_call>` (and the XML `<function=…>` form
+of newer Qwen templates), Llama 3.x `{"name", "parameters"}`, Mistral `[TOOL_CALLS][…]`, and a generic
+format for templates without tools: schema-constrained JSON described in the system prompt.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from soma_runtime.engine.grammar import JSON_OPTIONS, Constraint
+
+MAX_PARALLEL_CALLS = 8          # calls one reply may make: a model cannot call on until its tokens run out
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str                 # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def function_of(tool: dict) -> dict:
+    """An OpenAI tool's function: {name, description, parameters}."""
+    return tool.get("function", tool)
+
+
+def call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
+    """One call to any of `tools`: {"name": <its name>, <arguments_key>: <its parameters>}."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                "properties": {"name": {"const": f["name"]},
+                               arguments_key: f.get("parameters") or {"type": "object"}}}
+               for f in map(function_of, tools)]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def loads_call(text: str, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
+    """A ToolCall from a JSON object {"name", "arguments" | "parameters"}, None for anything else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = next((value[k] for k in arguments_keys if k in value), {})
+    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+class CallFormat:
+    """How one family writes tool calls. `opening` is the text a call starts with (where `auto` starts
+    constraining); `None` where a call is the whole reply."""
+    name = ""
+    opening: str | None = None
+
+    def system_prompt(self, tools: list[dict]) -> str | None:
+        """Text to put in the system message, for templates that cannot show the tools themselves."""
+        return None
+
+    def forced(self, tools: list[dict], parallel: bool) -> Constraint:
+        """The reply must be tool calls (tool_choice `required` or a named function)."""
+        raise NotImplementedError
+
+    def started(self, tools: list[dict], parallel: bool) -> Constraint | None:
+        """For tool_choice `auto`: the reply runs free; once it opens a call, the call is forced."""
+        return None
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a reply; text that holds no well-formed call is all content."""
+        raise NotImplementedError
+
+
+def lark_calls(opening: str, closing: str, schema: dict, parallel: bool, opened: bool = False) -> str:
+    """A Lark grammar of `opening` JSON-call `closing`, once or repeated; `opened`: the first opening is
+    already written (the constraint starts after it)."""
+    call = f'"\\n"? %json {inline(schema)} "\\n"? {json.dumps(closing)}'
+    first = call if opened else f"{json.dumps(opening)} {call}"
+    more = f' ("\\n"? {json.dumps(opening)} {call}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    return f"start: {first}{more}\n"
+
+
+def inline(schema: dict) -> str:
+    """A schema for Lark's `%json`, with the JSON options a schema constraint gets."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+class Hermes(CallFormat):
+    """Qwen 2.5/3, Hermes, SmolLM3: `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`."""
+    name, opening, closing = "hermes", "<tool_call>", "</tool_call>"
+    XML = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def forced(self, tools, parallel):
+        return Constraint("lark", lark_calls(self.opening, self.closing, call_schema(tools), parallel))
+
+    def started(self, tools, parallel):
+        return Constraint("lark", lark_calls(self.opening, self.closing, call_schema(tools), parallel, opened=True), self.opening)
+
+    def parse(self, text):
+        pattern = re.compile(re.escape(self.opening) + r"(.*?)(" + re.escape(self.closing) + r"|$)", re.DOTALL)
+        found = pattern.findall(text)
+        if found and not found[-1][1] and self.call(found[-1][0]) is None:
+            found = found[:-1]                      # a call cut off by the token limit is dropped
+        calls = [self.call(body) for body, _ in found]
+        if not calls or None in calls:
+            return text, []
+        return text[:text.index(self.opening)].strip(), calls
+
+    def call(self, body: str) -> ToolCall | None:
+        """A call written as JSON, or in the XML form (`<function=name><parameter=p>value</parameter>`)."""
+        found = self.XML.search(body)
+        if found is None:
+            return loads_call(body.strip())
+        args = {}
+        for key, value in self.PARAMETER.findall(found.group(2)):
+            try:
+                args[key] = json.loads(value)
+            except json.JSONDecodeError:
+                args[key] = value
+        return ToolCall(found.group(1), json.dumps(args, ensure_ascii=False))
+
+
+class Llama3(CallFormat):
+    """Llama 3.1-3.3 with JSON tool calling: the reply is `{"name": …, "parameters": {…}}`."""
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def forced(self, tools, parallel):
+        return Constraint.json_schema(call_schema(tools, "parameters"))
+
+    def parse(self, text):
+        body = text.strip().removeprefix(self.PYTHON_TAG).strip()
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):                       # objects one after another, `;` between them
+            try:
+                value, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return text, []
+            calls.append(loads_call(json.dumps(value)))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        return (text, []) if None in calls or not calls else ("", calls)
+
+
+class Mistral(CallFormat):
+    """Mistral: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`, or `[TOOL_CALLS]name[ARGS]{…}` (v11)."""
+    name, opening = "mistral", "[TOOL_CALLS]"
+
+    def calls_schema(self, tools, parallel):
+        return {"type": "array", "items": call_schema(tools), "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+
+    def forced(self, tools, parallel):
+        return Constraint("lark", f"start: {json.dumps(self.opening)} %json {inline(self.calls_schema(tools, parallel))}\n")
+
+    def started(self, tools, parallel):
+        return Constraint("lark", f"start: %json {inline(self.calls_schema(tools, parallel))}\n", self.opening)
+
+    def parse(self, text):
+        if self.opening not in text:
+            return text, []
+        content, _, body = text.partition(self.opening)
+        if "[ARGS]" in body:
+            calls = [ToolCall(name.strip(), args.strip()) for name, args in
+                     (part.split("[ARGS]", 1) for part in body.split(self.opening) if "[ARGS]" in part)]
+            return content.strip(), calls
+        try:
+            items = json.loads(body.strip())
+        except json.JSONDecodeError:
+            return text, []
+        calls = [loads_call(json.dumps(item)) for item in (items if isinstance(items, list) else [items])]
+        return (text, []) if None in calls else (content.strip(), calls)
+
+
+class Generic(CallFormat):
+    """For templates that know no tools (SmolLM2's): the tools are described in the system prompt and
+    the reply is JSON, `{"tool_calls": [{"name", "arguments"}]}` or (when calls are optional)
+    `{"response": "…"}`, as llama.cpp's generic format."""
+    name = "generic"
+
+    def system_prompt(self, tools):
+        described = json.dumps([function_of(t) for t in tools], ensure_ascii=False)
+        return ("You can call these tools:\n" + described + "\nTo call tools, reply with JSON only: "
+                '{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}]}. '
+                'To answer directly, reply {"response": <your answer>}.')
+
+    def calls(self, tools, parallel) -> dict:
+        return {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+                "properties": {"tool_calls": {"type": "array", "items": call_schema(tools), "minItems": 1,
+                                              "maxItems": MAX_PARALLEL_CALLS if parallel else 1}}}
+
+    def forced(self, tools, parallel):
+        return Constraint.json_schema(self.calls(tools, parallel))
+
+    def started(self, tools, parallel):
+        response = {"type": "object", "additionalProperties": False, "required": ["response"],
+                    "properties": {"response": {"type": "string"}}}
+        return Constraint.json_schema({"anyOf": [self.calls(tools, parallel), response]})
+
+    def parse(self, text):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            calls = self.complete_calls(text)       # cut off by the token limit: the calls that were written whole
+            return ("", calls) if calls else (text, [])
+        if isinstance(value, dict) and isinstance(value.get("response"), str):
+            return value["response"], []
+        if not isinstance(value, dict) or not isinstance(value.get("tool_calls"), list):
+            return text, []
+        calls = [loads_call(json.dumps(item)) for item in value["tool_calls"]]
+        return (text, []) if None in calls or not calls else ("", calls)
+
+    @staticmethod
+    def complete_calls(text: str) -> list[ToolCall]:
+        """The whole calls at the start of a `{"tool_calls": [...` that was cut off."""
+        start = re.match(r'\s*\{\s*"tool_calls"\s*:\s*\[', text)
+        decoder, calls, at = json.JSONDecoder(), [], start.end() if start else len(text)
+        while at < len(text):
+            try:
+                value, at = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
+            except json.JSONDecodeError:
+                break
+            call = loads_call(json.dumps(value))
+            if call is None:
+                return []
+            calls.append(call)
+            at = len(text) - len(text[at:].lstrip().removeprefix(",").lstrip())
+        return calls
+
+
+def detect(template: str | None) -> CallFormat:
+    """The family's format, from what its chat template writes."""
+    source = template or ""
+    if "<tool_call>" in source:
+        return Hermes()
+    if "[TOOL_CALLS]" in source:
+        return Mistral()
+    if "tools" in source and ('"parameters"' in source or "<|python_tag|>" in source):
+        return Llama3()
+    return Generic()
