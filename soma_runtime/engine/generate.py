@@ -177,8 +177,8 @@ class Stream:
             logp = log_softmax(choice)
             top = np.argsort(-logp, kind="stable")[: self.req.logprobs]
             out.logprob, out.top_logprobs = float(logp[token]), [(int(i), float(logp[i])) for i in top]
-        if self.guide is not None and not dead:
-            self.guide.advance(token, self.engine.tokenizer.decode([token], skip_special=False))
+        if self.guide is not None and not dead:          # the token's text matters only while a marker is awaited
+            self.guide.advance(token, "" if self.guide.active else self.engine.tokenizer.decode([token], skip_special=False))
         if token in self.engine.stop_ids and not self.req.ignore_eos:
             out.text, out.finish_reason = self.stops.flush(), "stop"
         else:

@@ -104,9 +104,13 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:
         """The next token; `allowed` ([vocab] bool, a grammar's mask) keeps the choice to those tokens."""
         p = self.params
+        if allowed is not None and not p.penalized and p.temperature == 0:     # greedy: the best allowed token
+            ids = np.flatnonzero(allowed)
+            return int(ids[np.argmax(logits[ids])])
         if allowed is not None:
             logits = np.where(allowed, logits, -np.inf)
-        logits = apply_repeat_penalty(np.asarray(logits, np.float64), history[-p.repeat_last_n:] if p.repeat_last_n else history,
-                                      p.repeat_penalty)
-        logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
+        if p.penalized:
+            logits = apply_repeat_penalty(np.asarray(logits, np.float64),
+                                          history[-p.repeat_last_n:] if p.repeat_last_n else history, p.repeat_penalty)
+            logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
         return choose(logits, self.draw())

@@ -42,6 +42,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     response_format: dict | None = None
+    ignore_eos: bool = False             # llama.cpp's: run to max_tokens past end-of-sequence tokens
     _turn: Turn | None = PrivateAttr(None)
 
     @property
@@ -73,7 +74,8 @@ class Sampling(BaseModel):
         max_tokens = self.max_tokens or default_max or model.context_length       # cut to what the context leaves
         seeded = self.seed is not None and self.seed != -1
         return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs, constraint=constraint,
-                              seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params) for i in range(self.n)]
+                              ignore_eos=self.ignore_eos, seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params)
+                for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
