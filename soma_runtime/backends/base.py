@@ -62,6 +62,12 @@ class Backend:
         """What this backend found on this machine (`soma-runtime backends`)."""
         return {"available": True}
 
+    def enter_thread(self) -> None:
+        """Apply this backend's settings (its thread count) to the calling thread: a loop that runs on a
+        thread of its own calls it first."""
+        if self.fallback is not None:
+            self.fallback.enter_thread()
+
     def place(self, value):
         """A host value where this backend computes (weights in their stored format)."""
         return value

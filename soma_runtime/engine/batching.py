@@ -150,6 +150,7 @@ class Scheduler:
                     self._step_safely()
 
     def _loop(self) -> None:
+        self.engine.backend.enter_thread()
         while True:
             with self.wake:
                 while not (self.waiting or self.running or self.closing):

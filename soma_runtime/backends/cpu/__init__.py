@@ -4,12 +4,31 @@ Importing the package registers every jet; `BACKEND` is its one public surface.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import numba
 
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.backends.cpu import amx, attention, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
+
+
+def prefer_tbb() -> None:
+    """numba's TBB threading layer where the tbb wheel is installed: a parallel kernel launched from any
+    thread (a server's scheduler thread) then runs as fast as from the main one, where OpenMP's team ran
+    it 2.4x slower. The wheel puts libtbb in the environment's lib/, which the loader does not search: it
+    is loaded here by path, so numba's load by name finds it. NUMBA_THREADING_LAYER still decides."""
+    if "NUMBA_THREADING_LAYER" in os.environ:
+        return
+    try:
+        ctypes.CDLL(os.path.join(sys.prefix, "lib", "libtbb.so.12"))
+    except OSError:
+        return
+    numba.config.THREADING_LAYER = "tbb"
+
+
+prefer_tbb()
 
 
 def cpu_features() -> list[str]:
@@ -45,9 +64,17 @@ def physical_cores() -> int:
 class CpuBackend(Backend):
     name = "cpu"
 
+    threads: int | None = None
+
     def use_threads(self, threads: int | None) -> None:
         """Compute on `threads` threads (default: the physical cores: SMT siblings share a core's SIMD units)."""
-        numba.set_num_threads(max(1, min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS)))
+        self.threads = max(1, min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(self.threads)
+
+    def enter_thread(self) -> None:
+        """numba's thread count is the calling thread's own: a new thread starts at every core."""
+        if self.threads is not None:
+            numba.set_num_threads(self.threads)
 
     def detect(self) -> dict:
         import numpy as np
