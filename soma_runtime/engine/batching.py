@@ -211,7 +211,8 @@ class Scheduler:
             for job, (_, _, want) in zip(jobs, batch):      # grammar masks: computed while the forward runs
                 if want and job.stream.guide is not None:
                     job.stream.guide.prepare()
-            step = self.engine.launch(batch, self._sampling(jobs, batch))
+            sampling, host = self._sampling(jobs, batch)
+            step = self.engine.launch(batch, sampling, host=host)
         if self._goes_on(jobs, batch):
             self.ahead = jobs, self.engine.launch_next([job.stream for job in jobs], step)
             self.stats.ran_ahead += 1
@@ -258,13 +259,15 @@ class Scheduler:
                         for job in jobs))
 
     @staticmethod
-    def _sampling(jobs: list[Job], batch: list) -> np.ndarray | None:
-        """The step's sampling rows where every stream is sampled where the model runs (only tokens
-        come back), else None (all the logits do)."""
-        if not all(job.stream.on_model for job in jobs):
-            return None
-        rows = [job.stream.draws() for job, (_, _, want) in zip(jobs, batch) if want]
-        return np.concatenate(rows) if rows else greedy_rows(0)
+    def _sampling(jobs: list[Job], batch: list) -> tuple[np.ndarray | None, list[int]]:
+        """The step's sampling rows and the wanted rows sampled on the host (whose logits come back): None
+        and all where no stream samples on the model; else a row per stream, greedy for host-sampled ones."""
+        wanting = [job.stream for job, (_, _, want) in zip(jobs, batch) if want]
+        host = [i for i, stream in enumerate(wanting) if not stream.on_model]
+        if len(host) == len(wanting) and wanting:
+            return None, host
+        rows = [greedy_rows(1) if i in host else stream.draws() for i, stream in enumerate(wanting)]
+        return (np.concatenate(rows) if rows else greedy_rows(0)), host
 
     def _deliver(self, job: Job, token: Token) -> None:
         self.stats.generated_tokens += 1

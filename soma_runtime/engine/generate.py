@@ -260,10 +260,13 @@ class Engine:
         [want] instead, chosen where the model runs: the logits never cross to the host."""
         return self.launch(batch, sampling).wait()
 
-    def launch(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None, ids=None) -> Launched:
+    def launch(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None, ids=None,
+               host: list[int] = ()) -> Launched:
         """`forward`, queued: the step runs on while the caller goes on, until it waits for the results.
         `ids` may give the tokens as a device value (an earlier step's choices, not yet read back); the
-        batch's token lists then only count them."""
+        batch's token lists then only count them. With `sampling`, `host` names the wanted rows (by their
+        order) whose logits come back instead of their tokens: streams sampled on the host (a grammar's
+        mask) beside streams sampled on the model, each row fetched as its stream needs it."""
         for seq, tokens, _ in batch:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
@@ -282,8 +285,18 @@ class Engine:
             self.pool.keep(out.pages)
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
-        read = self.backend.fetch_soon(out.logits if logits_wanted else out.choices)
-        return Launched(out.choices, lambda: np.split(read(), np.cumsum([want for _, _, want in batch])[:-1]))
+        ends = np.cumsum([want for _, _, want in batch])[:-1]
+        if logits_wanted or not host:
+            read = self.backend.fetch_soon(out.logits if logits_wanted else out.choices)
+            return Launched(out.choices, lambda: np.split(read(), ends))
+        read_choices, read_logits = self.backend.fetch_soon(out.choices), self.backend.fetch_soon(out.logits[list(host)])
+
+        def wait() -> list:
+            chosen, logits = list(read_choices()), read_logits()
+            for j, row in enumerate(host):
+                chosen[row] = logits[j]
+            return [chosen[a:b] for a, b in zip([0, *ends], [*ends, len(chosen)])]
+        return Launched(out.choices, wait)
 
     def launch_next(self, streams: list[Stream], launched: Launched) -> Launched:
         """The step after `launched` for `streams` (all sampled on the model), queued before its tokens are

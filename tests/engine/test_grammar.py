@@ -119,3 +119,28 @@ def test_one_constraint_at_a_time(tiny):
         tiny.generate("x", json_schema={"type": "integer"}, regex="[0-9]+")
     with pytest.raises(RequestError, match="not JSON"):
         Constraint.json_schema("{type: integer")
+
+
+def test_constrained_and_free_streams_share_a_batch_and_keep_their_solo_tokens(tiny):
+    """Free streams stay sampled where the model runs (only their tokens come back); constrained ones get
+    their logits; each stream's tokens are what it gets alone."""
+    def requests():
+        return [tiny.request(tiny.prompt_ids(f"Prompt {i}"), 40, temperature=0.8, seed=i,
+                             constraint=Constraint.json_schema(SCHEMAS[i % len(SCHEMAS)]) if i % 2 else None) for i in range(6)]
+    alone = [[t.id for t in tiny.scheduler.run(req)] for req in requests()]
+    scheduler = Scheduler(tiny.engine, max_batch=16)
+    try:
+        inbox, together, open_jobs = queue.Queue(), [[] for _ in alone], len(alone)
+        for i, req in enumerate(requests()):
+            scheduler.submit(req, lambda item, i=i: inbox.put((i, item)))
+        while open_jobs:
+            i, item = inbox.get(timeout=120)
+            assert not isinstance(item, Exception), item
+            if item is None:
+                open_jobs -= 1
+            else:
+                together[i].append(item.id)
+        assert scheduler.stats.max_batch > 1
+    finally:
+        scheduler.close()
+    assert together == alone
