@@ -57,7 +57,6 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise RequestError(f"the JSON schema is not JSON: {e}") from None
-        check_schema(schema)
         return cls("json_schema", json.dumps(schema, sort_keys=True), after)
 
     def grammar(self) -> str:
@@ -66,6 +65,11 @@ class Constraint:
             raise RequestError(f"unknown constraint kind {self.kind!r}; one of {', '.join(KINDS)}")
         if not isinstance(self.text, str) or len(self.text) > MAX_TEXT:
             raise RequestError(f"a {self.kind} constraint must be text of at most {MAX_TEXT} characters")
+        if self.kind == "json_schema":
+            try:
+                check_schema(json.loads(self.text))
+            except json.JSONDecodeError as e:
+                raise RequestError(f"the JSON schema is not JSON: {e}") from None
         try:
             if self.kind in ("json_schema", "json_object"):
                 schema = self.text if self.kind == "json_schema" else '{"type": "object"}'

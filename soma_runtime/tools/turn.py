@@ -8,9 +8,9 @@ import copy
 import json
 from dataclasses import dataclass, field
 
-from soma_runtime.engine.grammar import Constraint
+from soma_runtime.engine.grammar import Constraint, check_schema
 from soma_runtime.errors import RequestError
-from soma_runtime.text.chat import ChatTemplate
+from soma_runtime.text.chat import ChatTemplate, check_messages
 from soma_runtime.tools.formats import CallFormat, Generic, ToolCall, detect, function_of
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -31,6 +31,7 @@ def check_tools(tools) -> list[dict]:
         f = function_of(tool) if isinstance(tool, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("parameters", {}), dict):
             raise RequestError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}")
+        check_schema(f.get("parameters", {}), f"/tools/{i}/function/parameters")
     return tools
 
 
@@ -50,6 +51,7 @@ class Turn:
 
     def __init__(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None, tool_choice=None,
                  parallel_tool_calls: bool = True, constraint: Constraint | None = None):
+        check_messages(messages)
         tools = check_tools(tools) if tools else []
         self.format: CallFormat | None = detect(template.source) if tools else None
         if tools and constraint is not None and tool_choice not in ("none",):
@@ -75,9 +77,12 @@ class Turn:
         """The messages as the template takes them: calls' arguments as objects (OpenAI sends JSON text);
         for the generic format, the tools described in the system message and calls written as it writes them."""
         messages = copy.deepcopy(messages)
-        for m in messages:
-            for call in m.get("tool_calls") or []:
-                f = call.get("function", call)
+        for i, m in enumerate(messages):
+            calls = m.get("tool_calls") or []
+            for call in calls if isinstance(calls, list) else [None]:
+                f = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                    raise RequestError(f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}")
                 if isinstance(f.get("arguments"), str):
                     try:
                         f["arguments"] = json.loads(f["arguments"])

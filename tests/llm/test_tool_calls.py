@@ -140,3 +140,16 @@ def test_streamed_calls_come_whole_at_the_end():
     pieces = [p for i in range(0, len(text), 5) for p in stream.feed(text[i:i + 5])] + stream.finish()
     assert "".join(v for k, v in pieces if k == "content") == "Checking.\n"
     assert [(v.name, v.arguments) for k, v in pieces if k == "call"] == [("clock", '{"zone": 2}')]
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("not a list", "messages must be a non-empty list"),
+    ([{"role": "assistant", "content": None, "tool_calls": "x"}], r"messages\[0\].tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}], r"messages\[0\].tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}], "not JSON"),
+])
+def test_malformed_tool_messages_are_request_errors(family, messages, message):
+    from soma_runtime.errors import RequestError
+    _, model, _ = family
+    with pytest.raises(RequestError, match=message):
+        model.turn(messages, TOOLS)

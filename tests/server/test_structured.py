@@ -151,6 +151,8 @@ def test_a_three_step_tool_loop_reuses_the_prompt_prefix(client):
     ({"response_format": {"type": "xml"}}, "response_format type"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tools": [{"type": "function"}]}, r"tools\[0\]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}]},
+     "'if' at '/tools/0/function/parameters/if'"),
 ])
 def test_bad_structured_requests_are_400s(server, body, message):
     status, payload = server.post("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "hi"}],
