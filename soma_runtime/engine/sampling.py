@@ -102,15 +102,14 @@ class Sampler:
         return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u], np.float32)
 
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:
-        """The next token; `allowed` ([vocab] bool, a grammar's mask) keeps the choice to those tokens."""
+        """The next token; `allowed` ([vocab] bool, a grammar's mask) keeps the choice to those tokens: the
+        pipeline runs over them alone (in token order, so the draw is the one the masked vocabulary gives)."""
         p = self.params
-        if allowed is not None and not p.penalized and p.temperature == 0:     # greedy: the best allowed token
-            ids = np.flatnonzero(allowed)
-            return int(ids[np.argmax(logits[ids])])
-        if allowed is not None:
-            logits = np.where(allowed, logits, -np.inf)
         if p.penalized:
             logits = apply_repeat_penalty(np.asarray(logits, np.float64),
                                           history[-p.repeat_last_n:] if p.repeat_last_n else history, p.repeat_penalty)
             logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
-        return choose(logits, self.draw())
+        if allowed is None:
+            return choose(logits, self.draw())
+        ids = np.flatnonzero(allowed)
+        return int(ids[choose(logits[ids], self.draw())])

@@ -144,3 +144,21 @@ def test_constrained_and_free_streams_share_a_batch_and_keep_their_solo_tokens(t
     finally:
         scheduler.close()
     assert together == alone
+
+
+def test_a_masked_draw_equals_the_draw_over_the_masked_vocabulary():
+    """The sampler runs over the allowed tokens alone (fast on a 128k vocabulary); it must choose what the
+    whole pipeline chooses with every other logit at -inf, for the same uniform."""
+    import numpy as np
+
+    from soma_runtime.engine.sampling import Sampler, SamplingParams
+    from soma_runtime.ir.sampling import choose
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        logits = (rng.standard_normal(1000) * 3).astype(np.float32)
+        allowed = rng.random(1000) < rng.choice([0.005, 0.05, 0.5, 1.0])
+        allowed[trial % 1000] = True
+        params = SamplingParams(temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 1, 5, 40, 2000])),
+                                top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0, 0.05, 0.2])), seed=trial)
+        masked = np.where(allowed, logits, -np.inf)
+        assert Sampler(params)(logits, [], [], allowed) == choose(masked, Sampler(params).draw()), (trial, params)
