@@ -189,6 +189,7 @@ class Guide:
         self.matcher, self.waiting_for, self.vocab_size = matcher, after, vocab_size
         self.seen = ""                                   # the generated text's tail, while waiting for the marker
         self.mask = allocate_token_bitmask(1, vocab_size)
+        self.ids: np.ndarray | None = None               # the tokens allowed next, once worked out
         self.ready: Future | None = None
         self.mask_seconds: list[float] = []
 
@@ -203,26 +204,30 @@ class Guide:
 
     def prepare(self) -> None:
         """Start computing the next step's mask (on the worker thread, beside the forward)."""
-        if self.active and self.ready is None:
+        if self.active and self.ready is None and self.ids is None:
             self.ready = MASKS.submit(self._fill)
 
     def _fill(self) -> None:
         start = time.perf_counter()
         fill_next_token_bitmask(self.matcher, self.mask)
+        self.ids = np.flatnonzero(np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[: self.vocab_size])
         self.mask_seconds.append(time.perf_counter() - start)
 
     def allowed(self) -> np.ndarray | None:
-        """The tokens the grammar allows next ([vocab] bool), None while the constraint has not started."""
+        """The token ids the grammar allows next, ascending (the same until a token is taken); None while
+        the constraint has not started."""
         if not self.active:
             return None
         self.prepare()
-        ready, self.ready = self.ready, None
-        ready.result()
-        return np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
+        if self.ready is not None:
+            self.ready.result()
+            self.ready = None
+        return self.ids
 
     def advance(self, token: int, piece: str) -> None:
         """Take the chosen token (`piece`, its text): the grammar consumes it, or it may reveal the marker."""
         if self.active:
+            self.ids = None
             self.matcher.consume_token(token)          # a token the mask allowed: refused only by a broken matcher
             return
         self.seen = (self.seen + piece)[-4 * len(self.waiting_for):]

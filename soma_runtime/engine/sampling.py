@@ -102,7 +102,7 @@ class Sampler:
         return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u], np.float32)
 
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:
-        """The next token; `allowed` ([vocab] bool, a grammar's mask) keeps the choice to those tokens: the
+        """The next token; `allowed` (ascending token ids, a grammar's) keeps the choice to those tokens: the
         pipeline runs over them alone (in token order, so the draw is the one the masked vocabulary gives)."""
         p = self.params
         if p.penalized:
@@ -111,5 +111,8 @@ class Sampler:
             logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
         if allowed is None:
             return choose(logits, self.draw())
-        ids = np.flatnonzero(allowed)
-        return int(ids[choose(logits[ids], self.draw())])
+        return self.among(allowed, np.asarray(logits)[allowed])
+
+    def among(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """The next token of `ids` (ascending), from their logits alone (no penalties apply)."""
+        return int(ids[choose(logits, self.draw())])

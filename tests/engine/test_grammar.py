@@ -161,4 +161,6 @@ def test_a_masked_draw_equals_the_draw_over_the_masked_vocabulary():
         params = SamplingParams(temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 1, 5, 40, 2000])),
                                 top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0, 0.05, 0.2])), seed=trial)
         masked = np.where(allowed, logits, -np.inf)
-        assert Sampler(params)(logits, [], [], allowed) == choose(masked, Sampler(params).draw()), (trial, params)
+        expected = choose(masked, Sampler(params).draw())
+        assert Sampler(params)(logits, [], [], np.flatnonzero(allowed)) == expected, (trial, params)
+        assert Sampler(params).among(np.flatnonzero(allowed), logits[allowed]) == expected, (trial, params)
