@@ -212,8 +212,7 @@ class Scheduler:
                 if want and job.stream.guide is not None:
                     job.stream.guide.prepare()
             sampling, host = self._sampling(jobs, batch)
-            wanting = [job.stream for job, (_, _, want) in zip(jobs, batch) if want]
-            step = self.engine.launch(batch, sampling, host=host, narrow=[wanting[i].candidates() for i in host])
+            step = self.engine.launch(batch, sampling, host=host)
         if self._goes_on(jobs, batch):
             self.ahead = jobs, self.engine.launch_next([job.stream for job in jobs], step)
             self.stats.ran_ahead += 1
@@ -260,11 +259,13 @@ class Scheduler:
                         for job in jobs))
 
     @staticmethod
-    def _sampling(jobs: list[Job], batch: list) -> tuple[np.ndarray, list[int]]:
-        """The step's sampling rows, one per wanted row (greedy for streams the host samples), and which
-        wanted rows the host samples (their logits, or a grammar's share of them, come back)."""
+    def _sampling(jobs: list[Job], batch: list) -> tuple[np.ndarray | None, list[int]]:
+        """The step's sampling rows and the wanted rows sampled on the host (whose logits come back): None
+        and all where no stream samples on the model; else a row per stream, greedy for host-sampled ones."""
         wanting = [job.stream for job, (_, _, want) in zip(jobs, batch) if want]
         host = [i for i, stream in enumerate(wanting) if not stream.on_model]
+        if len(host) == len(wanting) and wanting:
+            return None, host
         rows = [greedy_rows(1) if i in host else stream.draws() for i, stream in enumerate(wanting)]
         return (np.concatenate(rows) if rows else greedy_rows(0)), host
 

@@ -81,13 +81,6 @@ class Token:
 
 
 @dataclass
-class Candidates:
-    """Some tokens' logits (a grammar's allowed ones), fetched in place of a whole vocabulary's row."""
-    ids: np.ndarray
-    logits: np.ndarray
-
-
-@dataclass
 class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int = 256
@@ -150,12 +143,6 @@ class Stream:
         """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host)."""
         return self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None and self.guide is None
 
-    def candidates(self):
-        """Where the host samples this stream from a grammar's allowed tokens alone: a function giving their
-        ids once the mask is ready (only their logits need come back); None where it needs the whole row."""
-        narrow = self.guide is not None and self.guide.active and not self.sampler.params.penalized and self.req.logprobs is None
-        return self.guide.allowed if narrow else None
-
     def draws(self) -> np.ndarray | None:
         """The `sampling` rows of this stream's next step (one row), where the model samples for it."""
         return self.sampler.draw()[None] if self.on_model else None
@@ -170,17 +157,14 @@ class Stream:
             m.decode_ms = (now - self.first_at) * 1e3
 
     def accept(self, choice: np.ndarray) -> Token:
-        """Sample the next token from `choice`, the logits after the last pending token (or those of its
-        `candidates()`), or take it as the token itself (0-d: chosen where the model runs, from `draws()`);
-        say if the stream ends."""
+        """Sample the next token from `choice`, the logits after the last pending token, or take it as
+        the token itself (0-d: chosen where the model runs, from `draws()`); say if the stream ends."""
         if self.prefilling:
             self.engine.pool.publish(self.seq, self.req.prompt_ids)
         allowed = self.guide.allowed() if self.guide is not None else None
         dead = allowed is not None and not len(allowed)        # a grammar with no way on: the text so far is all
         if dead:
-            token = min(self.engine.stop_ids, default=0)
-        elif isinstance(choice, Candidates):
-            token = self.sampler.among(choice.ids, choice.logits)
+            token = min(self.engine.stop_ids, default=int(np.argmax(choice)))
         elif np.ndim(choice) == 0:
             token = int(choice)
         else:
@@ -277,13 +261,12 @@ class Engine:
         return self.launch(batch, sampling).wait()
 
     def launch(self, batch: list[tuple[Sequence, list[int], int]], sampling: np.ndarray | None = None, ids=None,
-               host: list[int] = (), narrow: list = ()) -> Launched:
+               host: list[int] = ()) -> Launched:
         """`forward`, queued: the step runs on while the caller goes on, until it waits for the results.
         `ids` may give the tokens as a device value (an earlier step's choices, not yet read back); the
         batch's token lists then only count them. With `sampling`, `host` names the wanted rows (by their
         order) whose logits come back instead of their tokens: streams sampled on the host (a grammar's
-        mask) beside streams sampled on the model. `narrow[j]`, where given, is a function giving the token
-        ids whose logits host row j needs (a grammar's allowed ones): only those come back, as Candidates."""
+        mask) beside streams sampled on the model, each row fetched as its stream needs it."""
         for seq, tokens, _ in batch:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
@@ -306,29 +289,14 @@ class Engine:
         if logits_wanted or not host:
             read = self.backend.fetch_soon(out.logits if logits_wanted else out.choices)
             return Launched(out.choices, lambda: np.split(read(), ends))
-        read_choices = self.backend.fetch_soon(out.choices)
+        read_choices, read_logits = self.backend.fetch_soon(out.choices), self.backend.fetch_soon(out.logits[list(host)])
 
         def wait() -> list:
-            chosen = list(read_choices())
-            for row, value in self.host_rows(out.logits, host, narrow or [None] * len(host)):
-                chosen[row] = value
+            chosen, logits = list(read_choices()), read_logits()
+            for j, row in enumerate(host):
+                chosen[row] = logits[j]
             return [chosen[a:b] for a, b in zip([0, *ends], [*ends, len(chosen)])]
         return Launched(out.choices, wait)
-
-    def host_rows(self, logits, host: list[int], narrow: list) -> list:
-        """(row, its logits or Candidates) for the host-sampled rows: whole rows in one fetch, the narrowed
-        ones' allowed logits gathered where the model ran and fetched in another."""
-        wanted = [f() if f is not None else None for f in narrow]
-        whole = [row for row, ids in zip(host, wanted) if ids is None]
-        parts = [(row, ids) for row, ids in zip(host, wanted) if ids is not None]
-        out = list(zip(whole, self.backend.fetch(logits[whole]))) if whole else []
-        if parts:
-            vocab = logits.shape[1]
-            flat = np.concatenate([row * vocab + ids for row, ids in parts]).astype(np.int64)
-            values = np.split(self.backend.fetch(logits.reshape(-1)[self.backend.place(flat)]),
-                              np.cumsum([len(ids) for _, ids in parts])[:-1])
-            out += [(row, Candidates(ids, v)) for (row, ids), v in zip(parts, values)]
-        return out
 
     def launch_next(self, streams: list[Stream], launched: Launched) -> Launched:
         """The step after `launched` for `streams` (all sampled on the model), queued before its tokens are

@@ -111,8 +111,4 @@ class Sampler:
             logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
         if allowed is None:
             return choose(logits, self.draw())
-        return self.among(allowed, np.asarray(logits)[allowed])
-
-    def among(self, ids: np.ndarray, logits: np.ndarray) -> int:
-        """The next token of `ids` (ascending), from their logits alone (no penalties apply)."""
-        return int(ids[choose(logits, self.draw())])
+        return int(allowed[choose(np.asarray(logits)[allowed], self.draw())])

@@ -163,4 +163,14 @@ def test_a_masked_draw_equals_the_draw_over_the_masked_vocabulary():
         masked = np.where(allowed, logits, -np.inf)
         expected = choose(masked, Sampler(params).draw())
         assert Sampler(params)(logits, [], [], np.flatnonzero(allowed)) == expected, (trial, params)
-        assert Sampler(params).among(np.flatnonzero(allowed), logits[allowed]) == expected, (trial, params)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.5, 1.0])
+def test_allowed_ids_are_the_masks_set_bits(density):
+    import numpy as np
+
+    from soma_runtime.engine.grammar import set_bits
+    rng = np.random.default_rng(1)
+    bits = rng.random(1000) < density
+    words = np.packbits(np.pad(bits, (0, 1024 - 1000)), bitorder="little").view(np.int32)
+    assert np.array_equal(set_bits(words, 1000), np.flatnonzero(bits))
