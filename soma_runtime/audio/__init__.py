@@ -1,0 +1,1 @@
+"""Audio: the front ends speech models read (log-mel features), independent of any model."""
