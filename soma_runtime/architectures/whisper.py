@@ -1,0 +1,127 @@
+"""Whisper, the encoder-decoder template: WhisperConfig + HF-named weights -> two Graphs.
+
+Encoder: log-mel features [B, mels, frames] -> conv1d (k3) + gelu -> conv1d (k3, stride 2) + gelu ->
++ learned (sinusoid-initialized) positions -> N x (layernorm, attention, add; layernorm, gelu mlp, add)
+-> layernorm: [B, frames / 2, D]. Decoder: token ids [B, S] + positions -> N x (layernorm, causal
+self-attention, add; layernorm, attention over the encoder's output, add; layernorm, gelu mlp, add) ->
+layernorm -> logits through the tied token embedding [B, S, vocab]. Pre-norm, biases everywhere but the
+key projections. This template is the plain math; the decoder here attends over its whole prefix each
+call (the runner with a paged self-attention cache and per-sequence cross-attention K/V builds on it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_runtime.architectures.decoder import Weights
+from soma_runtime.errors import ModelLoadError
+from soma_runtime.ir.builder import GraphBuilder
+from soma_runtime.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    encoder_heads: int
+    encoder_ffn: int
+    decoder_layers: int
+    decoder_heads: int
+    decoder_ffn: int
+    num_mel_bins: int = 80
+    max_source_positions: int = 1500
+    max_target_positions: int = 448
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> WhisperConfig:
+        names = {"vocab_size": "vocab_size", "d_model": "d_model", "encoder_layers": "encoder_layers",
+                 "encoder_heads": "encoder_attention_heads", "encoder_ffn": "encoder_ffn_dim",
+                 "decoder_layers": "decoder_layers", "decoder_heads": "decoder_attention_heads",
+                 "decoder_ffn": "decoder_ffn_dim", "num_mel_bins": "num_mel_bins",
+                 "max_source_positions": "max_source_positions", "max_target_positions": "max_target_positions"}
+        values = {}
+        for ours, theirs in names.items():
+            value = hf.get(theirs, cls.__dataclass_fields__[ours].default)
+            if type(value) is not int or value < 1:
+                raise ModelLoadError(f"{source}: {theirs} must be a positive integer, got {value!r}")
+            values[ours] = value
+        for heads in ("encoder_heads", "decoder_heads"):
+            if values["d_model"] % values[heads]:
+                raise ModelLoadError(f"{source}: d_model {values['d_model']} is not a multiple of {heads} {values[heads]}")
+        if hf.get("activation_function", "gelu") != "gelu" or hf.get("scale_embedding", False):
+            raise ModelLoadError(f"{source}: only gelu activations without embedding scaling are whisper's")
+        return cls(**values)
+
+
+class Blocks:
+    """The layers both halves share, over one GraphBuilder and the HF-named weights."""
+
+    def __init__(self, g: GraphBuilder, weights: Weights, d_model: int):
+        self.g, self.weights, self.d_model = g, weights, d_model
+
+    def const(self, name: str):
+        t = self.weights[name]
+        return self.g.const(name, np.asarray(t, np.float32))
+
+    def linear(self, x, name: str):
+        y = self.g.matmul(x, self.const(f"{name}.weight"), transpose_b=True)
+        return self.g.add(y, self.const(f"{name}.bias")) if f"{name}.bias" in self.weights else y
+
+    def norm(self, x, name: str):
+        return self.g.layernorm(x, self.const(f"{name}.weight"), self.const(f"{name}.bias"), eps=1e-5)
+
+    def heads_first(self, x, rows: str | int, heads: int):    # [B, rows, D] -> [B, H, rows, hd]
+        return self.g.transpose(self.g.reshape(x, shape=("B", rows, heads, self.d_model // heads)), dim0=1, dim1=2)
+
+    def attention(self, x, memory, name: str, rows: str | int, keys: str | int, heads: int, causal: bool):
+        q = self.heads_first(self.linear(x, f"{name}.q_proj"), rows, heads)
+        k = self.heads_first(self.linear(memory, f"{name}.k_proj"), keys, heads)
+        v = self.heads_first(self.linear(memory, f"{name}.v_proj"), keys, heads)
+        out = self.g.transpose(self.g.sdpa(q, k, v, causal=causal), dim0=1, dim1=2)
+        return self.linear(self.g.reshape(out, shape=("B", rows, self.d_model)), f"{name}.out_proj")
+
+    def mlp(self, x, p: str):
+        return self.linear(self.g.gelu(self.linear(x, f"{p}.fc1"), approximate="none"), f"{p}.fc2")
+
+
+def build_encoder(cfg: WhisperConfig, weights: Weights) -> Graph:
+    """features [B, mels, 2 * max_source_positions] -> encoded [B, max_source_positions, D]."""
+    g = GraphBuilder()
+    b = Blocks(g, weights, cfg.d_model)
+    features = g.input("features", ("B", cfg.num_mel_bins, 2 * cfg.max_source_positions), "f32")
+    e = "model.encoder"
+    x = g.gelu(g.conv1d(features, b.const(f"{e}.conv1.weight"), b.const(f"{e}.conv1.bias"), padding=1), approximate="none")
+    x = g.gelu(g.conv1d(x, b.const(f"{e}.conv2.weight"), b.const(f"{e}.conv2.bias"), stride=2, padding=1), approximate="none")
+    x = g.add(g.transpose(x, dim0=1, dim1=2), b.const(f"{e}.embed_positions.weight"))
+    for i in range(cfg.encoder_layers):
+        p = f"{e}.layers.{i}"
+        h = b.norm(x, f"{p}.self_attn_layer_norm")
+        frames = cfg.max_source_positions
+        x = g.add(x, b.attention(h, h, f"{p}.self_attn", frames, frames, cfg.encoder_heads, causal=False))
+        x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
+    return g.output(b.norm(x, f"{e}.layer_norm"))
+
+
+def build_decoder(cfg: WhisperConfig, weights: Weights) -> Graph:
+    """ids, positions [B, S] and encoded [B, T, D] -> logits [B, S, vocab] (each row attends to the
+    rows before it and to all of `encoded`)."""
+    g = GraphBuilder()
+    b = Blocks(g, weights, cfg.d_model)
+    ids = g.input("ids", ("B", "S"), "i64")
+    positions = g.input("positions", ("B", "S"), "i64")
+    encoded = g.input("encoded", ("B", "T", cfg.d_model), "f32")
+    d = "model.decoder"
+    tokens = b.const(f"{d}.embed_tokens.weight")
+    x = g.add(g.embedding(tokens, g.reshape(ids, shape=(-1,))), g.embedding(b.const(f"{d}.embed_positions.weight"),
+                                                                            g.reshape(positions, shape=(-1,))))
+    x = g.reshape(x, shape=("B", "S", cfg.d_model))
+    for i in range(cfg.decoder_layers):
+        p = f"{d}.layers.{i}"
+        h = b.norm(x, f"{p}.self_attn_layer_norm")
+        x = g.add(x, b.attention(h, h, f"{p}.self_attn", "S", "S", cfg.decoder_heads, causal=True))
+        x = g.add(x, b.attention(b.norm(x, f"{p}.encoder_attn_layer_norm"), encoded, f"{p}.encoder_attn", "S", "T",
+                                 cfg.decoder_heads, causal=False))
+        x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
+    return g.output(g.matmul(b.norm(x, f"{d}.layer_norm"), tokens, transpose_b=True))
