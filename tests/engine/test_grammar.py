@@ -61,14 +61,12 @@ def test_regex_and_grammar_replies_match(tiny, seed):
     assert generated(tiny, constraint_of(grammar=gbnf), temperature=1.0, seed=seed) in ("yes", "no")
 
 
-def test_sixteen_constrained_streams_in_one_batch(tiny):
-    """Each sequence in a continuous batch keeps its own matcher; the scheduler runs them together."""
-    scheduler = Scheduler(tiny.engine, max_batch=16)
+def together(engine, requests) -> list[list]:
+    """Each request's tokens, all submitted at once to a scheduler of their own (which must batch them)."""
+    scheduler = Scheduler(engine, max_batch=16)
     try:
-        reqs = [tiny.request(tiny.prompt_ids(f"Prompt {i}"), 120, constraint=Constraint.json_schema(SCHEMAS[i % len(SCHEMAS)]),
-                             temperature=1.0, seed=i) for i in range(16)]
-        inbox, texts, open_jobs = queue.Queue(), [""] * 16, 16
-        for i, req in enumerate(reqs):
+        inbox, tokens, open_jobs = queue.Queue(), [[] for _ in requests], len(requests)
+        for i, req in enumerate(requests):
             scheduler.submit(req, lambda item, i=i: inbox.put((i, item)))
         while open_jobs:
             i, item = inbox.get(timeout=120)
@@ -76,12 +74,19 @@ def test_sixteen_constrained_streams_in_one_batch(tiny):
             if item is None:
                 open_jobs -= 1
             else:
-                texts[i] += item.text
+                tokens[i].append(item)
         assert scheduler.stats.max_batch > 1
     finally:
         scheduler.close()
-    for i, text in enumerate(texts):
-        jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
+    return tokens
+
+
+def test_sixteen_constrained_streams_in_one_batch(tiny):
+    """Each sequence in a continuous batch keeps its own matcher; the scheduler runs them together."""
+    reqs = [tiny.request(tiny.prompt_ids(f"Prompt {i}"), 120, constraint=Constraint.json_schema(SCHEMAS[i % len(SCHEMAS)]),
+                         temperature=1.0, seed=i) for i in range(16)]
+    for i, tokens in enumerate(together(tiny.engine, reqs)):
+        jsonschema.validate(json.loads("".join(t.text for t in tokens)), SCHEMAS[i % len(SCHEMAS)])
 
 
 def test_mask_time_is_reported(tiny):
@@ -128,22 +133,7 @@ def test_constrained_and_free_streams_share_a_batch_and_keep_their_solo_tokens(t
         return [tiny.request(tiny.prompt_ids(f"Prompt {i}"), 40, temperature=0.8, seed=i,
                              constraint=Constraint.json_schema(SCHEMAS[i % len(SCHEMAS)]) if i % 2 else None) for i in range(6)]
     alone = [[t.id for t in tiny.scheduler.run(req)] for req in requests()]
-    scheduler = Scheduler(tiny.engine, max_batch=16)
-    try:
-        inbox, together, open_jobs = queue.Queue(), [[] for _ in alone], len(alone)
-        for i, req in enumerate(requests()):
-            scheduler.submit(req, lambda item, i=i: inbox.put((i, item)))
-        while open_jobs:
-            i, item = inbox.get(timeout=120)
-            assert not isinstance(item, Exception), item
-            if item is None:
-                open_jobs -= 1
-            else:
-                together[i].append(item.id)
-        assert scheduler.stats.max_batch > 1
-    finally:
-        scheduler.close()
-    assert together == alone
+    assert [[t.id for t in tokens] for tokens in together(tiny.engine, requests())] == alone
 
 
 def test_a_masked_draw_equals_the_draw_over_the_masked_vocabulary():
