@@ -78,10 +78,10 @@ class CallFormat:
         raise NotImplementedError
 
 
-def lark_calls(opening: str, closing: str, schema: dict, parallel: bool, opened: bool = False) -> str:
-    """A Lark grammar of `opening` JSON-call `closing`, once or repeated; `opened`: the first opening is
+def lark_calls(opening: str, closing: str, body: str, parallel: bool, opened: bool = False) -> str:
+    """A Lark grammar of `opening` call-`body` `closing`, once or repeated; `opened`: the first opening is
     already written (the constraint starts after it)."""
-    call = f'"\\n"? %json {inline(schema)} "\\n"? {json.dumps(closing)}'
+    call = f'"\\n"? {body} "\\n"? {json.dumps(closing)}'
     first = call if opened else f"{json.dumps(opening)} {call}"
     more = f' ("\\n"? {json.dumps(opening)} {call}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
     return f"start: {first}{more}\n"
@@ -98,11 +98,25 @@ class Hermes(CallFormat):
     XML = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
+    def __init__(self):
+        self.strings: dict[str, set[str]] = {}        # per tool, its string-typed parameters (kept raw in the XML form)
+
+    def body(self, tools: list[dict]) -> str:
+        """One call's Lark rule: the JSON object {"name", "arguments"}."""
+        return f"%json {inline(call_schema(tools))}"
+
     def forced(self, tools, parallel):
-        return Constraint("lark", lark_calls(self.opening, self.closing, call_schema(tools), parallel))
+        self.remember(tools)
+        return Constraint("lark", lark_calls(self.opening, self.closing, self.body(tools), parallel))
 
     def started(self, tools, parallel):
-        return Constraint("lark", lark_calls(self.opening, self.closing, call_schema(tools), parallel, opened=True), self.opening)
+        self.remember(tools)
+        return Constraint("lark", lark_calls(self.opening, self.closing, self.body(tools), parallel, opened=True), self.opening)
+
+    def remember(self, tools: list[dict]) -> None:
+        for f in map(function_of, tools):
+            properties = (f.get("parameters") or {}).get("properties", {})
+            self.strings[f["name"]] = {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
 
     def parse(self, text):
         pattern = re.compile(re.escape(self.opening) + r"(.*?)(" + re.escape(self.closing) + r"|$)", re.DOTALL)
@@ -119,13 +133,41 @@ class Hermes(CallFormat):
         found = self.XML.search(body)
         if found is None:
             return loads_call(body.strip())
-        args = {}
+        args, strings = {}, self.strings.get(found.group(1), set())
         for key, value in self.PARAMETER.findall(found.group(2)):
             try:
-                args[key] = json.loads(value)
+                args[key] = value if key in strings else json.loads(value)
             except json.JSONDecodeError:
                 args[key] = value
         return ToolCall(found.group(1), json.dumps(args, ensure_ascii=False))
+
+
+class HermesXML(Hermes):
+    """Qwen3-Coder and later: `<tool_call>\n<function=name>\n<parameter=p>\nvalue\n</parameter>\n</function>`,
+    string values written raw (here: without '<'), others as JSON."""
+    name = "hermes_xml"
+
+    def body(self, tools):
+        return "(" + " | ".join(self.xml_call(function_of(t)) for t in tools) + ")"
+
+    @staticmethod
+    def xml_call(f: dict) -> str:
+        parameters = f.get("parameters") or {}
+        required = set(parameters.get("required", []))
+        parts, end = [], '"\\n</parameter>\\n"'
+        for key, schema in parameters.get("properties", {}).items():
+            schema = schema if isinstance(schema, dict) else {}
+            if schema.get("type") == "string" and "enum" in schema:
+                value = "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + f") {end}"
+            elif schema.get("type") == "string":            # one lexeme with its end: a value cannot hold '<'
+                length = f"{{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}"
+                value = f"/[^<]{length}\\n<\\/parameter>\\n/"
+            else:
+                value = f"%json {inline(schema)} {end}"
+            part = f'{json.dumps(f"<parameter={key}>")} "\\n" {value}'
+            parts.append(part if key in required else f"({part})?")
+        opening = json.dumps(f"<function={f['name']}>")
+        return f'{opening} "\\n" {" ".join(parts)} "</function>"'
 
 
 class Llama3(CallFormat):
@@ -238,7 +280,7 @@ def detect(template: str | None) -> CallFormat:
     """The family's format, from what its chat template writes."""
     source = template or ""
     if "<tool_call>" in source:
-        return Hermes()
+        return HermesXML() if "<function=" in source else Hermes()
     if "[TOOL_CALLS]" in source:
         return Mistral()
     if "tools" in source and ('"parameters"' in source or "<|python_tag|>" in source):

@@ -155,3 +155,15 @@ def test_malformed_tool_messages_are_request_errors(family, messages, message):
     _, model, _ = family
     with pytest.raises(RequestError, match=message):
         model.turn(messages, TOOLS)
+
+
+def test_the_xml_form_keeps_string_parameters_raw():
+    from soma_runtime.tools.formats import HermesXML
+    fmt = HermesXML()
+    fmt.forced(TOOLS, parallel=True)                     # the format learns which parameters are strings
+    reply = ("<tool_call>\n<function=weather>\n<parameter=city>\n1984\n</parameter>\n"
+             "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    _, calls = fmt.parse(reply)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "1984", "unit": "celsius"})]
+    _, calls = fmt.parse("<tool_call>\n<function=clock>\n<parameter=zone>\n-3\n</parameter>\n</function>\n</tool_call>")
+    assert json.loads(calls[0].arguments) == {"zone": -3}
