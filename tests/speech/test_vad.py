@@ -9,7 +9,7 @@ import pytest
 from soma_runtime.api import Runtime
 from soma_runtime.engine.vad import VoiceActivity, speech_segments
 from soma_runtime.errors import RequestError
-from tests.loaders.test_onnx_models import package_file, speech, voice  # noqa: F401  (fixtures)
+from tests.loaders.test_onnx_models import package_file
 
 silero = pytest.importorskip("silero_vad")
 torch = pytest.importorskip("torch")
