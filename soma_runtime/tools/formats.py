@@ -12,7 +12,9 @@ import uuid
 from dataclasses import dataclass
 
 from soma_runtime.engine.grammar import JSON_OPTIONS, Constraint
+from soma_runtime.errors import RequestError
 
+RAW_STRING_KEYWORDS = {"type", "minLength", "maxLength", "description", "title", "default", "examples"}
 MAX_PARALLEL_CALLS = 8          # calls one reply may make: a model cannot call on until its tokens run out
 
 
@@ -160,6 +162,10 @@ class HermesXML(Hermes):
             if schema.get("type") == "string" and "enum" in schema:
                 value = "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + f") {end}"
             elif schema.get("type") == "string":            # one lexeme with its end: a value cannot hold '<'
+                unenforced = set(schema) - RAW_STRING_KEYWORDS
+                if unenforced:
+                    raise RequestError(f"tool {f['name']}: the XML call form writes {key!r} raw and cannot enforce "
+                                       f"{', '.join(sorted(unenforced))} on it")
                 length = f"{{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}"
                 value = f"/[^<]{length}\\n<\\/parameter>\\n/"
             else:

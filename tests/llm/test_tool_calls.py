@@ -167,3 +167,12 @@ def test_the_xml_form_keeps_string_parameters_raw():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "1984", "unit": "celsius"})]
     _, calls = fmt.parse("<tool_call>\n<function=clock>\n<parameter=zone>\n-3\n</parameter>\n</function>\n</tool_call>")
     assert json.loads(calls[0].arguments) == {"zone": -3}
+
+
+def test_the_xml_form_fails_closed_on_a_string_keyword_it_cannot_enforce():
+    from soma_runtime.errors import RequestError
+    from soma_runtime.tools.formats import HermesXML
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["code"]}}}
+    with pytest.raises(RequestError, match="cannot enforce pattern"):
+        HermesXML().forced([tool], parallel=False)
