@@ -218,9 +218,7 @@ class TextModel(Model):
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The prompt tokens of a conversation, through the model's chat template."""
-        text = self.chat_prompt(messages)
-        self.check_length(text)
-        return self.tokenizer.encode(text, add_special=False)
+        return self.turn_ids(self.turn(messages))
 
     def chat(self, messages: list[dict], stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
              tool_choice=None, parallel_tool_calls: bool = True, max_tool_steps: int = 8, json_schema=None,

@@ -335,4 +335,4 @@ class Engine:
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
         req.sampling.validate()
         if req.constraint is not None:
-            self.grammars.matcher(req.constraint)          # compiled (and cached) now: a bad one fails the request
+            self.grammars.prototype(req.constraint)        # compiled (and cached) now: a bad one fails the request

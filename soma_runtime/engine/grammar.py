@@ -148,20 +148,21 @@ class Grammars:
 
     def guide(self, constraint: Constraint) -> Guide:
         """A fresh Guide for one sequence (RequestError for a constraint that cannot be enforced)."""
-        return Guide(self.matcher(constraint), constraint.after, self.vocab_size)
+        return Guide(self.prototype(constraint).deep_copy(), constraint.after, self.vocab_size)
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def prototype(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """The constraint's compiled matcher, from the cache or compiled now (never consumed: copied per sequence)."""
         key = (constraint.kind, constraint.text)
         with self.lock:
             if key in self.cache:
                 self.cache.move_to_end(key)
-                return self.cache[key].deep_copy()
+                return self.cache[key]
         prototype = self.compile(constraint)
         with self.lock:
             self.cache[key] = prototype
             while len(self.cache) > CACHED_GRAMMARS:
                 self.cache.popitem(last=False)
-        return prototype.deep_copy()
+        return prototype
 
     def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         grammar = constraint.grammar()

@@ -45,16 +45,33 @@ def call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def loads_call(text: str, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
-    """A ToolCall from a JSON object {"name", "arguments" | "parameters"}, None for anything else."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+def call_of(value) -> ToolCall | None:
+    """A ToolCall from a parsed JSON object {"name", "arguments" | "parameters"}, None for anything else."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = next((value[k] for k in arguments_keys if k in value), {})
+    args = value.get("arguments", value.get("parameters", {}))
     return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def loads_call(text: str) -> ToolCall | None:
+    try:
+        return call_of(json.loads(text))
+    except json.JSONDecodeError:
+        return None
+
+
+def json_run(text: str, at: int, separator: str) -> tuple[list, int]:
+    """JSON values one after another from `at`, `separator` (and whitespace) between them: those that parse
+    whole, and where the run stopped (len(text) where it ran to the end)."""
+    decoder, values = json.JSONDecoder(), []
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        except json.JSONDecodeError:
+            break
+        values.append(value)
+        at = len(text) - len(text[at:].lstrip().removeprefix(separator).lstrip())
+    return values, at
 
 
 class CallFormat:
@@ -186,15 +203,9 @@ class Llama3(CallFormat):
 
     def parse(self, text):
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
-        decoder, calls, at = json.JSONDecoder(), [], 0
-        while at < len(body):                       # objects one after another, `;` between them
-            try:
-                value, at = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
-                return text, []
-            calls.append(loads_call(json.dumps(value)))
-            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-        return (text, []) if None in calls or not calls else ("", calls)
+        values, stopped = json_run(body, 0, ";")         # objects one after another, `;` between them
+        calls = [call_of(v) for v in values]
+        return (text, []) if stopped < len(body) or None in calls or not calls else ("", calls)
 
 
 class Mistral(CallFormat):
@@ -222,7 +233,7 @@ class Mistral(CallFormat):
             items = json.loads(body.strip())
         except json.JSONDecodeError:
             return text, []
-        calls = [loads_call(json.dumps(item)) for item in (items if isinstance(items, list) else [items])]
+        calls = [call_of(item) for item in (items if isinstance(items, list) else [items])]
         return (text, []) if None in calls else (content.strip(), calls)
 
 
@@ -261,25 +272,15 @@ class Generic(CallFormat):
             return value["response"], []
         if not isinstance(value, dict) or not isinstance(value.get("tool_calls"), list):
             return text, []
-        calls = [loads_call(json.dumps(item)) for item in value["tool_calls"]]
+        calls = [call_of(item) for item in value["tool_calls"]]
         return (text, []) if None in calls or not calls else ("", calls)
 
     @staticmethod
     def complete_calls(text: str) -> list[ToolCall]:
         """The whole calls at the start of a `{"tool_calls": [...` that was cut off."""
         start = re.match(r'\s*\{\s*"tool_calls"\s*:\s*\[', text)
-        decoder, calls, at = json.JSONDecoder(), [], start.end() if start else len(text)
-        while at < len(text):
-            try:
-                value, at = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
-            except json.JSONDecodeError:
-                break
-            call = loads_call(json.dumps(value))
-            if call is None:
-                return []
-            calls.append(call)
-            at = len(text) - len(text[at:].lstrip().removeprefix(",").lstrip())
-        return calls
+        calls = [call_of(v) for v in json_run(text, start.end(), ",")[0]] if start else []
+        return [] if None in calls else calls
 
 
 def detect(template: str | None) -> CallFormat:

@@ -54,7 +54,7 @@ class Turn:
         check_messages(messages)
         tools = check_tools(tools) if tools else []
         self.format: CallFormat | None = detect(template.source) if tools else None
-        if tools and constraint is not None and tool_choice not in ("none",):
+        if tools and constraint is not None and tool_choice != "none":
             raise RequestError("give tools or a response format, not both (unless tool_choice is 'none')")
         chosen, mode = choose_tools(tools, tool_choice) if tools else ([], "none")
         self.calls = self.format if mode != "none" else None         # the format replies are parsed in
