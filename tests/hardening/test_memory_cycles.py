@@ -2,6 +2,8 @@
 stays at the memory it had after the first cycles, and its budget counts only what is live."""
 from __future__ import annotations
 
+import time
+
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
 
@@ -26,4 +28,8 @@ def test_load_unload_and_hot_swap_cycles_give_memory_back(server):
     for _ in range(6):
         cycle(server, swap=True)
     assert rss_mb(server.proc.pid) < settled * 1.1 + 50, (settled, rss_mb(server.proc.pid))
+    deadline = time.time() + 30                 # an unloaded model drains on a thread of its own, then leaves the count
+    while server.get("/v1/health")[1]["memory"]["models_bytes"] != server.metric("soma_model_memory_bytes") \
+            and time.time() < deadline:
+        time.sleep(0.1)
     assert server.get("/v1/health")[1]["memory"]["models_bytes"] == server.metric("soma_model_memory_bytes")
