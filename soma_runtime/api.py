@@ -8,8 +8,9 @@
     model.metrics()                            # prefill/decode ms and tok/s, peak memory
     rt.load("minilm").embed(["a text"])        # an encoder directory -> EncoderModel
     rt.load(graph).run({"x": array})           # a Graph built in code -> GraphModel
+    rt.load("whisper-tiny.en").transcribe("talk.wav").text   # a whisper directory -> SpeechModel
 
-One Model class per task (`generate`, `encode`, `graph`) over a shared base; each holds its task's
+One Model class per task (`generate`, `encode`, `graph`, `transcribe`) over a shared base; each holds its task's
 runner (engine/), built on the Backend the scheduling policy (schedule.py) gives it.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from soma_runtime import loaders, schedule
+from soma_runtime.audio.features import SAMPLE_RATE
+from soma_runtime.audio.io import load_audio
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.dtypes import FLOATS, dtype_of
 from soma_runtime.engine.batching import Scheduler
@@ -34,6 +37,10 @@ from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.stops import check_stops
+from soma_runtime.engine.transcribe.runner import WhisperRunner
+from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
+from soma_runtime.engine.transcribe.segments import Transcriber, Transcript, features_of
+from soma_runtime.engine.transcribe.tokens import WhisperTokens
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.chat import ChatTemplate
@@ -388,7 +395,73 @@ class GraphModel(Model):
                 "fusions": dict(self.runner.fusions)}
 
 
-TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel}
+class SpeechModel(Model):
+    """A speech recognizer (whisper): transcribe audio to text with timestamped segments."""
+
+    task = "transcribe"
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: WhisperRunner):
+        super().__init__(model_id, loaded, backend)
+        self.runner, self.tokenizer = runner, loaded.tokenizer
+        self.tokens = WhisperTokens(loaded.tokenizer, loaded.config.vocab_size)
+        begin = loaded.metadata.get("suppress_ids_begin", loaded.metadata.get("begin_suppress_tokens", [220, self.tokens.eot]))
+        self.transcriber = Transcriber(runner, self.tokens, tuple(begin), loaded.config.max_target_positions)
+
+    @classmethod
+    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+             bar, autotune: bool) -> SpeechModel:
+        return cls(model_id, loaded, backend, WhisperRunner(loaded.config, loaded.weights, backend))
+
+    def transcribe(self, audio, language: str | None = None, beam_size: int = 5, word_timestamps: bool = False,
+                   vad: bool | None = None, progress: bool | None = None, **options) -> Transcript:
+        """Text and timestamped segments of `audio` (a file path, its bytes, or 16 kHz mono samples), decoded
+        as faster-whisper does (its options by name: temperature, best_of, patience, length_penalty,
+        condition_on_previous_text, initial_prompt, no_speech_threshold, ...). `language`: the spoken
+        language's code; detected from the first 30 s when a multilingual model is not told."""
+        if word_timestamps:
+            raise RequestError("word timestamps are not available yet")
+        opts = transcribe_options(beam_size=beam_size, **options)
+        samples = load_audio(audio)
+        features = features_of(samples, self.loaded.config.num_mel_bins)
+        language, probability = self.language(features, language)
+        duration = len(samples) / SAMPLE_RATE
+        with tqdm(total=round(duration, 2), unit="s", desc="transcribing", disable=None if progress is None else not progress,
+                  delay=1.0, leave=False) as bar:
+            def advance(seconds: float) -> None:
+                bar.update(round(seconds, 2) - bar.n)
+            segments = list(self.transcriber.segments(features, opts, language, advance))
+        return Transcript("".join(s.text for s in segments).strip(), segments, language, probability, duration)
+
+    def language(self, features: np.ndarray, language: str | None) -> tuple[str, float]:
+        if not self.tokens.multilingual:
+            if language not in (None, "en"):
+                raise RequestError(f"this model is English-only; language {language!r} is not available")
+            return "en", 1.0
+        if language is None:
+            language, probs = self.transcriber.detect_language(features)
+            return language, probs[language]
+        if language not in self.tokens.languages:
+            raise RequestError(f"unknown language {language!r}; one of {', '.join(self.tokens.languages)}")
+        return language, 1.0
+
+
+def transcribe_options(**options) -> TranscribeOptions:
+    """faster-whisper's options by name, checked (a temperature may be one value or a fallback list)."""
+    unknown = set(options) - set(TranscribeOptions.__dataclass_fields__) - {"temperature"}
+    if unknown:
+        raise RequestError(f"unknown transcription options: {', '.join(sorted(unknown))}")
+    if "temperature" in options:
+        t = options.pop("temperature")
+        options["temperatures"] = tuple(t) if isinstance(t, (list, tuple)) else (t,)
+    opts = TranscribeOptions(**options)
+    if not opts.temperatures or not all(isinstance(t, (int, float)) and 0 <= t <= 2 for t in opts.temperatures):
+        raise RequestError(f"temperature must be in [0, 2] (or a list of such), got {opts.temperatures!r}")
+    if opts.task not in ("transcribe", "translate"):
+        raise RequestError(f"task must be transcribe or translate, got {opts.task!r}")
+    return opts
+
+
+TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel}
 KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
 
 

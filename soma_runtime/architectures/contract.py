@@ -97,3 +97,62 @@ class DecoderIO:
     def read(self, outputs: list) -> DecoderOutputs:
         logits, choices, *pages = outputs
         return DecoderOutputs(logits, choices, pages)
+
+
+@dataclass
+class CrossStep:
+    """One forward of an encoder-decoder's decoder: the self-attention step (ids, positions, slots, its
+    context and spans, the wanted rows, the self pages) and what cross-attention reads: the slots of each
+    row's encoded input in the cross pages (`ctx_slots`, one segment per input), each row's span of them,
+    and the cross pages (k, v per layer), written once per input and only read here."""
+    step: DecoderStep
+    cross_slots: object
+    cross_spans: object
+    cross_pages: list = field(default_factory=list)
+
+
+class EncoderDecoderIO:
+    """The graphs of a decoder with cross-attention over its encoder's output, for a self cache and a
+    cross cache (both PagedKV, whole-context): the step graph (CrossStep in, logits [R, vocab] and the
+    updated self pages out) and the cross graph (encoded rows and their slots in, the cross pages with
+    every layer's keys and values of those rows written out). Dims as DecoderIO's; C cross context slots,
+    F encoded rows."""
+
+    def __init__(self, cache: PagedKV, cross: PagedKV):
+        self.cache, self.cross = cache, cross
+
+    @staticmethod
+    def page_inputs(g: GraphBuilder, prefix: str, c: PagedKV) -> list[Value]:
+        return [g.input(f"{prefix}{kv}_pages.{i}", ("P" if not prefix else "CP", "BLK", c.kv_heads, c.head_dim), c.dtype)
+                for i in range(c.layers) for kv in "kv"]
+
+    def declare(self, g: GraphBuilder) -> CrossStep:
+        attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),
+                              g.input("ctx_slots", ("T",), "i64"), {0: g.input("spans", ("S", 2), "i64")})
+        step = DecoderStep(g.input("ids", ("S",), "i64"), attention, g.input("logit_rows", ("R",), "i64"), None,
+                           self.page_inputs(g, "", self.cache))
+        return CrossStep(step, g.input("cross_slots", ("C",), "i64"), g.input("cross_spans", ("S", 2), "i64"),
+                         self.page_inputs(g, "cross_", self.cross))
+
+    def declare_cross(self, g: GraphBuilder, width: int) -> tuple[Value, Value, list[Value]]:
+        """The cross graph's inputs: encoded rows [F, width], their slots [F], the cross pages."""
+        return g.input("encoded", ("F", width), "f32"), g.input("slots", ("F",), "i64"), self.page_inputs(g, "cross_", self.cross)
+
+    def feed(self, s: CrossStep) -> dict:
+        a = s.step.attention
+        named = {"ids": s.step.ids, "positions": a.positions, "slots": a.slots, "ctx_slots": a.ctx_slots, "spans": a.spans[0],
+                 "logit_rows": s.step.logit_rows, "cross_slots": s.cross_slots, "cross_spans": s.cross_spans}
+        named.update(self.pages_named("", self.cache, s.step.pages))
+        named.update(self.pages_named("cross_", self.cross, s.cross_pages))
+        return named
+
+    def feed_cross(self, encoded, slots, cross_pages: list) -> dict:
+        return {"encoded": encoded, "slots": slots, **self.pages_named("cross_", self.cross, cross_pages)}
+
+    @staticmethod
+    def pages_named(prefix: str, c: PagedKV, pages: list) -> dict:
+        return {f"{prefix}{kv}_pages.{i}": pages[2 * i + j] for i in range(c.layers) for j, kv in enumerate("kv")}
+
+    def shared(self) -> set[str]:
+        return set(self.pages_named("", self.cache, [None] * 2 * self.cache.layers)) | \
+            set(self.pages_named("cross_", self.cross, [None] * 2 * self.cross.layers))

@@ -5,8 +5,9 @@ Encoder: log-mel features [B, mels, frames] -> conv1d (k3) + gelu -> conv1d (k3,
 -> layernorm: [B, frames / 2, D]. Decoder: token ids [B, S] + positions -> N x (layernorm, causal
 self-attention, add; layernorm, attention over the encoder's output, add; layernorm, gelu mlp, add) ->
 layernorm -> logits through the tied token embedding [B, S, vocab]. Pre-norm, biases everywhere but the
-key projections. This template is the plain math; the decoder here attends over its whole prefix each
-call (the runner with a paged self-attention cache and per-sequence cross-attention K/V builds on it).
+key projections. `build_encoder`/`build_decoder` are the plain math over whole inputs; `build_step` is the
+decoder the runner steps (self-attention over paged K/V, cross-attention over K/V that `build_cross`
+writes once per input), its inputs and outputs the contract's EncoderDecoderIO.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.builder import GraphBuilder
@@ -82,6 +84,15 @@ class Blocks:
         out = self.g.transpose(self.g.sdpa(q, k, v, causal=causal), dim0=1, dim1=2)
         return self.linear(self.g.reshape(out, shape=("B", rows, self.d_model)), f"{name}.out_proj")
 
+    def cached_attention(self, x, name: str, k_pages, v_pages, ctx_slots, spans, heads: int):
+        """Rows [S, D] attend over cached keys/values (their context's slots, each row its span)."""
+        q = self.g.reshape(self.linear(x, f"{name}.q_proj"), shape=("S", heads, self.d_model // heads))
+        out = self.g.paged_attention(q, k_pages, v_pages, ctx_slots, None, spans)
+        return self.linear(self.g.reshape(out, shape=("S", self.d_model)), f"{name}.out_proj")
+
+    def heads(self, x, name: str, rows: str, heads: int):   # [rows, D] -> [rows, H, hd]
+        return self.g.reshape(self.linear(x, name), shape=(rows, heads, self.d_model // heads))
+
     def mlp(self, x, p: str):
         return self.linear(self.g.gelu(self.linear(x, f"{p}.fc1"), approximate="none"), f"{p}.fc2")
 
@@ -125,3 +136,49 @@ def build_decoder(cfg: WhisperConfig, weights: Weights) -> Graph:
                                  cfg.decoder_heads, causal=False))
         x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
     return g.output(g.matmul(b.norm(x, f"{d}.layer_norm"), tokens, transpose_b=True))
+
+
+def caches_of(cfg: WhisperConfig, dtype: str = "f32") -> EncoderDecoderIO:
+    """The decoder's self cache and its cross cache: paged K/V of every layer, whole-context."""
+    hd = cfg.d_model // cfg.decoder_heads
+    cache = PagedKV(cfg.decoder_layers, cfg.decoder_heads, hd, (0,) * cfg.decoder_layers, dtype)
+    return EncoderDecoderIO(cache, cache)
+
+
+def build_cross(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> Graph:
+    """encoded rows [F, D] and their cross slots [F] -> the cross pages with every decoder layer's
+    cross-attention keys and values of those rows written."""
+    g = GraphBuilder()
+    b = Blocks(g, weights, cfg.d_model)
+    encoded, slots, pages = io.declare_cross(g, cfg.d_model)
+    out = []
+    for i in range(cfg.decoder_layers):
+        p = f"model.decoder.layers.{i}.encoder_attn"
+        k, v = (b.heads(encoded, f"{p}.{n}_proj", "F", cfg.decoder_heads) for n in "kv")
+        out += [g.kv_append(pages[2 * i], k, slots), g.kv_append(pages[2 * i + 1], v, slots)]
+    return g.output(*out)
+
+
+def build_step(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> Graph:
+    """The decoder over its caches: rows [S] of any number of sequences (each its positions, its slots
+    and spans) -> logits [R, vocab] of the wanted rows, and the self pages with the rows' K/V appended."""
+    g = GraphBuilder()
+    b = Blocks(g, weights, cfg.d_model)
+    s = io.declare(g)
+    att, H, d = s.step.attention, cfg.decoder_heads, "model.decoder"
+    tokens = b.const(f"{d}.embed_tokens.weight")
+    x = g.add(g.embedding(tokens, s.step.ids), g.embedding(b.const(f"{d}.embed_positions.weight"), att.positions))
+    pages_out = []
+    for i in range(cfg.decoder_layers):
+        p = f"{d}.layers.{i}"
+        h = b.norm(x, f"{p}.self_attn_layer_norm")
+        k, v = (b.heads(h, f"{p}.self_attn.{n}_proj", "S", H) for n in "kv")
+        k_pages, v_pages = g.kv_append(s.step.pages[2 * i], k, att.slots), g.kv_append(s.step.pages[2 * i + 1], v, att.slots)
+        pages_out += [k_pages, v_pages]
+        x = g.add(x, b.cached_attention(h, f"{p}.self_attn", k_pages, v_pages, att.ctx_slots, att.spans[0], H))
+        h = b.norm(x, f"{p}.encoder_attn_layer_norm")
+        x = g.add(x, b.cached_attention(h, f"{p}.encoder_attn", s.cross_pages[2 * i], s.cross_pages[2 * i + 1],
+                                        s.cross_slots, s.cross_spans, H))
+        x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
+    rows = g.embedding(x, s.step.logit_rows)
+    return g.output(g.matmul(b.norm(rows, f"{d}.layer_norm"), tokens, transpose_b=True), *pages_out)

@@ -94,3 +94,43 @@ def lowpass(up: int, down: int) -> np.ndarray:
     m = np.arange(n) - (n - 1) / 2
     h = np.sinc(m / rate) / rate * np.kaiser(n, 5.0)
     return h / h.sum()
+
+
+MAX_SECONDS = 3600                # the longest recording taken (a bound on what one request makes us hold)
+
+
+def load_audio(source, rate: int = 16000, max_seconds: float = MAX_SECONDS, name: str = "audio") -> np.ndarray:
+    """Mono f32 samples at `rate` of a file path, its bytes, or samples already at `rate`. WAV is read
+    here; FLAC, OGG/Vorbis/Opus and MP3 through soundfile (libsndfile). RequestError for anything else,
+    an empty or cut-short file, or more than `max_seconds`."""
+    if isinstance(source, np.ndarray):
+        samples, got = np.asarray(source, np.float32), rate
+        if samples.ndim != 1:
+            raise RequestError(f"{name}: samples must be mono [n], got shape {list(samples.shape)}")
+    else:
+        if isinstance(source, str):
+            try:
+                with open(source, "rb") as f:
+                    source = f.read(int(max_seconds * 48000 * 4 * 2) + (1 << 20))
+            except OSError as e:
+                raise RequestError(f"{name}: cannot read ({e.strerror})") from None
+        data = bytes(source)
+        samples, got = read_wav(data, name) if data[:4] == b"RIFF" else read_encoded(data, name)
+    if not len(samples):
+        raise RequestError(f"{name}: holds no samples")
+    if len(samples) > max_seconds * got:
+        raise RequestError(f"{name}: {len(samples) / got:.0f} s is longer than the {max_seconds:.0f} s taken")
+    if not np.isfinite(samples).all():
+        raise RequestError(f"{name}: samples must be finite")
+    return resample(samples, got, rate) if got != rate else samples
+
+
+def read_encoded(data: bytes, name: str) -> tuple[np.ndarray, int]:
+    import io
+
+    import soundfile
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
+        raise RequestError(f"{name}: not a readable audio file (wav, flac, ogg, mp3): {e}") from None
+    return samples.mean(axis=1).astype(np.float32), int(rate)

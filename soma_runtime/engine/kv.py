@@ -143,6 +143,20 @@ class KVPool:
                 self.by_hash[h], self.hash_of[page] = page, h
         seq.published = max(seq.published, full)
 
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of `seq` to continue apart (a beam): its full pages shared (only ever read again), its
+        partial last page copied."""
+        full = seq.length // self.block
+        for page in seq.pages[:full]:
+            self.refs[page] += 1
+        copy = Sequence(seq.pages[:full], seq.length)
+        if seq.length % self.block:
+            page, source = self._take(), seq.pages[full]
+            for pages in (*self.k, *self.v):
+                pages[page] = pages[source]
+            copy.pages.append(page)
+        return copy
+
     def release(self, seq: Sequence) -> None:
         for page in reversed(seq.pages):
             self.refs[page] -= 1

