@@ -350,6 +350,17 @@ case("paged_attention", segmented_attention_inputs, spanned_attention_ref, id="b
 case("paged_attention", lambda dt: [*segmented_attention_inputs(dt)[:4], None, np.array([[10, 60], [200, 290]], np.int64)],
      lambda q, k, v, sl, _, spans: spanned_attention_ref(q, k, v, sl, torch.zeros((1, 1, 2, 300)), spans), id="spans-unmasked")
 case("paged_attention", long_decode_inputs(), paged_attention_ref(), id="long-decode")
+
+
+def shared_context_inputs(dt):
+    """Five rows (beams) all reading the same 600 contiguous slots, unmasked: an encoder's cross-attention
+    keys, which a CPU kernel reads in place with BLAS."""
+    q, k_pages, v_pages = mk((5, 4, 16), (40, 16, 2, 16), (40, 16, 2, 16), seed=5)(dt)
+    return [q, k_pages, v_pages, np.arange(16, 616, dtype=np.int64), None, np.tile(np.array([0, 600], np.int64), (5, 1))]
+
+
+case("paged_attention", shared_context_inputs,
+     lambda q, k, v, sl, _, spans: spanned_attention_ref(q, k, v, sl, torch.zeros((1, 1, 5, 600)), spans), id="shared-context")
 # the decode launches of real heads, for the sm_90 check: Llama-3.2-1B's and -8B's (GQA), Gemma-2B's (MQA, 256 wide)
 for heads, kv_heads, dim in ((32, 8, 64), (32, 8, 128), (8, 1, 256)):
     case("paged_attention", long_decode_inputs(heads, kv_heads, dim), paged_attention_ref(),

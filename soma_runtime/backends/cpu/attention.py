@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, f32, out_f32
-from soma_runtime.backends.cpu.elementwise import attention_bias, softmax_f32
+from soma_runtime.backends.cpu.elementwise import attention_bias
 from soma_runtime.backends.cpu.linear import rope
 from soma_runtime.backends.cpu.simd import exp_f32, narrow, widen
 from soma_runtime.dtypes import dtype_of
@@ -39,17 +39,64 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
         q = q.astype(k.dtype)
     # GQA without copying k/v: the query heads of one kv head become rows of one batched matmul
     grouped = f32(q).reshape(B, Hkv, (Hq // Hkv) * Sq, D)
-    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk) * scale
+    if mask is None and not (causal or window or softcap) and grouped.shape[2] * Sk >= BLOCKED_SCORES:
+        return deliver(blocked_attention(grouped * scale, f32(k), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
+    if not softcap:                               # scaled where it is cheapest: on q, not on the scores
+        grouped, scale = grouped * scale, np.float32(1)
+    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk)
+    if scale != 1:
+        scores *= scale
     if softcap:
         scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     if mask is not None:
-        scores = scores + f32(mask)
+        scores += f32(mask)
     if causal or window:
-        scores = scores + attention_bias(Sq, Sk, causal, window)
-    probs = softmax_f32(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
+        scores += attention_bias(Sq, Sk, causal, window)
+    probs = softmax_in_place(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
     if dtype_of(v) != like:
         probs = probs.astype(v.dtype)
     return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
+
+
+BLOCKED_SCORES = 1 << 20        # scores past this many per head are made a block of query rows at a time
+QUERY_BLOCK = 256
+
+
+def blocked_attention(q, k, v):
+    """Unmasked attention [B, H, S, D] a head and a block of query rows at a time: the scores of a block
+    stay in cache between the two matmuls and the softmax (a long encoder's full score matrix would not)."""
+    out = np.empty(q.shape[:3] + v.shape[3:], np.float32)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            keys = np.ascontiguousarray(k[b, h].T)
+            for start in range(0, q.shape[2], QUERY_BLOCK):
+                scores = q[b, h, start:start + QUERY_BLOCK] @ keys
+                out[b, h, start:start + QUERY_BLOCK] = softmax_in_place(scores) @ v[b, h]
+    return out
+
+
+def softmax_in_place(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of a fresh f32 array, overwriting it: rows in parallel, one pass each."""
+    _softmax_rows(x.reshape(-1, x.shape[-1]))
+    return x
+
+
+@njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
+def _softmax_rows(x):
+    for r in prange(x.shape[0]):
+        row = x[r]
+        top = row.max()
+        if top == -np.inf:                # a row that sees nothing: nan, as exp(-inf - -inf) gives
+            row[:] = np.nan
+            continue
+        total = np.float32(0)
+        for j in range(row.shape[0]):
+            e = exp_f32(row[j] - top)
+            row[j] = e
+            total += e
+        inv = np.float32(1) / total
+        for j in range(row.shape[0]):
+            row[j] *= inv
 
 
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
@@ -114,6 +161,35 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
                 out[s, kvh * group + g, d] = acc_out[g, d]
 
 
+DENSE_CONTEXT = 512      # a context every row shares, this long or longer, is read by BLAS where it lies
+
+
+def shared_run(ctx_slots: np.ndarray, spans, rows: int) -> slice | None:
+    """The cache slots every row reads, when they are the same span for all rows and one contiguous run of
+    slots (an encoder's cross-attention keys, written at once): a slice of the flat cache."""
+    if spans is None or rows == 0 or spans[0, 1] - spans[0, 0] < DENSE_CONTEXT or not (spans == spans[0]).all():
+        return None
+    lo, hi = int(spans[0, 0]), int(spans[0, 1])
+    if lo < 0 or hi > len(ctx_slots):
+        return None
+    slots = ctx_slots[lo:hi]
+    return slice(int(slots[0]), int(slots[0]) + len(slots)) if (np.diff(slots) == 1).all() else None
+
+
+def dense_attention(q, k_pages, v_pages, run: slice, scale) -> np.ndarray:
+    """q [S, H, D] over keys/values [T, KV, D] viewed in place: per kv head, two BLAS matmuls."""
+    keys, values = k_pages.reshape(-1, *k_pages.shape[2:])[run], v_pages.reshape(-1, *v_pages.shape[2:])[run]
+    S, H, D = q.shape
+    KV = keys.shape[1]
+    group = H // KV
+    out = np.empty((S, H, values.shape[2]), np.float32)
+    for h in range(KV):
+        rows = (q[:, h * group:(h + 1) * group] * scale).reshape(S * group, D)
+        probs = softmax_in_place(rows @ keys[:, h].T)
+        out[:, h * group:(h + 1) * group] = (probs @ values[:, h]).reshape(S, group, -1)
+    return out
+
+
 def visible_spans(mask: np.ndarray) -> np.ndarray:
     """[S, 2]: each row's first and one-past-last unmasked context position."""
     visible = mask != -np.inf
@@ -153,6 +229,9 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
                         for p in (k_pages, v_pages))
         result = sdpa(q.transpose(1, 0, 2)[None], keys, values, mask, scale=scale, softcap=softcap)
         return deliver(result[0].transpose(1, 0, 2), like, out)
+    if (run := shared_run(ctx_slots, spans, S)) is not None and mask is None and not softcap and k_pages.dtype == np.float32 \
+            and q.dtype == np.float32:
+        return deliver(dense_attention(q, k_pages, v_pages, run, scale), like, out)
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
     rows_mask = np.zeros((0, 0), np.float32) if mask is None else np.ascontiguousarray(f32(mask)[0, 0])
