@@ -40,9 +40,12 @@ from soma_runtime.engine.stops import check_stops
 from soma_runtime.engine.transcribe.runner import WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
 from soma_runtime.engine.transcribe.segments import Transcriber, Transcript, features_of
+from soma_runtime.engine.transcribe.speech_map import VAD_BEYOND_SECONDS, VAD_OPTIONS, SpeechMap, speech_only
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
+from soma_runtime.engine.vad import VoiceActivity
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
+from soma_runtime.loaders import package_file
 from soma_runtime.text.chat import ChatTemplate
 from soma_runtime.tools.loop import ToolLoop
 from soma_runtime.tools.registry import ToolRegistry
@@ -406,6 +409,7 @@ class SpeechModel(Model):
         self.tokens = WhisperTokens(loaded.tokenizer, loaded.config.vocab_size)
         begin = loaded.metadata.get("suppress_ids_begin", loaded.metadata.get("begin_suppress_tokens", [220, self.tokens.eot]))
         self.transcriber = Transcriber(runner, self.tokens, tuple(begin), loaded.config.max_target_positions)
+        self.vad: VoiceActivity | None = None
 
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
@@ -417,20 +421,36 @@ class SpeechModel(Model):
         """Text and timestamped segments of `audio` (a file path, its bytes, or 16 kHz mono samples), decoded
         as faster-whisper does (its options by name: temperature, best_of, patience, length_penalty,
         condition_on_previous_text, initial_prompt, no_speech_threshold, ...). `language`: the spoken
-        language's code; detected from the first 30 s when a multilingual model is not told."""
+        language's code; detected from the first 30 s when a multilingual model is not told. `vad`: only the
+        speech Silero VAD finds is transcribed (faster-whisper's VAD filter), by default beyond 30 s."""
         if word_timestamps:
             raise RequestError("word timestamps are not available yet")
         opts = transcribe_options(beam_size=beam_size, **options)
         samples = load_audio(audio)
+        duration = len(samples) / SAMPLE_RATE
+        speech_map = None
+        if vad or (vad is None and duration > VAD_BEYOND_SECONDS):
+            chunks = self.voice_activity().segments(samples, **VAD_OPTIONS)
+            samples, speech_map = speech_only(samples, chunks), SpeechMap(chunks, SAMPLE_RATE)
+        if not len(samples):
+            return Transcript("", [], language or "en", 0.0, duration)
         features = features_of(samples, self.loaded.config.num_mel_bins)
         language, probability = self.language(features, language)
-        duration = len(samples) / SAMPLE_RATE
-        with tqdm(total=round(duration, 2), unit="s", desc="transcribing", disable=None if progress is None else not progress,
-                  delay=1.0, leave=False) as bar:
+        with tqdm(total=round(len(samples) / SAMPLE_RATE, 2), unit="s", desc="transcribing", delay=1.0, leave=False,
+                  disable=None if progress is None else not progress) as bar:
             def advance(seconds: float) -> None:
                 bar.update(round(seconds, 2) - bar.n)
             segments = list(self.transcriber.segments(features, opts, language, advance))
+        for s in segments if speech_map else ():
+            s.start, s.end = speech_map.original(s.start), speech_map.original(s.end, is_end=True)
         return Transcript("".join(s.text for s in segments).strip(), segments, language, probability, duration)
+
+    def voice_activity(self) -> VoiceActivity:
+        """Silero VAD (the silero-vad package's ONNX graph), run through the runtime; loaded once."""
+        if self.vad is None:
+            loaded = loaders.load(package_file("silero_vad", os.path.join("data", "silero_vad.onnx")))
+            self.vad = VoiceActivity(GraphModel.open("silero-vad", loaded, self.backend, None, None, None, False))
+        return self.vad
 
     def language(self, features: np.ndarray, language: str | None) -> tuple[str, float]:
         if not self.tokens.multilingual:

