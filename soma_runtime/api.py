@@ -9,8 +9,9 @@
     rt.load("minilm").embed(["a text"])        # an encoder directory -> EncoderModel
     rt.load(graph).run({"x": array})           # a Graph built in code -> GraphModel
     rt.load("whisper-tiny.en").transcribe("talk.wav").text   # a whisper directory -> SpeechModel
+    samples, rate = rt.load("voice.onnx").speak("Hello.")   # a piper voice -> VoiceModel
 
-One Model class per task (`generate`, `encode`, `graph`, `transcribe`) over a shared base; each holds its task's
+One Model class per task (`generate`, `encode`, `graph`, `transcribe`, `speak`) over a shared base; each holds its task's
 runner (engine/), built on the Backend the scheduling policy (schedule.py) gives it.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from soma_runtime.engine.generate import Engine, GenerationRequest, Token, peak_
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
+from soma_runtime.engine.speak import Voice, VoiceConfig
 from soma_runtime.engine.stops import check_stops
 from soma_runtime.engine.transcribe.runner import WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
@@ -481,7 +483,39 @@ def transcribe_options(**options) -> TranscribeOptions:
     return opts
 
 
-TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel}
+class VoiceModel(Model):
+    """A voice (piper): text to speech."""
+
+    task = "speak"
+
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, voice: Voice):
+        super().__init__(model_id, loaded, backend)
+        self.voice = voice
+
+    @classmethod
+    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+             bar, autotune: bool) -> VoiceModel:
+        config = VoiceConfig.from_piper(loaded.metadata["voice"], loaded.path + ".json")
+        return cls(model_id, loaded, backend, Voice(graph_runner(loaded.graph, backend), config))
+
+    @property
+    def sample_rate(self) -> int:
+        return self.voice.config.sample_rate
+
+    def speak(self, text: str, speaker=None, speed: float = 1.0, stream: bool = False, **scales):
+        """int16 samples of `text` said by the voice, and its rate; with `stream`, an iterator of each
+        sentence's samples as it is made. `speaker`: a name or id (multi-speaker voices); `speed` scales the
+        voice's pace; `noise_scale`, `noise_w` override the voice's own."""
+        unknown = set(scales) - {"noise_scale", "noise_w"}
+        if unknown:
+            raise RequestError(f"unknown speech options: {', '.join(sorted(unknown))}")
+        sentences = self.voice.speak(text, speaker, speed, **scales)
+        if stream:
+            return sentences
+        return np.concatenate([np.zeros(0, np.int16), *sentences]), self.sample_rate
+
+
+TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel, "speak": VoiceModel}
 KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
 
 

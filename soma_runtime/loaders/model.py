@@ -11,13 +11,13 @@ from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.tokenizer import Tokenizer
 
-TASKS = ("generate", "encode", "graph", "transcribe")
+TASKS = ("generate", "encode", "graph", "transcribe", "speak")
 
 
 @dataclass
 class LoadedModel:
     path: str
-    format: str                      # gguf | hf | soma | ctranslate2 | graph
+    format: str                      # gguf | hf | soma | ctranslate2 | onnx | piper | graph
     config: DecoderConfig | EncoderConfig | WhisperConfig | None
     weights: Weights | None
     tokenizer: Tokenizer | None
@@ -30,7 +30,9 @@ class LoadedModel:
     @property
     def task(self) -> str:
         """What the model is run for: `generate` text, `encode` texts (embed, classify), `transcribe` speech,
-        or run a bare `graph`."""
+        `speak` text (a voice), or run a bare `graph`."""
+        if self.format == "piper":
+            return "speak"
         if self.graph is not None:
             return "graph"
         if isinstance(self.config, WhisperConfig):
