@@ -10,6 +10,7 @@
     rt.load(graph).run({"x": array})           # a Graph built in code -> GraphModel
     rt.load("whisper-tiny.en").transcribe("talk.wav").text   # a whisper directory -> SpeechModel
     samples, rate = rt.load("voice.onnx").speak("Hello.")   # a piper voice -> VoiceModel
+    rt.pipeline("whisper-tiny.en", "default", "voice.onnx")("question.wav").samples   # speech in, speech out
 
 One Model class per task (`generate`, `encode`, `graph`, `transcribe`, `speak`) over a shared base; each holds its task's
 runner (engine/), built on the Backend the scheduling policy (schedule.py) gives it.
@@ -21,6 +22,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -516,6 +518,37 @@ class VoiceModel(Model):
 
 
 TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel, "speak": VoiceModel}
+
+
+@dataclass
+class Reply:
+    """What a speech pipeline heard, what it answered, and the answer spoken."""
+    heard: Transcript
+    text: str
+    samples: np.ndarray
+    rate: int
+
+
+class Pipeline:
+    """Speech in, speech out: the recognizer's transcript is the user's turn for the chat model, whose reply
+    the voice says. Each stage's output is the next one's input; the stages keep their own options."""
+
+    def __init__(self, asr: SpeechModel, llm: TextModel, tts: VoiceModel, system: str | None = None):
+        for model, task in ((asr, "transcribe"), (llm, "generate"), (tts, "speak")):
+            if model.task != task:
+                raise RequestError(f"{model.id} runs the {model.task} task; this stage needs a {task} model")
+        self.asr, self.llm, self.tts, self.system = asr, llm, tts, system
+
+    def __call__(self, audio, max_tokens: int = 256, transcribe: dict | None = None, chat: dict | None = None,
+                 speak: dict | None = None) -> Reply:
+        heard = self.asr.transcribe(audio, **(transcribe or {}))
+        if not heard.text:
+            raise RequestError("no speech was heard in the audio")
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+            [{"role": "user", "content": heard.text}]
+        text = self.llm.chat(messages, stream=False, max_tokens=max_tokens, **(chat or {})).strip()
+        samples, rate = self.tts.speak(text or "...", **(speak or {}))
+        return Reply(heard, text, samples, rate)
 KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
 
 
@@ -569,6 +602,11 @@ class Runtime:
             model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
         self.models[model_id] = model
         return model
+
+    def pipeline(self, asr, llm, tts, system: str | None = None) -> Pipeline:
+        """A speech-to-speech pipeline over three models (each a loaded Model, or a source to load)."""
+        asr, llm, tts = (m if isinstance(m, Model) else self.load(m) for m in (asr, llm, tts))
+        return Pipeline(asr, llm, tts, system)
 
     def unload(self, model_id: str) -> None:
         if model_id not in self.models:

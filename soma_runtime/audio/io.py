@@ -109,13 +109,14 @@ def load_audio(source, rate: int = 16000, max_seconds: float = MAX_SECONDS, name
             raise RequestError(f"{name}: samples must be mono [n], got shape {list(samples.shape)}")
     else:
         if isinstance(source, str):
+            name = source if name == "audio" else name
             try:
                 with open(source, "rb") as f:
                     source = f.read(int(max_seconds * 48000 * 4 * 2) + (1 << 20))
             except OSError as e:
                 raise RequestError(f"{name}: cannot read ({e.strerror})") from None
         data = bytes(source)
-        samples, got = read_wav(data, name) if data[:4] == b"RIFF" else read_encoded(data, name)
+        samples, got = read_wav(data, name) if data[:4] == b"RIFF" else read_encoded(data, name, max_seconds)
     if not len(samples):
         raise RequestError(f"{name}: holds no samples")
     if len(samples) > max_seconds * got:
@@ -125,12 +126,31 @@ def load_audio(source, rate: int = 16000, max_seconds: float = MAX_SECONDS, name
     return resample(samples, got, rate) if got != rate else samples
 
 
-def read_encoded(data: bytes, name: str) -> tuple[np.ndarray, int]:
+def read_encoded(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, int]:
+    """A compressed file's samples, its length checked from its header before it is decoded."""
     import io
 
     import soundfile
     try:
+        info = soundfile.info(io.BytesIO(data))
+        if info.samplerate > 0 and info.frames > max_seconds * info.samplerate:
+            raise RequestError(f"{name}: {info.frames / info.samplerate:.0f} s is longer than the {max_seconds:.0f} s taken")
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
         raise RequestError(f"{name}: not a readable audio file (wav, flac, ogg, mp3): {e}") from None
     return samples.mean(axis=1).astype(np.float32), int(rate)
+
+
+def wav_header(rate: int, frames: int | None = None) -> bytes:
+    """A 16-bit mono WAV header; for a stream of unknown length (frames None) its sizes are at their
+    maximum, as streaming writers leave them."""
+    data = 0xFFFFFFFF if frames is None else 2 * frames
+    riff = 0xFFFFFFFF if frames is None else 36 + data
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data))
+
+
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    """16-bit mono PCM samples as a WAV file."""
+    samples = np.asarray(samples, "<i2")
+    return wav_header(rate, len(samples)) + samples.tobytes()

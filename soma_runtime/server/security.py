@@ -24,6 +24,7 @@ from soma_runtime.errors import RequestError
 from soma_runtime.server.openai import error_body
 
 OPEN_PATHS = ("/v1/health",)                 # answered without the API key (load balancers' probes)
+UPLOAD_PATHS = ("/v1/audio/transcriptions",)  # take multipart/form-data (a file), up to the upload limit
 MODEL_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -35,6 +36,7 @@ class Forbidden(RequestError):
 class Policy:
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
+    max_upload_bytes: int = 25 * 2**20     # an uploaded file (OpenAI's limit for audio)
     body_seconds: float = 30.0             # the whole body must arrive within this
     head_seconds: float = 10.0             # ... and a request's head (its line and headers) within this
     send_seconds: float = 60.0             # one write to a client that does not read may block this long
@@ -56,7 +58,7 @@ class Guard:
             return await respond(send, *refusal)
         body = b""
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            body, refusal = await self.read_body(receive, headers)
+            body, refusal = await self.read_body(receive, self.limit(scope))
             if refusal is not None:
                 return await respond(send, *refusal)
         await self.app(scope, replay(body, receive), self.bounded(send))
@@ -69,14 +71,20 @@ class Guard:
                 return 401, "authentication_error", "a valid API key is required: send 'Authorization: Bearer <key>'"
         if scope["method"] in ("POST", "PUT", "PATCH"):
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            if media != b"application/json":
+            upload = scope["path"] in UPLOAD_PATHS
+            if upload and media != b"multipart/form-data":
+                return 415, "invalid_request_error", "send the file as multipart/form-data"
+            if not upload and media != b"application/json":
                 return 415, "invalid_request_error", "the request body must be JSON, sent as Content-Type: application/json"
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.policy.max_body_bytes):
-                return 413, "invalid_request_error", f"the request body is over {self.policy.max_body_bytes} bytes"
+            length, limit = headers.get(b"content-length"), self.limit(scope)
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                return 413, "invalid_request_error", f"the request body is over {limit} bytes"
         return None
 
-    async def read_body(self, receive, headers: dict) -> tuple[bytes, tuple | None]:
+    def limit(self, scope) -> int:
+        return self.policy.max_upload_bytes if scope["path"] in UPLOAD_PATHS else self.policy.max_body_bytes
+
+    async def read_body(self, receive, limit: int) -> tuple[bytes, tuple | None]:
         """The whole body, or a refusal: too large (413), too slow (408), or the client gone."""
         chunks, size = [], 0
         deadline = time.monotonic() + self.policy.body_seconds
@@ -90,8 +98,8 @@ class Guard:
                 return b"", (400, "invalid_request_error", "the client left before sending its body")
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.policy.max_body_bytes:
-                return b"", (413, "invalid_request_error", f"the request body is over {self.policy.max_body_bytes} bytes")
+            if size > limit:
+                return b"", (413, "invalid_request_error", f"the request body is over {limit} bytes")
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks), None

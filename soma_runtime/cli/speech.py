@@ -1,0 +1,91 @@
+"""The speech commands: `transcribe` (audio -> text, srt, vtt or json), `speak` (text -> a WAV file) and
+`pipeline` (audio -> transcript -> chat reply -> spoken WAV)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from soma_runtime.engine.transcribe.formats import FORMATS
+
+
+def runtime(args):
+    from soma_runtime.api import Runtime
+    return Runtime(args.backend, threads=args.threads)
+
+
+def write(path: str, data: bytes) -> None:
+    if path == "-":
+        sys.stdout.buffer.write(data)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def cmd_transcribe(args) -> int:
+    from soma_runtime.engine.transcribe.formats import render
+    model = runtime(args).load(args.model, sha256=args.sha256)
+    options = {"temperature": args.temperature} if args.temperature is not None else {}
+    transcript = model.transcribe(args.audio, language=args.language, beam_size=args.beam_size, vad=args.vad,
+                                  initial_prompt=args.prompt, **options)
+    fmt = {"json": "verbose_json"}.get(args.format, args.format)
+    sys.stdout.write(render(transcript, fmt) + ("\n" if fmt == "verbose_json" else ""))
+    return 0
+
+
+def cmd_speak(args) -> int:
+    from soma_runtime.audio.io import wav_bytes
+    model = runtime(args).load(args.model, sha256=args.sha256)
+    text = sys.stdin.read() if args.text == "-" else args.text
+    samples, rate = model.speak(text, speaker=args.speaker, speed=args.speed)
+    write(args.out, wav_bytes(samples, rate))
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    from soma_runtime.audio.io import wav_bytes
+    reply = runtime(args).pipeline(args.asr, args.llm, args.tts, system=args.system)(args.audio, max_tokens=args.max_tokens)
+    write(args.out, wav_bytes(reply.samples, reply.rate))
+    print(f"heard: {reply.heard.text}\nreply: {reply.text}", file=sys.stderr)
+    return 0
+
+
+def add_common(p) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda", "reference"))
+
+
+def add_parsers(sub, sha256_arg) -> None:
+    t = sub.add_parser("transcribe", help="speech to text with a whisper model (CTranslate2 or HF directory)")
+    t.add_argument("--model", "-m", default="whisper-tiny.en", help="a whisper directory or name (default: whisper-tiny.en)")
+    t.add_argument("--audio", "-a", required=True, help="an audio file: wav, flac, ogg or mp3")
+    t.add_argument("--format", "-f", default="text", choices=[f for f in FORMATS if f != "verbose_json"])
+    t.add_argument("--language", default=None, help="the spoken language's code (default: detected)")
+    t.add_argument("--beam-size", type=int, default=5)
+    t.add_argument("--temperature", type=float, default=None, help="one temperature instead of the fallback list")
+    t.add_argument("--prompt", default=None, help="text the first window is conditioned on (names, spellings)")
+    t.add_argument("--vad", action=argparse.BooleanOptionalAction, default=None,
+                   help="transcribe only the speech Silero VAD finds (default: beyond 30 s)")
+    t.add_argument("--sha256", type=sha256_arg, default=None)
+    add_common(t)
+    t.set_defaults(run=cmd_transcribe)
+
+    s = sub.add_parser("speak", help="text to speech with a piper voice (voice.onnx beside voice.onnx.json)")
+    s.add_argument("--model", "-m", required=True, help="the voice's .onnx file")
+    s.add_argument("--text", "-t", required=True, help="the text to say ('-': stdin)")
+    s.add_argument("--out", "-o", required=True, help="the WAV file to write ('-': stdout)")
+    s.add_argument("--speaker", default=None, help="a speaker's name or id (multi-speaker voices)")
+    s.add_argument("--speed", type=float, default=1.0)
+    s.add_argument("--sha256", type=sha256_arg, default=None)
+    add_common(s)
+    s.set_defaults(run=cmd_speak)
+
+    p = sub.add_parser("pipeline", help="speech in, speech out: transcribe, answer with a chat model, say the answer")
+    p.add_argument("--asr", default="whisper-tiny.en", help="the whisper model")
+    p.add_argument("--llm", default="default", help="the chat model (default: the bundled SmolLM2)")
+    p.add_argument("--tts", required=True, help="the piper voice's .onnx file")
+    p.add_argument("--audio", "-a", required=True, help="the question, as an audio file")
+    p.add_argument("--out", "-o", required=True, help="the WAV file the spoken reply goes to")
+    p.add_argument("--system", default=None, help="a system prompt for the chat model")
+    p.add_argument("--max-tokens", type=int, default=128)
+    add_common(p)
+    p.set_defaults(run=cmd_pipeline)
