@@ -418,7 +418,7 @@ class SpeechModel(Model):
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
              bar, autotune: bool) -> SpeechModel:
-        return cls(model_id, loaded, backend, WhisperRunner(loaded.config, loaded.weights, backend))
+        return cls(model_id, loaded, backend, WhisperRunner(loaded.config, loaded.weights, backend, precision.activations))
 
     def transcribe(self, audio, language: str | None = None, beam_size: int = 5, word_timestamps: bool = False,
                    vad: bool | None = None, progress: bool | None = None, **options) -> Transcript:

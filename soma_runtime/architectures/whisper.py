@@ -17,6 +17,7 @@ import numpy as np
 
 from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV
 from soma_runtime.architectures.decoder import Weights
+from soma_runtime.dtypes import quantize
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
@@ -58,17 +59,27 @@ class WhisperConfig:
 
 
 class Blocks:
-    """The layers both halves share, over one GraphBuilder and the HF-named weights."""
+    """The layers both halves share, over one GraphBuilder and the HF-named weights. With activations "q8"
+    the projections' weights are q8_0 and their inputs quantized as llama.cpp does (CTranslate2's int8)."""
 
-    def __init__(self, g: GraphBuilder, weights: Weights, d_model: int):
-        self.g, self.weights, self.d_model = g, weights, d_model
+    def __init__(self, g: GraphBuilder, weights: Weights, d_model: int, activations: str = "f32"):
+        self.g, self.weights, self.d_model, self.activations = g, weights, d_model, activations
+        self.made: dict[tuple[str, bool], object] = {}
 
-    def const(self, name: str):
-        t = self.weights[name]
-        return self.g.const(name, np.asarray(t, np.float32))
+    def const(self, name: str, quantized: bool = False):
+        """A weight as a graph constant, once however often it is read (the tied token embedding)."""
+        if (name, quantized) not in self.made:
+            t = np.asarray(self.weights[name], np.float32)
+            self.made[name, quantized] = self.g.const(f"{name}.q8_0", quantize(t, "q8_0")) if quantized else self.g.const(name, t)
+        return self.made[name, quantized]
+
+    def project(self, x, name: str):
+        """x @ weights[name].T, in the precision asked for."""
+        q8 = self.activations == "q8" and self.weights[name].shape[-1] % 32 == 0
+        return self.g.matmul(x, self.const(name, q8), transpose_b=True, activations="q8" if q8 else "f32")
 
     def linear(self, x, name: str):
-        y = self.g.matmul(x, self.const(f"{name}.weight"), transpose_b=True)
+        y = self.project(x, f"{name}.weight")
         return self.g.add(y, self.const(f"{name}.bias")) if f"{name}.bias" in self.weights else y
 
     def norm(self, x, name: str):
@@ -97,10 +108,10 @@ class Blocks:
         return self.linear(self.g.gelu(self.linear(x, f"{p}.fc1"), approximate="none"), f"{p}.fc2")
 
 
-def build_encoder(cfg: WhisperConfig, weights: Weights) -> Graph:
+def build_encoder(cfg: WhisperConfig, weights: Weights, activations: str = "f32") -> Graph:
     """features [B, mels, 2 * max_source_positions] -> encoded [B, max_source_positions, D]."""
     g = GraphBuilder()
-    b = Blocks(g, weights, cfg.d_model)
+    b = Blocks(g, weights, cfg.d_model, activations)
     features = g.input("features", ("B", cfg.num_mel_bins, 2 * cfg.max_source_positions), "f32")
     e = "model.encoder"
     x = g.gelu(g.conv1d(features, b.const(f"{e}.conv1.weight"), b.const(f"{e}.conv1.bias"), padding=1), approximate="none")
@@ -145,11 +156,11 @@ def caches_of(cfg: WhisperConfig, dtype: str = "f32") -> EncoderDecoderIO:
     return EncoderDecoderIO(cache, cache)
 
 
-def build_cross(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> Graph:
+def build_cross(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO, activations: str = "f32") -> Graph:
     """encoded rows [F, D] and their cross slots [F] -> the cross pages with every decoder layer's
     cross-attention keys and values of those rows written."""
     g = GraphBuilder()
-    b = Blocks(g, weights, cfg.d_model)
+    b = Blocks(g, weights, cfg.d_model, activations)
     encoded, slots, pages = io.declare_cross(g, cfg.d_model)
     out = []
     for i in range(cfg.decoder_layers):
@@ -159,11 +170,11 @@ def build_cross(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> G
     return g.output(*out)
 
 
-def build_step(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> Graph:
+def build_step(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO, activations: str = "f32") -> Graph:
     """The decoder over its caches: rows [S] of any number of sequences (each its positions, its slots
     and spans) -> logits [R, vocab] of the wanted rows, and the self pages with the rows' K/V appended."""
     g = GraphBuilder()
-    b = Blocks(g, weights, cfg.d_model)
+    b = Blocks(g, weights, cfg.d_model, activations)
     s = io.declare(g)
     att, H, d = s.step.attention, cfg.decoder_heads, "model.decoder"
     tokens = b.const(f"{d}.embed_tokens.weight")
@@ -181,4 +192,4 @@ def build_step(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO) -> Gr
                                         s.cross_slots, s.cross_spans, H))
         x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
     rows = g.embedding(x, s.step.logit_rows)
-    return g.output(g.matmul(b.norm(rows, f"{d}.layer_norm"), tokens, transpose_b=True), *pages_out)
+    return g.output(b.project(b.norm(rows, f"{d}.layer_norm"), f"{d}.embed_tokens.weight"), *pages_out)
