@@ -485,20 +485,14 @@ def transcribe_options(**options) -> TranscribeOptions:
     return opts
 
 
-class VoiceModel(Model):
-    """A voice (piper): text to speech."""
+class VoiceModel(GraphModel):
+    """A voice (piper): text to speech. Its graph stays runnable as a graph's (`run`)."""
 
     task = "speak"
 
-    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, voice: Voice):
-        super().__init__(model_id, loaded, backend)
-        self.voice = voice
-
-    @classmethod
-    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
-             bar, autotune: bool) -> VoiceModel:
-        config = VoiceConfig.from_piper(loaded.metadata["voice"], loaded.path + ".json")
-        return cls(model_id, loaded, backend, Voice(graph_runner(loaded.graph, backend), config))
+    def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: GraphRunner | FamilyRunner):
+        super().__init__(model_id, loaded, backend, runner)
+        self.voice = Voice(runner, VoiceConfig.from_piper(loaded.metadata["voice"], loaded.path + ".json"))
 
     @property
     def sample_rate(self) -> int:

@@ -212,3 +212,28 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
         CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=warps, num_stages=stages)
     return out
+
+
+@jet("sdpa", CUDA, [(F, F, F, F), (F, F, F, "none")])
+@device_jet
+def sdpa(q, k, v, mask=None, causal=False, scale=None, softcap=0.0, window=0, precision="f32"):
+    """Whole-sequence attention [B, H, S, D] (an encoder's): torch's fused attention in f32, GQA heads
+    grouped; a causal or windowed one bottom-right aligned as the op says, through an additive bias."""
+    like, (_, H, S, D), (Hkv, T) = q.dtype, q.shape, k.shape[1:3]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    q, k, v = (t.to(torch.float32) for t in (q, k, v))
+    bias = None if mask is None else mask.to(torch.float32)
+    if causal or window:
+        rows = torch.arange(S, device=q.device)[:, None] + (T - S)
+        cols = torch.arange(T, device=q.device)[None, :]
+        keep = (cols <= rows) if causal else torch.ones((S, T), dtype=torch.bool, device=q.device)
+        keep = keep & (rows - cols < window) if window else keep
+        hidden = torch.zeros((S, T), device=q.device).masked_fill(~keep, -math.inf)
+        bias = hidden if bias is None else bias + hidden
+    if softcap:
+        k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+        scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+        out = torch.softmax(scores if bias is None else scores + bias, dim=-1) @ v
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=H != Hkv)
+    return out.to(like)
