@@ -44,8 +44,9 @@ from soma_runtime.engine.stops import check_stops
 from soma_runtime.engine.transcribe.runner import WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
 from soma_runtime.engine.transcribe.segments import Transcriber, Transcript, features_of
-from soma_runtime.engine.transcribe.speech_map import VAD_BEYOND_SECONDS, VAD_OPTIONS, SpeechMap, speech_only
+from soma_runtime.engine.transcribe.speech_map import VAD_BEYOND_SECONDS, VAD_OPTIONS, SpeechMap, restore, speech_only
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
+from soma_runtime.engine.transcribe.words import Aligner
 from soma_runtime.engine.vad import VoiceActivity
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
@@ -412,7 +413,9 @@ class SpeechModel(Model):
         self.runner, self.tokenizer = runner, loaded.tokenizer
         self.tokens = WhisperTokens(loaded.tokenizer, loaded.config.vocab_size)
         begin = loaded.metadata.get("suppress_ids_begin", loaded.metadata.get("begin_suppress_tokens", [220, self.tokens.eot]))
-        self.transcriber = Transcriber(runner, self.tokens, tuple(begin), loaded.config.max_target_positions)
+        heads = loaded.metadata.get("alignment_heads")
+        aligner = Aligner(loaded.config, loaded.weights, backend, heads) if heads else None
+        self.transcriber = Transcriber(runner, self.tokens, tuple(begin), loaded.config.max_target_positions, aligner)
         self.vad: VoiceActivity | None = None
 
     @classmethod
@@ -427,9 +430,7 @@ class SpeechModel(Model):
         condition_on_previous_text, initial_prompt, no_speech_threshold, ...). `language`: the spoken
         language's code; detected from the first 30 s when a multilingual model is not told. `vad`: only the
         speech Silero VAD finds is transcribed (faster-whisper's VAD filter), by default beyond 30 s."""
-        if word_timestamps:
-            raise RequestError("word timestamps are not available yet")
-        opts = transcribe_options(beam_size=beam_size, **options)
+        opts = transcribe_options(beam_size=beam_size, word_timestamps=word_timestamps, **options)
         samples = load_audio(audio)
         duration = len(samples) / SAMPLE_RATE
         speech_map = None
@@ -446,7 +447,7 @@ class SpeechModel(Model):
                 bar.update(round(seconds, 2) - bar.n)
             segments = list(self.transcriber.segments(features, opts, language, advance))
         for s in segments if speech_map else ():
-            s.start, s.end = speech_map.original(s.start), speech_map.original(s.end, is_end=True)
+            restore(s, speech_map)
         return Transcript("".join(s.text for s in segments).strip(), segments, language, probability, duration)
 
     def voice_activity(self) -> VoiceActivity:

@@ -88,11 +88,19 @@ class Blocks:
     def heads_first(self, x, rows: str | int, heads: int):    # [B, rows, D] -> [B, H, rows, hd]
         return self.g.transpose(self.g.reshape(x, shape=("B", rows, heads, self.d_model // heads)), dim0=1, dim1=2)
 
-    def attention(self, x, memory, name: str, rows: str | int, keys: str | int, heads: int, causal: bool):
+    def attention(self, x, memory, name: str, rows: str | int, keys: str | int, heads: int, causal: bool, scores=None):
+        """Multi-head attention; with a list `scores`, its raw scaled q.k scores [B, H, rows, keys] are
+        appended to it (the product spelled out rather than one sdpa)."""
         q = self.heads_first(self.linear(x, f"{name}.q_proj"), rows, heads)
         k = self.heads_first(self.linear(memory, f"{name}.k_proj"), keys, heads)
         v = self.heads_first(self.linear(memory, f"{name}.v_proj"), keys, heads)
-        out = self.g.transpose(self.g.sdpa(q, k, v, causal=causal), dim0=1, dim1=2)
+        if scores is None:
+            out = self.g.sdpa(q, k, v, causal=causal)
+        else:
+            scale = self.g.const(f"{name}.scale", np.full(1, (self.d_model // heads) ** -0.5, np.float32))
+            scores.append(self.g.mul(self.g.matmul(q, self.g.transpose(k, dim0=2, dim1=3)), scale))
+            out = self.g.matmul(self.g.softmax(scores[-1], causal=causal), v)
+        out = self.g.transpose(out, dim0=1, dim1=2)
         return self.linear(self.g.reshape(out, shape=("B", rows, self.d_model)), f"{name}.out_proj")
 
     def cached_attention(self, x, name: str, k_pages, v_pages, ctx_slots, spans, heads: int):
@@ -126,9 +134,10 @@ def build_encoder(cfg: WhisperConfig, weights: Weights, activations: str = "f32"
     return g.output(b.norm(x, f"{e}.layer_norm"))
 
 
-def build_decoder(cfg: WhisperConfig, weights: Weights) -> Graph:
+def build_decoder(cfg: WhisperConfig, weights: Weights, alignment_heads: tuple[tuple[int, int], ...] = ()) -> Graph:
     """ids, positions [B, S] and encoded [B, T, D] -> logits [B, S, vocab] (each row attends to the
-    rows before it and to all of `encoded`)."""
+    rows before it and to all of `encoded`); with `alignment_heads` ((layer, head) pairs), also their raw
+    cross-attention scores [B, heads, S, T], which word timestamps align text to audio with."""
     g = GraphBuilder()
     b = Blocks(g, weights, cfg.d_model)
     ids = g.input("ids", ("B", "S"), "i64")
@@ -139,14 +148,19 @@ def build_decoder(cfg: WhisperConfig, weights: Weights) -> Graph:
     x = g.add(g.embedding(tokens, g.reshape(ids, shape=(-1,))), g.embedding(b.const(f"{d}.embed_positions.weight"),
                                                                             g.reshape(positions, shape=(-1,))))
     x = g.reshape(x, shape=("B", "S", cfg.d_model))
+    aligned = []
     for i in range(cfg.decoder_layers):
         p = f"{d}.layers.{i}"
         h = b.norm(x, f"{p}.self_attn_layer_norm")
         x = g.add(x, b.attention(h, h, f"{p}.self_attn", "S", "S", cfg.decoder_heads, causal=True))
+        heads = [head for layer, head in alignment_heads if layer == i]
+        scores = [] if heads else None
         x = g.add(x, b.attention(b.norm(x, f"{p}.encoder_attn_layer_norm"), encoded, f"{p}.encoder_attn", "S", "T",
-                                 cfg.decoder_heads, causal=False))
+                                 cfg.decoder_heads, causal=False, scores=scores))
+        aligned += [g.slice(scores[0], axis=1, start=head, stop=head + 1) for head in heads]
         x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
-    return g.output(g.matmul(b.norm(x, f"{d}.layer_norm"), tokens, transpose_b=True))
+    logits = g.matmul(b.norm(x, f"{d}.layer_norm"), tokens, transpose_b=True)
+    return g.output(logits, g.concat(*aligned, axis=1)) if aligned else g.output(logits)
 
 
 def caches_of(cfg: WhisperConfig, dtype: str = "f32") -> EncoderDecoderIO:

@@ -26,9 +26,9 @@ def cmd_transcribe(args) -> int:
     model = runtime(args).load(args.model, sha256=args.sha256)
     options = {"temperature": args.temperature} if args.temperature is not None else {}
     transcript = model.transcribe(args.audio, language=args.language, beam_size=args.beam_size, vad=args.vad,
-                                  initial_prompt=args.prompt, **options)
+                                  initial_prompt=args.prompt, word_timestamps=args.word_timestamps, **options)
     fmt = {"json": "verbose_json"}.get(args.format, args.format)
-    sys.stdout.write(render(transcript, fmt) + ("\n" if fmt == "verbose_json" else ""))
+    sys.stdout.write(render(transcript, fmt, args.word_timestamps) + ("\n" if fmt == "verbose_json" else ""))
     return 0
 
 
@@ -65,6 +65,7 @@ def add_parsers(sub, sha256_arg) -> None:
     t.add_argument("--prompt", default=None, help="text the first window is conditioned on (names, spellings)")
     t.add_argument("--vad", action=argparse.BooleanOptionalAction, default=None,
                    help="transcribe only the speech Silero VAD finds (default: beyond 30 s)")
+    t.add_argument("--word-timestamps", action="store_true", help="each word's start and end (json format)")
     t.add_argument("--sha256", type=sha256_arg, default=None)
     add_common(t)
     t.set_defaults(run=cmd_transcribe)

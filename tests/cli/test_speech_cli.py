@@ -23,8 +23,10 @@ def test_speak_then_transcribe_in_each_format(tmp_path):
     srt = soma("transcribe", "--audio", str(out), "--format", "srt").stdout
     assert srt.startswith("1\n00:00:00,000 --> ")
     assert soma("transcribe", "--audio", str(out), "--format", "vtt").stdout.startswith("WEBVTT")
-    verbose = json.loads(soma("transcribe", "--audio", str(out), "--format", "json", "--beam-size", "1").stdout)
-    assert verbose["language"] == "english" and verbose["segments"][0]["start"] == 0.0
+    verbose = json.loads(soma("transcribe", "--audio", str(out), "--format", "json", "--beam-size", "1",
+                              "--word-timestamps").stdout)
+    assert verbose["language"] == "english" and verbose["segments"][0]["start"] >= 0.0
+    assert [w["word"].strip(" .") for w in verbose["words"]][-2:] == ["lovely", "today"]
 
 
 def test_pipeline_answers_a_spoken_question_aloud(tmp_path):

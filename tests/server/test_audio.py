@@ -52,6 +52,10 @@ def test_transcriptions_match_the_library_in_every_format(client, recording):
     assert verbose.text == expected.text and verbose.language == "english"
     assert [(s.start, s.end, s.text) for s in verbose.segments] == \
         [(round(s.start, 3), round(s.end, 3), s.text) for s in expected.segments]
+    worded = client.audio.transcriptions.create(model="whisper", file=("talk.wav", recording), response_format="verbose_json",
+                                                timestamp_granularities=["word"])
+    assert [w.word for w in worded.words] == [w["word"] for s in whisper.transcribe(recording, word_timestamps=True).segments
+                                              for w in s.words]
     text = client.audio.transcriptions.create(model="whisper", file=("talk.wav", recording), response_format="text")
     assert text.strip() == expected.text
     srt = client.audio.transcriptions.create(model="whisper", file=("talk.wav", recording), response_format="srt")

@@ -126,3 +126,16 @@ def test_vad_finds_faster_whispers_speech_and_is_on_beyond_30_seconds(ours, reco
     assert starts == sorted(starts) and starts[-1] > 100
     heard = set(words(transcript.text))
     assert len(heard & set(words(" ".join(SENTENCES)))) >= 0.7 * len(set(words(" ".join(SENTENCES))))
+
+
+def test_word_timestamps_match_faster_whisper(ours, theirs, recording):
+    """Words from the alignment heads: the same words, each start and end within 0.1 s, and segments
+    moved to their words' edges as faster-whisper moves them."""
+    mine = ours.transcribe(recording, beam_size=5, temperature=0.0, word_timestamps=True, vad=False)
+    reference = list(theirs.transcribe(recording, beam_size=5, language="en", temperature=0.0, word_timestamps=True)[0])
+    assert [s.text for s in mine.segments] == [s.text for s in reference]
+    for a, b in zip(mine.segments, reference):
+        assert [w["word"] for w in a.words] == [w.word for w in b.words]
+        times = np.array([(w["start"], w["end"]) for w in a.words]) - np.array([(w.start, w.end) for w in b.words])
+        assert np.abs(times).max() <= 0.1 and abs(a.start - b.start) <= 0.1 and abs(a.end - b.end) <= 0.1
+        np.testing.assert_allclose([w["probability"] for w in a.words], [w.probability for w in b.words], atol=1e-3)

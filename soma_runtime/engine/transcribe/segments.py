@@ -18,6 +18,7 @@ from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.transcribe.runner import Hypothesis, WhisperRunner
 from soma_runtime.engine.transcribe.search import Search, SearchOptions, SearchResult
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
+from soma_runtime.engine.transcribe.words import Aligner, add_word_timestamps, word_timings, words_end
 from soma_runtime.errors import RequestError
 
 WINDOW_FRAMES = 3000                        # 30 s of 10 ms frames
@@ -50,6 +51,7 @@ class Options:
     without_timestamps: bool = False
     max_initial_timestamp: float = 1.0
     max_new_tokens: int | None = None
+    word_timestamps: bool = False
     seed: int | None = None
 
 
@@ -87,8 +89,11 @@ def features_of(audio: np.ndarray, n_mels: int) -> np.ndarray:
 
 
 class Transcriber:
-    def __init__(self, runner: WhisperRunner, tok: WhisperTokens, begin_suppress: tuple[int, ...], max_length: int):
+    def __init__(self, runner: WhisperRunner, tok: WhisperTokens, begin_suppress: tuple[int, ...], max_length: int,
+                 aligner: Aligner | None = None):
+        """`aligner`: the model's alignment heads, for word timestamps (None: the model has none)."""
         self.runner, self.tok, self.begin_suppress, self.max_length = runner, tok, begin_suppress, max_length
+        self.aligner = aligner
 
     def segments(self, features: np.ndarray, opts: Options, language: str,
                  progress: Callable[[float], None] | None = None) -> Iterator[Segment]:
@@ -100,11 +105,15 @@ class Transcriber:
         if opts.initial_prompt:
             all_tokens += tok.encode(" " + opts.initial_prompt.strip())
         suppress = tok.suppressed(opts.suppress_tokens) if opts.suppress_tokens else ()
+        if opts.word_timestamps and self.aligner is None:
+            raise RequestError("this model names no alignment heads: word timestamps are not available")
+        last_speech = 0.0
         while seek < content_frames:
             time_offset = seek * SECONDS_PER_FRAME
             size = min(WINDOW_FRAMES, content_frames - seek)
             prompt = self.prompt(all_tokens[reset_since:], language, opts)
-            [opened] = self.runner.open_windows(self.runner.encode(self.window(features, seek)[None]))
+            encoded = self.runner.encode(self.window(features, seek)[None])
+            [opened] = self.runner.open_windows(encoded)
             try:
                 attempt = self.with_fallback(opened, prompt, opts, suppress, rng)
             finally:
@@ -116,15 +125,23 @@ class Transcriber:
                 if progress:
                     progress(min(content_frames, seek) * SECONDS_PER_FRAME)
                 continue
-            pieces, seek = self.split(result.tokens, time_offset, size, seek)
-            for start, end, tokens in pieces:
-                text = tok.decode(tokens)
-                if start == end or not text.strip():
+            pieces, seek, single_ending = self.split(result.tokens, time_offset, size, seek)
+            if opts.word_timestamps:
+                text = [t for p in pieces for t in p["tokens"] if t < tok.eot]
+                alignment = word_timings(self.aligner, tok, encoded[0], tok.sot_sequence(language, opts.task), text, size)
+                last_speech = add_word_timestamps(pieces, alignment, time_offset, last_speech, tok.eot)
+                end = words_end(pieces)
+                if not single_ending and end is not None and end > time_offset:
+                    seek = round(end * FRAMES_PER_SECOND)
+                last_speech = end if end is not None else last_speech
+            for piece in pieces:
+                text = tok.decode(piece["tokens"])
+                if piece["start"] == piece["end"] or not text.strip():
                     continue
-                all_tokens += tokens
+                all_tokens += piece["tokens"]
                 index += 1
-                yield Segment(index, start, end, text, tokens, attempt.temperature, attempt.avg_logprob,
-                              attempt.compression_ratio, result.no_speech_prob)
+                yield Segment(index, piece["start"], piece["end"], text, piece["tokens"], attempt.temperature,
+                              attempt.avg_logprob, attempt.compression_ratio, result.no_speech_prob, piece.get("words", []))
             if not opts.condition_on_previous_text or attempt.temperature > opts.prompt_reset_on_temperature:
                 reset_since = len(all_tokens)
             if progress:
@@ -197,9 +214,9 @@ class Transcriber:
         best = max(below or attempts, key=lambda a: a.avg_logprob)
         return Attempt(best.result, best.avg_logprob, opts.temperatures[-1], best.compression_ratio)
 
-    def split(self, tokens: list[int], time_offset: float, size: int, seek: int) -> tuple[list[tuple], int]:
-        """[(start, end, tokens)] cut at consecutive timestamp pairs, and the next seek: past the window when
-        it ends on a lone timestamp (nothing after), else at the last closed pair."""
+    def split(self, tokens: list[int], time_offset: float, size: int, seek: int) -> tuple[list[dict], int, bool]:
+        """Pieces {start, end, tokens} cut at consecutive timestamp pairs, the next seek (past the window when
+        it ends on a lone timestamp: nothing after it, else at the last closed pair), and whether it did."""
         begin = self.tok.timestamp_begin
         single_ending = len(tokens) >= 2 and tokens[-2] < begin <= tokens[-1]
         cuts = [i for i in range(1, len(tokens)) if tokens[i] >= begin and tokens[i - 1] >= begin]
@@ -208,15 +225,15 @@ class Transcriber:
             duration = size * SECONDS_PER_FRAME
             if stamps and stamps[-1] != begin:
                 duration = (stamps[-1] - begin) * TIME_PRECISION
-            return [(time_offset, time_offset + duration, tokens)], seek + size
+            return [{"start": time_offset, "end": time_offset + duration, "tokens": tokens}], seek + size, single_ending
         pieces, last = [], 0
         for cut in cuts + ([len(tokens)] if single_ending else []):
             piece = tokens[last:cut]
-            pieces.append((time_offset + (piece[0] - begin) * TIME_PRECISION,
-                           time_offset + (piece[-1] - begin) * TIME_PRECISION, piece))
+            pieces.append({"start": time_offset + (piece[0] - begin) * TIME_PRECISION,
+                           "end": time_offset + (piece[-1] - begin) * TIME_PRECISION, "tokens": piece})
             last = cut
         seek = seek + size if single_ending else seek + (tokens[last - 1] - begin) * INPUT_STRIDE
-        return pieces, seek
+        return pieces, seek, single_ending
 
 
 @dataclass

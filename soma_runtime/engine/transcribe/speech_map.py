@@ -33,3 +33,16 @@ class SpeechMap:
 
 def speech_only(audio: np.ndarray, chunks: list[tuple[int, int]]) -> np.ndarray:
     return np.concatenate([audio[a:b] for a, b in chunks]) if chunks else np.zeros(0, np.float32)
+
+
+def restore(segment, speech_map: SpeechMap) -> None:
+    """A segment's (and its words') times on the recording's clock: each word within the chunk its middle
+    falls in, the segment spanning its words."""
+    if segment.words:
+        for w in segment.words:
+            chunk = speech_map.chunk_of((w["start"] + w["end"]) / 2)
+            w["start"] = round(speech_map.silence_before[chunk] + w["start"], 2)
+            w["end"] = round(speech_map.silence_before[chunk] + w["end"], 2)
+        segment.start, segment.end = segment.words[0]["start"], segment.words[-1]["end"]
+    else:
+        segment.start, segment.end = speech_map.original(segment.start), speech_map.original(segment.end, is_end=True)
