@@ -41,7 +41,7 @@ from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.speak import Voice, VoiceConfig
 from soma_runtime.engine.stops import check_stops
-from soma_runtime.engine.transcribe.runner import WhisperRunner
+from soma_runtime.engine.transcribe.runner import MAX_BATCH, WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
 from soma_runtime.engine.transcribe.segments import Transcriber, Transcript, features_of
 from soma_runtime.engine.transcribe.speech_map import VAD_BEYOND_SECONDS, VAD_OPTIONS, SpeechMap, restore, speech_only
@@ -403,6 +403,22 @@ class GraphModel(Model):
                 "fusions": dict(self.runner.fusions)}
 
 
+@dataclass
+class Heard:
+    """A recording to transcribe: the samples decoded (its speech, when VAD cut it), and how to map back."""
+    samples: np.ndarray
+    duration: float
+    speech_map: SpeechMap | None
+
+    def features(self, n_mels: int) -> np.ndarray:
+        return features_of(self.samples, n_mels)
+
+    def transcript(self, segments: list, language: str, probability: float) -> Transcript:
+        for s in segments if self.speech_map else ():
+            restore(s, self.speech_map)
+        return Transcript("".join(s.text for s in segments).strip(), segments, language, probability, self.duration)
+
+
 class SpeechModel(Model):
     """A speech recognizer (whisper): transcribe audio to text with timestamped segments."""
 
@@ -424,31 +440,49 @@ class SpeechModel(Model):
         return cls(model_id, loaded, backend, WhisperRunner(loaded.config, loaded.weights, backend, precision.activations))
 
     def transcribe(self, audio, language: str | None = None, beam_size: int = 5, word_timestamps: bool = False,
-                   vad: bool | None = None, progress: bool | None = None, **options) -> Transcript:
+                   vad: bool | None = None, progress: bool | None = None, batch_size: int = 4,
+                   **options) -> Transcript | list[Transcript]:
         """Text and timestamped segments of `audio` (a file path, its bytes, or 16 kHz mono samples), decoded
         as faster-whisper does (its options by name: temperature, best_of, patience, length_penalty,
         condition_on_previous_text, initial_prompt, no_speech_threshold, ...). `language`: the spoken
         language's code; detected from the first 30 s when a multilingual model is not told. `vad`: only the
-        speech Silero VAD finds is transcribed (faster-whisper's VAD filter), by default beyond 30 s."""
+        speech Silero VAD finds is transcribed (faster-whisper's VAD filter), by default beyond 30 s.
+        A list of recordings gives a list of transcripts, `batch_size` of them decoding at once (each
+        one's current window a part of every decoder step)."""
         opts = transcribe_options(beam_size=beam_size, word_timestamps=word_timestamps, **options)
+        if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
+            raise RequestError(f"batch_size must be an integer in [1, {MAX_BATCH}], got {batch_size!r}")
+        many = isinstance(audio, (list, tuple))
+        heard = [self.heard(a, vad) for a in (audio if many else [audio])]
+        found = [[] for _ in heard]
+        with tqdm(total=round(sum(len(h.samples) for h in heard) / SAMPLE_RATE, 2), unit="s", desc="transcribing",
+                  delay=1.0, leave=False, disable=None if progress is None else not progress) as bar:
+            done = [0.0] * len(heard)
+
+            def advancer(i: int):
+                def advance(seconds: float) -> None:
+                    done[i] = seconds
+                    bar.update(round(sum(done), 2) - bar.n)
+                return advance
+            jobs = [(i, h.features(self.loaded.config.num_mel_bins)) for i, h in enumerate(heard) if len(h.samples)]
+            spoken = [(i, *self.language(f, language)) for i, f in jobs]
+            decoded = self.transcriber.many([(f, opts, lang, advancer(i)) for (i, f), (_, lang, _) in zip(jobs, spoken)],
+                                            batch_size)
+            for j, segment in decoded:
+                found[jobs[j][0]].append(segment)
+        languages = {i: (lang, p) for i, lang, p in spoken}
+        transcripts = [h.transcript(segments, *languages.get(i, (language or "en", 0.0)))
+                       for i, (h, segments) in enumerate(zip(heard, found))]
+        return transcripts if many else transcripts[0]
+
+    def heard(self, audio, vad: bool | None) -> Heard:
+        """A recording's samples, cut to its speech where `vad` says (by default beyond 30 s)."""
         samples = load_audio(audio)
         duration = len(samples) / SAMPLE_RATE
-        speech_map = None
         if vad or (vad is None and duration > VAD_BEYOND_SECONDS):
             chunks = self.voice_activity().segments(samples, **VAD_OPTIONS)
-            samples, speech_map = speech_only(samples, chunks), SpeechMap(chunks, SAMPLE_RATE)
-        if not len(samples):
-            return Transcript("", [], language or "en", 0.0, duration)
-        features = features_of(samples, self.loaded.config.num_mel_bins)
-        language, probability = self.language(features, language)
-        with tqdm(total=round(len(samples) / SAMPLE_RATE, 2), unit="s", desc="transcribing", delay=1.0, leave=False,
-                  disable=None if progress is None else not progress) as bar:
-            def advance(seconds: float) -> None:
-                bar.update(round(seconds, 2) - bar.n)
-            segments = list(self.transcriber.segments(features, opts, language, advance))
-        for s in segments if speech_map else ():
-            restore(s, speech_map)
-        return Transcript("".join(s.text for s in segments).strip(), segments, language, probability, duration)
+            return Heard(speech_only(samples, chunks), duration, SpeechMap(chunks, SAMPLE_RATE))
+        return Heard(samples, duration, None)
 
     def voice_activity(self) -> VoiceActivity:
         """Silero VAD (the silero-vad package's ONNX graph), run through the runtime; loaded once."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from soma_runtime.engine.transcribe.formats import FORMATS
@@ -25,10 +26,18 @@ def cmd_transcribe(args) -> int:
     from soma_runtime.engine.transcribe.formats import render
     model = runtime(args).load(args.model, sha256=args.sha256)
     options = {"temperature": args.temperature} if args.temperature is not None else {}
-    transcript = model.transcribe(args.audio, language=args.language, beam_size=args.beam_size, vad=args.vad,
-                                  initial_prompt=args.prompt, word_timestamps=args.word_timestamps, **options)
+    transcripts = model.transcribe(args.audio, language=args.language, beam_size=args.beam_size, vad=args.vad,
+                                   initial_prompt=args.prompt, word_timestamps=args.word_timestamps,
+                                   batch_size=args.batch_size, **options)
     fmt = {"json": "verbose_json"}.get(args.format, args.format)
-    sys.stdout.write(render(transcript, fmt, args.word_timestamps) + ("\n" if fmt == "verbose_json" else ""))
+    out_dir = args.out_dir or ("." if len(args.audio) > 1 else None)
+    for path, transcript in zip(args.audio, transcripts):
+        text = render(transcript, fmt, args.word_timestamps) + ("\n" if fmt == "verbose_json" else "")
+        if out_dir is None:
+            sys.stdout.write(text)
+        else:
+            stem = os.path.splitext(os.path.basename(path))[0]
+            write(os.path.join(out_dir, f"{stem}.{args.format}"), text.encode())
     return 0
 
 
@@ -57,7 +66,10 @@ def add_common(p) -> None:
 def add_parsers(sub, sha256_arg) -> None:
     t = sub.add_parser("transcribe", help="speech to text with a whisper model (CTranslate2 or HF directory)")
     t.add_argument("--model", "-m", default="whisper-tiny.en", help="a whisper directory or name (default: whisper-tiny.en)")
-    t.add_argument("--audio", "-a", required=True, help="an audio file: wav, flac, ogg or mp3")
+    t.add_argument("--audio", "-a", required=True, nargs="+", help="audio files: wav, flac, ogg or mp3")
+    t.add_argument("--out-dir", default=None, help="write <name>.<format> per file here (default: stdout for one "
+                   "file, the current directory for several)")
+    t.add_argument("--batch-size", type=int, default=4, help="files decoding at once")
     t.add_argument("--format", "-f", default="text", choices=[f for f in FORMATS if f != "verbose_json"])
     t.add_argument("--language", default=None, help="the spoken language's code (default: detected)")
     t.add_argument("--beam-size", type=int, default=5)

@@ -70,13 +70,19 @@ def compare(ours, theirs, audio: np.ndarray, beam: int) -> str:
     """Both at temperature 0 alone: a window that would fall back to sampling draws from each engine's own
     random numbers (tiny.en does on some windows of the long recording); its best attempt is kept instead."""
     mine = ours.transcribe(audio, beam_size=beam, vad=False, temperature=0.0)
-    segments, _ = theirs.transcribe(audio, beam_size=beam, language="en", temperature=0.0)
-    reference = list(segments)
+    assert_same(mine, reference_of(theirs, audio, beam))
+    return mine.text
+
+
+def reference_of(theirs, audio: np.ndarray, beam: int) -> list:
+    return list(theirs.transcribe(audio, beam_size=beam, language="en", temperature=0.0)[0])
+
+
+def assert_same(mine, reference: list) -> None:
     assert mine.text == "".join(s.text for s in reference).strip()
     assert [s.text for s in mine.segments] == [s.text for s in reference]
     for a, b in zip(mine.segments, reference):
         assert abs(a.start - b.start) <= 0.1 and abs(a.end - b.end) <= 0.1, (a, b)
-    return mine.text
 
 
 @pytest.mark.parametrize("beam", [1, 5])
@@ -106,6 +112,16 @@ def recording(piper_clips, espeak_clips) -> np.ndarray:
 @pytest.mark.parametrize("beam", [1, 5])
 def test_two_minutes_with_pauses_match_faster_whisper(ours, theirs, recording, beam):
     assert "quick brown fox" in compare(ours, theirs, recording, beam)
+
+
+def test_recordings_batched_match_faster_whisper_each(ours, theirs, piper_clips, espeak_clips, recording):
+    """Several recordings in one call, three decoding at once (their windows' steps batched, a finished
+    one letting the next in): each one's transcript is faster-whisper's for it alone."""
+    batch = [recording, *espeak_clips[:3], *piper_clips[:2]]
+    mine = ours.transcribe(batch, beam_size=5, vad=False, temperature=0.0, batch_size=3)
+    assert len(mine) == len(batch)
+    for transcript, audio in zip(mine, batch):
+        assert_same(transcript, reference_of(theirs, audio, 5))
 
 
 def test_vad_finds_faster_whispers_speech_and_is_on_beyond_30_seconds(ours, recording):

@@ -19,6 +19,7 @@ from transformers import WhisperForConditionalGeneration
 from soma_runtime.api import Runtime
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.transcribe.runner import Hypothesis
+from soma_runtime.errors import RequestError
 from soma_runtime.loaders import load, packaged_model_dir
 from tests.fixtures.decoders import randomize
 
@@ -126,3 +127,20 @@ def test_random_audio_transcribes_to_faster_whispers_tokens(whisper_dir, tmp_pat
         mine = ours.transcribe(audio, beam_size=beam, temperature=0.0, no_speech_threshold=None, vad=False)
         segments, _ = theirs.transcribe(audio, beam_size=beam, temperature=0.0, no_speech_threshold=None, language="en")
         assert [s.tokens for s in mine.segments] == [s.tokens for s in segments]
+    clips = [np.random.default_rng(2 + i).normal(0, 0.1, 16000 * seconds).astype(np.float32) for i, seconds in enumerate((7, 2, 4))]
+    batched = ours.transcribe(clips, beam_size=3, temperature=0.0, no_speech_threshold=None, vad=False, batch_size=2)
+    for transcript, clip in zip(batched, clips):
+        segments, _ = theirs.transcribe(clip, beam_size=3, temperature=0.0, no_speech_threshold=None, language="en")
+        assert [s.tokens for s in transcript.segments] == [s.tokens for s in segments]
+    assert ours.runner.pool.in_use == 0 and ours.runner.cross.in_use == 0
+
+
+def test_a_failing_recording_in_a_batch_releases_every_cache(ours, features):
+    """One recording's bad options fail the batch with a clear error; the others' windows and beams, already
+    decoding, are closed and their pages given back."""
+    from soma_runtime.engine.transcribe.segments import Options
+    good, bad = Options(beam_size=2, temperatures=(0.0,)), Options(max_new_tokens=1000)
+    jobs = [(features[0], good, "en"), (features[0], good, "en"), (features[0], bad, "en")]
+    with pytest.raises(RequestError, match="exceed whisper's 448 tokens"):
+        list(ours.transcriber.many(jobs, width=3))
+    assert ours.runner.pool.in_use == 0 and ours.runner.cross.in_use == 0

@@ -20,7 +20,9 @@ from soma_runtime.errors import RequestError
 from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan
 
-SELF_TOKENS = 448 * 32        # self-attention K/V: 32 hypotheses of whisper's longest text (pages map as they fill)
+MAX_BATCH = 8                 # windows decoding at once (one per recording in a batch)
+SELF_TOKENS = 448 * 48        # self-attention K/V: 5 beams of whisper's longest text in each of MAX_BATCH windows,
+                              # or 32 beams in one (pages map as they fill)
 CROSS_WINDOWS = 16            # windows whose cross K/V can be held at once
 
 

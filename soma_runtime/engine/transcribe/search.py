@@ -1,9 +1,10 @@
-"""Token search for one window, as CTranslate2's whisper `generate` runs it (faster-whisper's engine):
-greedy, beam search (2 x beam candidates a step, finished hypotheses replaced by the next live
-candidates, patience, length penalty) and temperature sampling over `num_hypotheses` rows, each step's
-logits first through whisper's rules: suppressed tokens, a blank start suppressed, and timestamps (paired,
-never decreasing, at most `max_initial_timestamp_index` at the start, forced when their summed probability
-beats every text token). Scores are float32 log-probabilities, finalized as score / length^penalty.
+"""Token search for one window, as CTranslate2's whisper `generate` runs it (faster-whisper's engine), as
+steps that run in lockstep with other windows' searches: greedy, beam search (2 x beam candidates a step,
+finished hypotheses replaced by the next live candidates, patience, length penalty) and temperature sampling
+over `num_hypotheses` rows, each step's logits first through whisper's rules: suppressed tokens, a blank
+start suppressed, and timestamps (paired, never decreasing, at most `max_initial_timestamp_index` at the
+start, forced when their summed probability beats every text token). Scores are float32 log-probabilities,
+finalized as score / length^penalty.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.transcribe.lockstep import Forward, Steps, lockstep
 from soma_runtime.engine.transcribe.runner import Hypothesis, WhisperRunner, Window
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
 from soma_runtime.errors import RequestError
@@ -137,6 +139,11 @@ class Search:
         self.rng = rng if rng is not None else np.random.default_rng()
 
     def run(self, window: Window, prompt: list[int]) -> SearchResult:
+        [(_, result)] = lockstep(self.runner, [self.decode(window, prompt)])
+        return result
+
+    def decode(self, window: Window, prompt: list[int]) -> Steps:
+        """The decoding as steps (see lockstep): yields each decoder step it needs, returns its result."""
         before, start, sot = split_prompt(prompt, self.tok)
         rules = LogitRules(self.tok, self.opts, timestamps=start != self.tok.no_timestamps)
         max_length = min(self.opts.max_length // 2, self.opts.max_length - len(before))
@@ -145,16 +152,16 @@ class Search:
         root = Hypothesis(Sequence(), window)
         feed = [*before, start]
         try:
-            logits = self.runner.forward([(root, feed)], [sot, len(feed) - 1] if sot < len(before) else [len(feed) - 1])
+            logits = yield Forward([(root, feed)], [sot, len(feed) - 1] if sot < len(before) else [len(feed) - 1])
         except BaseException:
             self.runner.release(root)
             raise
         no_speech = softmax_at(logits[0], self.tok.no_speech)       # at the sot, before any rule
         search = self.greedy if self.opts.beam_size == 1 else self.beam
-        tokens, score = search(root, logits[-1:], rules, max_length)     # the search owns root from here
+        tokens, score = yield from search(root, logits[-1:], rules, max_length)     # the search owns root from here
         return SearchResult(tokens, score, no_speech)
 
-    def greedy(self, root: Hypothesis, logits: np.ndarray, rules: LogitRules, max_length: int) -> tuple[list[int], float]:
+    def greedy(self, root: Hypothesis, logits: np.ndarray, rules: LogitRules, max_length: int) -> Steps:
         """Greedy (temperature 0) or sampled rows; the best finalized row."""
         n = self.opts.num_hypotheses if self.opts.temperature > 0 else 1
         rows = [root] + [self.runner.fork(root) for _ in range(n - 1)]
@@ -179,7 +186,7 @@ class Search:
                 alive = [i for i, _ in feed]
                 if not alive:
                     break
-                logits = self.runner.forward([(rows[i], [token]) for i, token in feed])
+                logits = yield Forward([(rows[i], [token]) for i, token in feed])
         finally:
             for h in rows:
                 self.runner.release(h)
@@ -194,7 +201,7 @@ class Search:
         draws = self.rng.random(len(cdf)) * cdf[:, -1]
         return np.asarray([np.searchsorted(row, u, side="right") for row, u in zip(cdf, draws)])
 
-    def beam(self, root: Hypothesis, logits: np.ndarray, rules: LogitRules, max_length: int) -> tuple[list[int], float]:
+    def beam(self, root: Hypothesis, logits: np.ndarray, rules: LogitRules, max_length: int) -> Steps:
         o, eot = self.opts, self.tok.eot
         width, candidates = o.beam_size, 2 * o.beam_size
         max_candidates = round(width * o.patience)
@@ -231,7 +238,7 @@ class Search:
                 beams = self.regroup(beams, [int(origin[c]) for c in active])
                 histories = [histories[origin[c]] + [int(token[c])] for c in active]
                 scores = np.asarray([score[c] for c in active], np.float32)
-                logits = self.runner.forward([(h, [t[-1]]) for h, t in zip(beams, histories)])
+                logits = yield Forward([(h, [t[-1]]) for h, t in zip(beams, histories)])
         finally:
             for h in beams:
                 self.runner.release(h)

@@ -15,6 +15,7 @@ import numpy as np
 
 from soma_runtime.audio.features import HOP, SAMPLE_RATE, log_mel
 from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.transcribe.lockstep import Steps, lockstep
 from soma_runtime.engine.transcribe.runner import Hypothesis, WhisperRunner
 from soma_runtime.engine.transcribe.search import Search, SearchOptions, SearchResult
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
@@ -98,6 +99,17 @@ class Transcriber:
     def segments(self, features: np.ndarray, opts: Options, language: str,
                  progress: Callable[[float], None] | None = None) -> Iterator[Segment]:
         """The recording's segments, in order, as each window is decoded."""
+        for _, segment in lockstep(self.runner, [self.steps(features, opts, language, progress)]):
+            yield segment
+
+    def many(self, recordings: list[tuple[np.ndarray, Options, str]], width: int) -> Iterator[tuple[int, Segment]]:
+        """Several recordings (features, options, language) decoded together, `width` at a time, their
+        windows' decoder steps batched: (recording index, segment) as each is found."""
+        return lockstep(self.runner, (self.steps(*r) for r in recordings), width)
+
+    def steps(self, features: np.ndarray, opts: Options, language: str,
+              progress: Callable[[float], None] | None = None) -> Steps:
+        """The recording's decoding as steps (see lockstep), yielding its segments as they are found."""
         tok = self.tok
         content_frames = features.shape[-1] - 1
         rng = np.random.default_rng(opts.seed)
@@ -115,7 +127,7 @@ class Transcriber:
             encoded = self.runner.encode(self.window(features, seek)[None])
             [opened] = self.runner.open_windows(encoded)
             try:
-                attempt = self.with_fallback(opened, prompt, opts, suppress, rng)
+                attempt = yield from self.with_fallback(opened, prompt, opts, suppress, rng)
             finally:
                 self.runner.close([opened])
             result = attempt.result
@@ -176,9 +188,9 @@ class Transcriber:
         prompt += self.tok.sot_sequence(language, opts.task)
         return prompt + ([self.tok.no_timestamps] if opts.without_timestamps else [])
 
-    def with_fallback(self, window, prompt: list[int], opts: Options, suppress, rng) -> Attempt:
-        """Decode at each temperature until the text is neither repetitive nor improbable (or is silence);
-        failing all, the most probable attempt under the compression threshold."""
+    def with_fallback(self, window, prompt: list[int], opts: Options, suppress, rng) -> Steps:
+        """Steps decoding at each temperature until the text is neither repetitive nor improbable (or is
+        silence); returns that Attempt, or failing all, the most probable one under the compression threshold."""
         max_length = len(prompt) + opts.max_new_tokens if opts.max_new_tokens is not None else self.max_length
         if max_length > self.max_length:
             raise RequestError(f"a prompt of {len(prompt)} tokens and max_new_tokens {opts.max_new_tokens} exceed "
@@ -193,7 +205,7 @@ class Transcriber:
                                    suppress_tokens=suppress,
                                    suppress_blank=self.begin_suppress if opts.suppress_blank else (),
                                    max_initial_timestamp_index=round(opts.max_initial_timestamp / TIME_PRECISION))
-            result = Search(self.runner, self.tok, search, rng).run(window, prompt)
+            result = yield from Search(self.runner, self.tok, search, rng).decode(window, prompt)
             length = len(result.tokens)
             avg_logprob = result.score * length ** opts.length_penalty / (length + 1)
             attempt = Attempt(result, avg_logprob, temperature, compression_ratio(self.tok.decode(result.tokens).strip()))
