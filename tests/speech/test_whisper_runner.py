@@ -127,7 +127,8 @@ def test_random_audio_transcribes_to_faster_whispers_tokens(whisper_dir, tmp_pat
         mine = ours.transcribe(audio, beam_size=beam, temperature=0.0, no_speech_threshold=None, vad=False)
         segments, _ = theirs.transcribe(audio, beam_size=beam, temperature=0.0, no_speech_threshold=None, language="en")
         assert [s.tokens for s in mine.segments] == [s.tokens for s in segments]
-    clips = [np.random.default_rng(2 + i).normal(0, 0.1, 16000 * seconds).astype(np.float32) for i, seconds in enumerate((7, 2, 4))]
+    clips = [np.random.default_rng(2 + i).normal(0, 0.1, 16000 * seconds).astype(np.float32)
+             for i, seconds in enumerate((7, 2, 4))]
     batched = ours.transcribe(clips, beam_size=3, temperature=0.0, no_speech_threshold=None, vad=False, batch_size=2)
     for transcript, clip in zip(batched, clips):
         segments, _ = theirs.transcribe(clip, beam_size=3, temperature=0.0, no_speech_threshold=None, language="en")
