@@ -40,6 +40,7 @@ from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
 from soma_runtime.engine.sampling import SamplingParams
 from soma_runtime.engine.speak import Voice, VoiceConfig
+from soma_runtime.engine.speculate import Drafter, DraftModel, PromptLookup
 from soma_runtime.engine.stops import check_stops
 from soma_runtime.engine.transcribe.runner import MAX_BATCH, WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
@@ -120,6 +121,7 @@ class TextModel(Model):
         except ModelLoadError as e:     # a broken template fails chats, with its reason; raw prompts still run
             self.template_error = ModelLoadError(f"{loaded.path}: {e}")
             log.warning("%s", self.template_error)
+        self.drafter: Drafter | None = None
         self.scheduler = Scheduler(engine, LIBRARY_BATCH, engine.n_ctx, thread=False)
 
     @classmethod
@@ -140,8 +142,31 @@ class TextModel(Model):
     def serve(self, max_batch: int, step_tokens: int) -> Scheduler:
         """Run the model's scheduling loop on a thread of its own (a server's): requests from any thread
         join it; `generate` goes through it too."""
-        self.scheduler = Scheduler(self.engine, max_batch, step_tokens)
+        self.scheduler = Scheduler(self.engine, max_batch, step_tokens, drafter=self.drafter)
         return self.scheduler
+
+    def speculate(self, draft: str | TextModel | Drafter | None) -> None:
+        """Speculative decoding for this model's requests from now on: `draft` is "prompt-lookup" (drafts
+        from n-grams of the text so far), "layers:N" (the model's own first N layers), a smaller TextModel
+        of the same vocabulary, or a Drafter of one's own; None turns it off. Greedy output is unchanged,
+        sampled output keeps the model's distribution; metrics() reports the acceptance rate and tokens per
+        step."""
+        self.drafter = self.drafter_of(draft)
+        self.scheduler.drafter = self.drafter
+
+    def drafter_of(self, draft: str | TextModel | Drafter | None) -> Drafter | None:
+        if draft is None or isinstance(draft, Drafter):
+            return draft
+        if isinstance(draft, TextModel):
+            if draft.tokenizer.hf.get_vocab(with_added_tokens=True) != self.tokenizer.hf.get_vocab(with_added_tokens=True):
+                raise RequestError(f"draft model {draft.id} has another vocabulary than {self.id}")
+            return DraftModel(draft.engine)
+        if draft == "prompt-lookup":
+            return PromptLookup()
+        layers = draft.removeprefix("layers:") if isinstance(draft, str) else ""
+        if not layers.isdigit():
+            raise RequestError(f'draft must be "prompt-lookup", "layers:N" or a text model, got {draft!r}')
+        return DraftModel(self.engine.first_layers(int(layers)))
 
     @property
     def context_length(self) -> int:
@@ -265,7 +290,8 @@ class TextModel(Model):
         return self.tokenizer.decode(ids)
 
     def metrics(self) -> dict:
-        """The latest request's: prefill and decode time and rate, tokens, peak memory."""
+        """The latest request's: prefill and decode time and rate, tokens, peak memory, and with speculative
+        decoding the drafts' acceptance rate and tokens per target step."""
         return self.engine.metrics.as_dict()
 
     def autotune(self) -> dict:
@@ -603,7 +629,7 @@ class Runtime:
 
     def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool | None = None, model_id: str | None = None) -> Model:
+             autotune: bool | None = None, model_id: str | None = None, draft=None) -> Model:
         """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
         class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
         run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
@@ -613,7 +639,8 @@ class Runtime:
         bf16), which runs bf16 weights on the CPU's matrix units (AMX) where it has them; encoders
         default to it on such CPUs (embeddings within 1e-4 cosine of f32), to f32 elsewhere.
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
-        machine has not seen are timed once and the choice cached on disk (schedule.py)."""
+        machine has not seen are timed once and the choice cached on disk (schedule.py). `draft` turns on
+        speculative decoding for a text model (see `speculate`)."""
         check_load_options(n_ctx, kv_dtype, activations)
         if autotune is None:
             autotune = os.environ.get("SOMA_AUTOTUNE", "1") != "0"
@@ -630,7 +657,18 @@ class Runtime:
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
             model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
         self.models[model_id] = model
+        if draft is not None:
+            self.speculate(model, draft)
         return model
+
+    def speculate(self, model: Model, draft) -> None:
+        """Speculative decoding for a text model: `draft` is "prompt-lookup", "layers:N", a loaded TextModel
+        of the same vocabulary, or a source to load one from (TextModel.speculate)."""
+        if not isinstance(model, TextModel):
+            raise RequestError(f"model {model.id} does not generate text: only text models speculate")
+        if isinstance(draft, str) and draft != "prompt-lookup" and not draft.startswith("layers:"):
+            draft = self.load(draft, n_ctx=model.context_length, progress=False)
+        model.speculate(draft)
 
     def pipeline(self, asr, llm, tts, system: str | None = None) -> Pipeline:
         """A speech-to-speech pipeline over three models (each a loaded Model, or a source to load)."""

@@ -59,6 +59,12 @@ def add_model_args(p, default_model=True):
                         "bf16 for encoders on CPUs with AMX)")
 
 
+def add_draft_arg(p) -> None:
+    p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
+                   help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
+                        "or from a smaller model of the same vocabulary")
+
+
 def add_sha256_arg(p) -> None:
     p.add_argument("--sha256", type=sha256_arg, default=None,
                    help="refuse to load unless the model has this sha256 (a directory's: `soma-runtime models hash DIR`)")
@@ -67,7 +73,8 @@ def add_sha256_arg(p) -> None:
 def load_model(args):
     from soma_runtime.api import Runtime
     return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
-                                                                                 activations=getattr(args, "activations", None))
+                                                                                 activations=getattr(args, "activations", None),
+                                                                                 draft=getattr(args, "draft", None))
 
 
 def read_prompt(text: str) -> str:
@@ -96,6 +103,9 @@ def cmd_run(args) -> int:
     m = model.metrics()
     logging.getLogger("soma_runtime").info("prefill %.1f tok/s, decode %.1f tok/s, %d tokens, finish=%s",
                                            m["prefill_tok_s"], m["decode_tok_s"], m["generated_tokens"], m["finish_reason"])
+    if m["drafted_tokens"]:
+        logging.getLogger("soma_runtime").info("speculative: %.0f%% of %d draft tokens accepted, %.2f tokens a step",
+                                               100 * m["acceptance_rate"], m["drafted_tokens"], m["tokens_per_step"])
     return 0
 
 
@@ -223,7 +233,7 @@ def cmd_serve(args) -> int:
                     **{name: value for name, value in limits.items() if value is not None})
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
-          args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections)
+          args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft)
     return 0
 
 
@@ -257,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--input", "-i", action="append", default=None, metavar="NAME=FILE.npy|FILE.npz",
                    help="a graph model's input (repeatable)")
     r.add_argument("--output-dir", default=None, help="where a graph model's outputs are written, one NAME.npy each")
+    add_draft_arg(r)
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (implies --chat)")
     r.add_argument("--max-tokens", "-n", type=positive_int, default=256)
@@ -320,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ctx", type=positive_int, default=None, help="context length per sequence")
     srv.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
     srv.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"), help="where to compute (default: auto)")
+    add_draft_arg(srv)
     srv.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together per model")
     srv.add_argument("--step-tokens", type=positive_int, default=256, help="most rows (decode + prompt chunks) per batched step")
     srv.add_argument("--max-queue", type=positive_int, default=256, help="queued requests per model before answering 503")

@@ -24,6 +24,7 @@ import numpy as np
 from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token, peak_rss_mb
 from soma_runtime.engine.kv import prefix_hashes
 from soma_runtime.engine.sampling import greedy_rows
+from soma_runtime.engine.speculate import Drafter, DraftLength
 from soma_runtime.errors import RequestError
 
 log = logging.getLogger("soma_runtime.batching")
@@ -67,16 +68,19 @@ class SchedulerStats:
     last_batch: int = 0            # sequences in the latest step
     max_batch: int = 0             # most sequences one step has run
     ran_ahead: int = 0             # steps launched before the tokens of the one before them were read
+    drafted_tokens: int = 0        # speculative decoding: draft tokens proposed ...
+    accepted_tokens: int = 0       # ... and kept by the target
 
 
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int = 16, step_tokens: int = 256, run_ahead: bool | None = None,
-                 thread: bool = True):
+                 thread: bool = True, drafter: Drafter | None = None):
         """`run_ahead` (default: where the engine's results come back asynchronously, as on a GPU): a
         decode step whose streams all go on is followed by the next one, launched before its tokens are
         read (they feed it on the device), so the host's work between steps overlaps the model's.
-        `thread`: the loop runs on a thread of its own; else `run` steps it on the caller's."""
-        self.engine, self.max_batch, self.step_tokens = engine, max_batch, step_tokens
+        `thread`: the loop runs on a thread of its own; else `run` steps it on the caller's. With a
+        `drafter`, decoding streams speculate: their drafts run as rows after their token, checked at once."""
+        self.engine, self.max_batch, self.step_tokens, self.drafter = engine, max_batch, step_tokens, drafter
         self.run_ahead = engine.backend.asynchronous if run_ahead is None else run_ahead
         self.ahead: tuple[list[Job], object] | None = None      # the step launched ahead: its jobs, its Step
         self.waiting: deque[Job] = deque()
@@ -190,6 +194,8 @@ class Scheduler:
                 return                            # wait for running streams to give pages back
             self.waiting.popleft()
             job.stream = stream
+            if self.drafter is not None:
+                stream.draft_length = DraftLength()
             outstanding += stream.budget_pages
             self.stats.prompt_tokens += len(job.req.prompt_ids)
             self.running.append(job)
@@ -223,13 +229,16 @@ class Scheduler:
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         for job, rows in zip(jobs, rows_of):
             if len(rows) and job in self.running:   # a job finished since its row was launched gets nothing
-                self._deliver(job, job.stream.accept(rows[-1]))
+                for token in job.stream.advance(rows):
+                    if job in self.running:
+                        self._deliver(job, token)
 
     def _batch(self) -> tuple[list, list[Job]]:
         """This step's rows: a token for every decoding stream, prompt chunks up to the step's budget."""
         decode = [job for job in self.running if not job.stream.prefilling]
+        self._draft([job.stream for job in decode])
         rows = self.engine.step_rows(self.step_tokens) if len(decode) < len(self.running) else self.step_tokens
-        budget = max(0, rows - len(decode))         # prompt chunks fill what the decode rows leave
+        budget = max(0, rows - sum(1 + len(job.stream.drafts) for job in decode))   # prompt chunks fill what is left
         batch, jobs, leading = [], [], set()
         for job in self.running:
             stream = job.stream
@@ -245,28 +254,46 @@ class Scheduler:
                     self.stats.cached_tokens += stream.metrics.cached_tokens
                 tokens = stream.take(budget)
                 budget -= len(tokens)
+                want = 0 if stream.pending else 1       # the logits after a prompt's last chunk
             else:
-                tokens = stream.take(1)
-            batch.append((stream.seq, tokens, 0 if stream.prefilling and stream.pending else 1))
+                tokens = stream.take(1) + stream.drafts
+                want = len(tokens)                      # the token's, then each draft's
+            batch.append((stream.seq, tokens, want))
             jobs.append(job)
         return batch, jobs
+
+    def _draft(self, streams: list[Stream]) -> None:
+        """Each speculating stream's drafts for this step (as many as its draft length and room allow)."""
+        streams = [s for s in streams if s.speculates]
+        counts = [s.draft_room() for s in streams]
+        if not any(counts):
+            return
+        for stream, count, drafts in zip(streams, counts, self.drafter.propose([s.history for s in streams], counts,
+                                                                             [id(s) for s in streams])):
+            stream.drafts = drafts[:count]
 
     def _goes_on(self, jobs: list[Job], batch: list) -> bool:
         """Whether the step after this one can be launched now: it would run the same streams, all still
         here and none waiting to join, each for the token this step samples on the model, and may follow."""
         return (self.run_ahead and not self.waiting and len(jobs) == len(self.running) and all(want for _, _, want in batch)
                 and all(job in self.running and not job.cancelled and job.stream.on_model and job.stream.has_next_step
-                        for job in jobs))
+                        and not job.stream.speculates for job in jobs))
 
     @staticmethod
     def _sampling(jobs: list[Job], batch: list) -> tuple[np.ndarray | None, list[int]]:
         """The step's sampling rows and the wanted rows sampled on the host (whose logits come back): None
-        and all where no stream samples on the model; else a row per stream, greedy for host-sampled ones."""
-        wanting = [job.stream for job, (_, _, want) in zip(jobs, batch) if want]
-        host = [i for i, stream in enumerate(wanting) if not stream.on_model]
-        if len(host) == len(wanting) and wanting:
+        and all where no stream samples on the model; else a row per wanted row, greedy for host-sampled ones
+        (a speculating stream's rows are all on the host)."""
+        rows, host = [], []
+        for job, (_, _, want) in zip(jobs, batch):
+            if want and job.stream.on_model:
+                rows.append(job.stream.draws())
+            elif want:
+                first = sum(len(r) for r in rows)
+                host += range(first, first + want)
+                rows.append(greedy_rows(want))
+        if len(host) == sum(len(r) for r in rows) and rows:
             return None, host
-        rows = [greedy_rows(1) if i in host else stream.draws() for i, stream in enumerate(wanting)]
         return (np.concatenate(rows) if rows else greedy_rows(0)), host
 
     def _deliver(self, job: Job, token: Token) -> None:
@@ -285,6 +312,10 @@ class Scheduler:
             self.waiting.remove(job)
         if job.stream is not None:
             self.engine.pool.release(job.stream.seq)
+            if self.drafter is not None:
+                self.drafter.release(id(job.stream))
+                self.stats.drafted_tokens += job.stream.metrics.drafted_tokens
+                self.stats.accepted_tokens += job.stream.metrics.accepted_tokens
             job.stream.metrics.peak_rss_mb = peak_rss_mb()
             self.engine.metrics = job.stream.metrics          # the model's latest request, as `metrics()` reports
         job.done = True

@@ -13,7 +13,7 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from soma_runtime.backends.base import Backend
 from soma_runtime.engine.grammar import Constraint, Grammars
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
+from soma_runtime.engine.speculate import DraftLength
 from soma_runtime.engine.stops import StopMatcher, check_stops
 from soma_runtime.errors import PromptTooLong, RequestError
 from soma_runtime.ir.passes import fuse, plan_memory
@@ -50,6 +51,9 @@ class Metrics:
     finish_reason: str | None = None
     mask_ms_mean: float = 0.0      # a grammar's token mask, per constrained token
     mask_ms_p99: float = 0.0
+    target_steps: int = 0          # target forwards that gave this stream tokens after its first
+    drafted_tokens: int = 0        # speculative decoding: tokens proposed ...
+    accepted_tokens: int = 0       # ... and kept by the target
 
     @property
     def prefill_tok_s(self) -> float:
@@ -60,8 +64,18 @@ class Metrics:
         steps = self.generated_tokens - 1      # the first token comes from the prefill
         return steps / (self.decode_ms / 1e3) if self.decode_ms and steps > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each target forward gave after the first (1 without speculation)."""
+        return (self.generated_tokens - 1) / self.target_steps if self.target_steps else 0.0
+
     def as_dict(self) -> dict:
-        return {**self.__dict__, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
+        return {**self.__dict__, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step}
 
 
 @dataclass
@@ -110,6 +124,8 @@ class Stream:
         self.metrics = Metrics(prompt_tokens=len(req.prompt_ids))
         self.pending: list[int] | None = None          # set by start()
         self.finish_reason: str | None = None
+        self.draft_length: DraftLength | None = None    # where the scheduler speculates for this stream
+        self.drafts: list[int] = []                     # this step's draft tokens, after the pending one
 
     def start(self) -> None:
         """Take what the prefix cache holds of the prompt. Done just before the first prompt chunk runs,
@@ -141,7 +157,18 @@ class Stream:
     @property
     def on_model(self) -> bool:
         """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host)."""
-        return self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None and self.guide is None
+        return (self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None and self.guide is None
+                and not self.drafts)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether drafts may be proposed for this stream (a grammar's stream is checked a token at a time)."""
+        return self.draft_length is not None and self.guide is None
+
+    def draft_room(self) -> int:
+        """Draft tokens this step may take: what the draft length allows, within max_tokens and the context."""
+        room = min(self.req.max_tokens - len(self.generated), self.engine.n_ctx - len(self.history)) - 1
+        return max(0, min(self.draft_length.next(), room)) if self.speculates and not self.prefilling else 0
 
     def draws(self) -> np.ndarray | None:
         """The `sampling` rows of this stream's next step (one row), where the model samples for it."""
@@ -156,9 +183,33 @@ class Stream:
         else:
             m.decode_ms = (now - self.first_at) * 1e3
 
-    def accept(self, choice: np.ndarray) -> Token:
+    def advance(self, rows: list) -> list[Token]:
+        """The tokens a step gives this stream from its wanted rows (logits, or tokens chosen on the model)."""
+        if not self.prefilling:
+            self.metrics.target_steps += 1
+        return self.verify(rows) if self.drafts else [self.accept(rows[-1])]
+
+    def verify(self, rows: list[np.ndarray]) -> list[Token]:
+        """The tokens of a speculative step: `rows`, the logits after the pending token and after each draft,
+        accepted in turn while the target keeps the drafts (Sampler.verify); the K/V of the rejected drafts
+        are dropped (their slots are written again by the next step)."""
+        out, drafts = [], self.drafts
+        for i, row in enumerate(rows):
+            out.append(self.accept(row, drafts[i] if i < len(drafts) else None))
+            if out[-1].finish_reason or i == len(drafts) or out[-1].id != drafts[i]:
+                break
+        self.seq.length -= len(rows) - len(out)
+        accepted = next((i for i, (t, d) in enumerate(zip(out, drafts)) if t.id != d), min(len(out), len(drafts)))
+        self.metrics.drafted_tokens += len(drafts)
+        self.metrics.accepted_tokens += accepted
+        self.draft_length.update(len(drafts), accepted)
+        self.drafts = []
+        return out
+
+    def accept(self, choice: np.ndarray, draft: int | None = None) -> Token:
         """Sample the next token from `choice`, the logits after the last pending token, or take it as
-        the token itself (0-d: chosen where the model runs, from `draws()`); say if the stream ends."""
+        the token itself (0-d: chosen where the model runs, from `draws()`); say if the stream ends.
+        With a `draft`, the choice is the target's verdict on that drafted token (Sampler.verify)."""
         if self.prefilling:
             self.engine.pool.publish(self.seq, self.req.prompt_ids)
         allowed = self.guide.allowed() if self.guide is not None else None
@@ -167,6 +218,8 @@ class Stream:
             token = min(self.engine.stop_ids, default=int(np.argmax(choice)))
         elif np.ndim(choice) == 0:
             token = int(choice)
+        elif draft is not None:
+            token = self.sampler.verify(choice, draft, self.history, self.generated)
         else:
             token = self.sampler(choice, self.history, self.generated, allowed)
         self.history.append(token)
@@ -214,7 +267,7 @@ class Engine:
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         if self.n_ctx < 2:
             raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
-        self.kv_dtype, self.activations = kv_dtype, activations
+        self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
         self.cache = cache_of(cfg, kv_dtype)
         self.io = DecoderIO(self.cache)
         self.graph = build_decoder(cfg, weights, self.io, activations)
@@ -228,6 +281,17 @@ class Engine:
         self.grammars = Grammars(tokenizer.hf.to_str(), cfg.vocab_size, sorted(self.stop_ids))
         self.metrics = Metrics()
         self.lock = threading.Lock()          # one forward at a time: plans own their arenas
+
+    def first_layers(self, n: int) -> Engine:
+        """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
+        draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
+        if type(n) is not int or not 1 <= n < self.cfg.num_layers:
+            raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
+        cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
+        draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
+                       self.kv_tokens)
+        draft.placed = self.placed
+        return draft
 
     def layer_weights(self) -> list:
         """The per-layer weights as the fused graph holds them (q/k/v stacked, ...), which prefill

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.errors import RequestError
-from soma_runtime.ir.sampling import choose
+from soma_runtime.ir.sampling import choose, draw, probabilities
 
 MAX_TOP_K = 2**31            # top_k and repeat_last_n: at most a vocabulary's (or a context's) size
 SEED_LIMIT = 2**64           # what numpy's generators take
@@ -101,14 +101,35 @@ class Sampler:
         u = min(self.rng.random(), LAST_BELOW_ONE) if p.temperature > 0 else 0.0     # kept < 1 once in f32
         return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u], np.float32)
 
+    def penalize(self, logits: np.ndarray, history: list[int], generated: list[int]) -> np.ndarray:
+        """The logits after the repetition, presence and frequency penalties."""
+        p = self.params
+        if not p.penalized:
+            return logits
+        logits = apply_repeat_penalty(np.asarray(logits, np.float64),
+                                      history[-p.repeat_last_n:] if p.repeat_last_n else history, p.repeat_penalty)
+        return apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
+
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:
         """The next token; `allowed` (ascending token ids, a grammar's) keeps the choice to those tokens: the
         pipeline runs over them alone (in token order, so the draw is the one the masked vocabulary gives)."""
-        p = self.params
-        if p.penalized:
-            logits = apply_repeat_penalty(np.asarray(logits, np.float64),
-                                          history[-p.repeat_last_n:] if p.repeat_last_n else history, p.repeat_penalty)
-            logits = apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
+        logits = self.penalize(logits, history, generated)
         if allowed is None:
             return choose(logits, self.draw())
         return int(allowed[choose(np.asarray(logits)[allowed], self.draw())])
+
+    def verify(self, logits: np.ndarray, draft: int, history: list[int], generated: list[int] = ()) -> int:
+        """The next token where a drafter proposed `draft` (a single token): greedy takes the most likely one
+        (the draft survives when it is that); sampling keeps the draft with its probability p(draft), else
+        draws from p without it, renormalized: the token is distributed exactly as p (speculative sampling)."""
+        if self.params.temperature == 0:
+            return self(logits, history, generated)
+        row = self.draw()
+        ids, probs = probabilities(self.penalize(logits, history, generated), row)
+        at = np.searchsorted(ids, draft)
+        if at < len(ids) and ids[at] == draft:
+            if row[4] < probs[at]:
+                return draft
+            probs = probs.copy()
+            probs[at] = 0.0
+        return draw(ids, probs, min(self.rng.random(), LAST_BELOW_ONE))

@@ -53,14 +53,23 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(probs >= min_p * probs.max(), logits, -np.inf)
 
 
-def choose(logits: np.ndarray, row) -> int:
-    """One token from penalized logits and a row (temperature, top_k, top_p, min_p, u): the draw is
-    numpy's Generator.choice with u as its uniform (the first token, in token order, whose share of
-    the cumulative probability exceeds u)."""
-    temperature, top_k, top_p, min_p, u = (float(v) for v in row)
-    if temperature == 0:
-        return int(np.argmax(logits))
+def probabilities(logits: np.ndarray, row) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a sampled row (temperature > 0) may draw and their probabilities, in token order."""
+    temperature, top_k, top_p, min_p, _ = (float(v) for v in row)
     logits = np.asarray(logits, np.float64) / temperature
     ids = top_k_ids(logits, int(top_k))          # the later stages and the draw see only top-k's survivors
-    cdf = np.cumsum(softmax(min_p_filter(top_p_filter(logits[ids], top_p), min_p)))
+    return ids, softmax(min_p_filter(top_p_filter(logits[ids], top_p), min_p))
+
+
+def draw(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """numpy's Generator.choice with u as its uniform: the first token, in token order, whose share of the
+    cumulative probability exceeds u."""
+    cdf = np.cumsum(probs)
     return int(ids[np.searchsorted(cdf / cdf[-1], u, side="right")])
+
+
+def choose(logits: np.ndarray, row) -> int:
+    """One token from penalized logits and a row (temperature, top_k, top_p, min_p, u)."""
+    if float(row[0]) == 0:
+        return int(np.argmax(logits))
+    return draw(*probabilities(logits, row), float(row[4]))

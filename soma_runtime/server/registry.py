@@ -75,8 +75,10 @@ def default_id(source: str | None) -> str:
 
 class ModelRegistry:
     def __init__(self, runtime: Runtime | None = None, memory_budget: int | None = None, max_batch: int = 16,
-                 step_tokens: int = 256, n_ctx: int | None = None):
+                 step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None):
+        """`draft`: speculative decoding for every text model loaded (Runtime.speculate)."""
         self.runtime = runtime or Runtime()
+        self.draft = draft
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
@@ -120,6 +122,8 @@ class ModelRegistry:
             with self.lock:
                 served = Served(model_id, model, priority, size, source if isinstance(source, str) else model.path)
                 if model.task == "generate":
+                    if self.draft is not None:
+                        self.runtime.speculate(model, self.draft)
                     served.scheduler = model.serve(self.max_batch, self.step_tokens)
                 old = self.models.get(model_id)
                 self.models[model_id] = served
