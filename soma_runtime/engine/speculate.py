@@ -15,18 +15,21 @@ from soma_runtime.engine.kv import Sequence
 from soma_runtime.errors import RequestError
 
 LONGEST_DRAFT = 8          # draft tokens a step at most
-LOOKUP_NGRAM = 3           # prompt lookup matches the last 3, 2, then 1 tokens
+LOOKUP_NGRAM = (3, 2)      # prompt lookup matches the last 3, then 2 tokens (one alone proves too little)
 POOR_RATE = 0.25           # a stream whose drafts are accepted less often than this ...
-REST_STEPS = 16            # ... stops drafting for this many steps, then tries a single token
+REST_STEPS = 16            # ... stops drafting for this many steps, then tries a single token; each poor
+LONGEST_REST = 256         # spell in a row doubles the rest, up to this
 
 
 @dataclass
 class DraftLength:
     """How many tokens to draft for one stream: one more after a step that kept them all, one fewer after
-    a rejection; a stream whose running acceptance falls below POOR_RATE rests (plain steps) a while."""
+    a rejection; a stream whose running acceptance falls below POOR_RATE rests (plain steps) a while,
+    longer each time until a draft is accepted again."""
     tokens: int = 4
     rate: float = 1.0             # running share of draft tokens accepted
     resting: int = 0
+    rest: int = REST_STEPS        # the next rest's length
 
     def next(self) -> int:
         if self.resting:
@@ -39,8 +42,11 @@ class DraftLength:
             return
         self.rate = 0.8 * self.rate + 0.2 * accepted / drafted
         self.tokens = min(LONGEST_DRAFT, self.tokens + 1) if accepted == drafted else max(1, self.tokens - 1)
+        if accepted:
+            self.rest = REST_STEPS
         if self.rate < POOR_RATE:
-            self.resting, self.tokens, self.rate = REST_STEPS, 1, POOR_RATE
+            self.resting, self.tokens, self.rate = self.rest, 1, POOR_RATE
+            self.rest = min(LONGEST_REST, 2 * self.rest)
 
 
 class Drafter:
@@ -55,19 +61,22 @@ class Drafter:
 
 
 class PromptLookup(Drafter):
-    """Model-free drafts: where the history's last n tokens (n = 3, 2, 1) occurred before, the tokens that
+    """Model-free drafts: where the history's last n tokens (n = 3, then 2) occurred before, the tokens that
     followed them there (their latest occurrence). Shines on input-grounded text (summaries, edits, code)."""
 
-    def __init__(self, ngram: int = LOOKUP_NGRAM):
-        self.ngram = ngram
+    def __init__(self, ngrams: tuple[int, ...] = LOOKUP_NGRAM):
+        self.ngrams = ngrams
 
     def propose(self, histories, counts, keys):
-        return [lookup(np.asarray(h, np.int64), k, self.ngram) if k else [] for h, k in zip(histories, counts)]
+        return [lookup(np.asarray(h, np.int64), k, self.ngrams) if k else [] for h, k in zip(histories, counts)]
 
 
-def lookup(history: np.ndarray, count: int, ngram: int) -> list[int]:
-    """Up to `count` tokens that followed the latest earlier occurrence of the history's last n-gram."""
-    for n in range(min(ngram, len(history) - 1), 0, -1):
+def lookup(history: np.ndarray, count: int, ngrams: tuple[int, ...]) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the history's last n-gram, the
+    longest of `ngrams` that occurred."""
+    for n in ngrams:
+        if n >= len(history):
+            continue
         windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
         hits = np.flatnonzero((windows == history[-n:]).all(axis=1))
         if len(hits):

@@ -170,14 +170,18 @@ def test_speculative_sampling_keeps_the_models_distribution(tiny):
 
 def test_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
     h = np.asarray([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    assert lookup(h, 3, 3) == [7, 8, 5]           # "2 3" ... the latest "2 3" before the end is followed by 7 8 5
-    assert lookup(np.asarray([4, 5, 6]), 2, 3) == []
+    assert lookup(h, 3, (3, 2)) == [7, 8, 5]        # no earlier "5 2 3"; the latest earlier "2 3" is followed by 7 8 5
+    assert lookup(np.asarray([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3]), 2, (3, 2)) == [9, 5]   # "1 2 3" before "2 3"
+    assert lookup(np.asarray([4, 5, 6, 5]), 2, (3, 2)) == []                            # a lone "5" is not enough
 
 
-def test_draft_length_grows_backs_off_and_rests():
+def test_draft_length_grows_backs_off_and_rests_longer_each_poor_spell():
     length = DraftLength()
     length.update(4, 4)
     assert length.next() == 5
-    for _ in range(12):
-        length.update(length.tokens, 0)
-    assert [length.next() for _ in range(REST_STEPS)] == [0] * REST_STEPS and length.next() == 1
+    for rest in (REST_STEPS, 2 * REST_STEPS):
+        while not length.resting:
+            length.update(length.tokens, 0)
+        assert [length.next() for _ in range(rest)] == [0] * rest and length.next() == 1
+    length.update(1, 1)
+    assert length.rest == REST_STEPS
