@@ -209,6 +209,9 @@ class Scheduler:
         if self.ahead is not None:                  # launched last step: its rows are its jobs' pending tokens
             jobs, step = self.ahead
             self.ahead = None
+            for job in jobs:                        # a resting speculator's plain step counts down its rest
+                if job.stream.speculates:
+                    job.stream.draft_length.next()
             batch = [(job.stream.seq, job.stream.take(1) if job in self.running else [], 1) for job in jobs]
         else:
             batch, jobs = self._batch()
@@ -274,10 +277,11 @@ class Scheduler:
 
     def _goes_on(self, jobs: list[Job], batch: list) -> bool:
         """Whether the step after this one can be launched now: it would run the same streams, all still
-        here and none waiting to join, each for the token this step samples on the model, and may follow."""
+        here and none waiting to join, each for the token this step samples on the model, and may follow
+        (a speculating stream only while it rests: the step takes no drafts)."""
         return (self.run_ahead and not self.waiting and len(jobs) == len(self.running) and all(want for _, _, want in batch)
                 and all(job in self.running and not job.cancelled and job.stream.on_model and job.stream.has_next_step
-                        and not job.stream.speculates for job in jobs))
+                        and (not job.stream.speculates or job.stream.draft_length.resting) for job in jobs))
 
     @staticmethod
     def _sampling(jobs: list[Job], batch: list) -> tuple[np.ndarray | None, list[int]]:

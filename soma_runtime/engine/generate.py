@@ -156,9 +156,10 @@ class Stream:
 
     @property
     def on_model(self) -> bool:
-        """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host)."""
+        """Whether the graph's `sample` op makes this stream's choices (no logits needed on the host): drafts
+        are checked there too where the choice is greedy (sampled drafts need the target's probabilities)."""
         return (self.sampler.params.fits(sample_width(self.engine.cfg)) and self.req.logprobs is None and self.guide is None
-                and not self.drafts)
+                and (not self.drafts or self.sampler.params.temperature == 0))
 
     @property
     def speculates(self) -> bool:
@@ -171,8 +172,9 @@ class Stream:
         return max(0, min(self.draft_length.next(), room)) if self.speculates and not self.prefilling else 0
 
     def draws(self) -> np.ndarray | None:
-        """The `sampling` rows of this stream's next step (one row), where the model samples for it."""
-        return self.sampler.draw()[None] if self.on_model else None
+        """The `sampling` rows of this stream's next step (one, or a greedy one per row a draft adds), where
+        the model samples for it."""
+        return np.repeat(self.sampler.draw()[None], 1 + len(self.drafts), axis=0) if self.on_model else None
 
     def clock(self) -> None:
         """The first token ends the prefill's time; each later one adds to the decode's."""

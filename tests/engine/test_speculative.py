@@ -83,19 +83,14 @@ def test_tiny_families_greedy_tokens_are_plain_decodings(family, other_draft):
     assert family.engine.pool.in_use == 0 and other_draft.engine.pool.in_use == 0
 
 
-def test_speculative_and_plain_streams_share_batches(smol):
-    """Streams that speculate beside ones that cannot (a grammar's, one asking logprobs, one sampled on the
-    model) each get their tokens alone, in steps that hold several of them."""
-    prompts = [GROUNDED, FREE, "def fibonacci(n):", "List three colors:"]
-    asks = [{}, {}, {"logprobs": 2}, {"regex": "(red|green|blue), (red|green|blue)"}]
-    want = [[t.id for t in smol.generate(p, 24, temperature=0, **a)] for p, a in zip(prompts, asks)]
-    scheduler = Scheduler(smol.engine, max_batch=4, step_tokens=256, thread=True, drafter=PromptLookup())
+def run_together(model, scheduler: Scheduler, prompts: list[str], asks: list[dict], n: int) -> list[list[int]]:
+    """Every request submitted at once to `scheduler`; each one's token ids."""
     inbox, got = queue.Queue(), [[] for _ in prompts]
     try:
         for i, (p, a) in enumerate(zip(prompts, asks)):
             constraint = constraint_of(regex=a["regex"]) if "regex" in a else None
             logprobs = {"logprobs": a["logprobs"]} if "logprobs" in a else {}
-            scheduler.submit(smol.request(smol.tokenize(p), 24, temperature=0, constraint=constraint, **logprobs),
+            scheduler.submit(model.request(model.tokenize(p), n, temperature=0, constraint=constraint, **logprobs),
                              lambda item, i=i: inbox.put((i, item)))
         done = 0
         while done < len(prompts):
@@ -104,11 +99,31 @@ def test_speculative_and_plain_streams_share_batches(smol):
             done += item is None
             if item is not None:
                 got[i].append(item.id)
-        assert got == want
-        assert scheduler.stats.max_batch > 1 and scheduler.stats.drafted_tokens > 0
     finally:
         scheduler.close()
-    assert smol.engine.pool.in_use == 0
+    assert model.engine.pool.in_use == 0
+    return got
+
+
+def test_speculative_and_plain_streams_share_batches(smol):
+    """Streams that speculate beside ones that cannot (a grammar's, one asking logprobs) each get their
+    tokens alone, in steps that hold several of them."""
+    prompts = [GROUNDED, FREE, "def fibonacci(n):", "List three colors:"]
+    asks = [{}, {}, {"logprobs": 2}, {"regex": "(red|green|blue), (red|green|blue)"}]
+    want = [[t.id for t in smol.generate(p, 24, temperature=0, **a)] for p, a in zip(prompts, asks)]
+    scheduler = Scheduler(smol.engine, max_batch=4, step_tokens=256, thread=True, drafter=PromptLookup())
+    assert run_together(smol, scheduler, prompts, asks, 24) == want
+    assert scheduler.stats.max_batch > 1 and scheduler.stats.drafted_tokens > 0
+
+
+def test_resting_speculators_run_ahead(smol):
+    """Streams whose drafts keep failing rest; their plain steps are launched ahead (as on a GPU), and every
+    token is still the one plain decoding gives."""
+    prompts = [FREE, "def fibonacci(n):"]
+    want = [[t.id for t in smol.generate(p, 40, temperature=0)] for p in prompts]
+    scheduler = Scheduler(smol.engine, max_batch=2, step_tokens=256, run_ahead=True, thread=True, drafter=Fixed([28] * 4))
+    assert run_together(smol, scheduler, prompts, [{}, {}], 40) == want
+    assert scheduler.stats.drafted_tokens > 0 and scheduler.stats.ran_ahead > 0
 
 
 def test_sampling_a_draft_keeps_the_distribution():
