@@ -106,8 +106,15 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> 
     elif kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope["factor"])
+    elif kind == "yarn" and not {"mscale", "mscale_all_dim", "attention_factor"} & set(cfg.rope) and cfg.rope.get("truncate", 1):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(cfg.rope["original_max_position_embeddings"])
+        for beta in ("beta_fast", "beta_slow"):
+            if beta in cfg.rope:
+                getattr(w, f"add_rope_scaling_yarn_{beta}")(cfg.rope[beta])
     elif kind != "default":
-        raise UnsupportedModelError(f"rope scaling {kind!r} cannot be exported")
+        raise UnsupportedModelError(f"rope scaling {kind!r} (with these parameters) cannot be exported to GGUF")
     tok = tokenizer_metadata(directory)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")

@@ -55,6 +55,8 @@ class DecoderConfig:
             (self.head_dim % 2 == 0, f"the head dim ({self.head_dim}) must be even for rotary positions"),
             (not self.layer_windows or len(self.layer_windows) == self.num_layers, "a window per layer"),
             (all(w >= 0 for w in self.layer_windows), "sliding windows must be >= 0"),
+            (rope_attention_factor(self.rope) == 1.0 or self.rotary_dim is None,
+             "YaRN with partial rotary dims is not supported"),
         ]
         for ok, message in problems:
             if not ok:
@@ -72,6 +74,12 @@ class DecoderConfig:
     def inv_freq_of(self, rope: dict) -> np.ndarray:
         return rope_inv_freq(rope, self.rotary_dim or self.head_dim)
 
+    def score_scale(self) -> float:
+        """What q.k is multiplied by: 1/sqrt(head_dim) unless the model says otherwise, times the square of
+        YaRN's attention factor (it scales q and k as they turn)."""
+        base = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+        return base * rope_attention_factor(self.rope) ** 2
+
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
@@ -80,7 +88,7 @@ class DecoderConfig:
 
 
 def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
-    """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, llama3)."""
+    """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, llama3, yarn)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_FIELDS:
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_FIELDS)})")
@@ -100,7 +108,38 @@ def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if kind == "yarn":               # high frequencies kept, low ones interpolated, a linear ramp between
+        low, high = yarn_ramp(rope, dim)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+        return (inv / rope["factor"] * ramp + inv * (1 - ramp)).astype(np.float32)
     raise AssertionError(kind)
+
+
+def yarn_ramp(rope: dict, dim: int) -> tuple[float, float]:
+    """YaRN's correction range: the dims that turn beta_fast and beta_slow times over the original context."""
+    base, original = rope["rope_theta"], rope["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim_of(rope.get("beta_fast", 32)), dim_of(rope.get("beta_slow", 1))
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_attention_factor(rope: dict) -> float:
+    """YaRN's scale on the rotated queries and keys (1 for the other kinds): HF's attention_factor."""
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return 1.0
+    if "attention_factor" in rope:
+        return rope["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor = rope["factor"]
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+    return mscale(factor)
 
 
 def _eos(value) -> tuple[int, ...]:
@@ -118,6 +157,13 @@ def _hf_rope(hf: dict, source: str) -> tuple[dict, dict | None]:
     if "full_attention" in params:          # per layer type (gemma3)
         return table(params, "full_attention", source), table(params, "sliding_attention", source) or None
     return params, None
+
+
+def with_original_context(rope: dict, hf: dict) -> dict:
+    """YaRN's original context defaults to the model's (as HF reads it)."""
+    if rope.get("rope_type", rope.get("type")) == "yarn" and "original_max_position_embeddings" not in rope:
+        return {**rope, "original_max_position_embeddings": hf.get("max_position_embeddings", 4096)}
+    return rope
 
 
 def _layer_windows(hf: dict, n_layers: int) -> tuple[int, ...]:
@@ -138,6 +184,7 @@ def config_from_hf(hf: dict, model_type: str, traits: dict, source: str = "confi
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         rope, rope_local = _hf_rope(hf, source)
+        rope = with_original_context(rope, hf)
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         scalar = hf.get("query_pre_attn_scalar")
         n_layers = hf["num_hidden_layers"]

@@ -131,7 +131,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         q, k = (g.rope(t, att.positions, freqs, style=cfg.rope_style) for t in (q, k))
         k_pages, v_pages = g.kv_append(k_pages, k, att.slots), g.kv_append(v_pages, v, att.slots)
         pages_out += [k_pages, v_pages]
-        attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, att.spans[cfg.window(i)], scale=cfg.attn_scale,
+        attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, att.spans[cfg.window(i)], scale=cfg.score_scale(),
                                  softcap=cfg.attn_softcap)
         x = g.add(x, block_output(linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output"), f"{p}.post_attention_norm"))
         x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down"), f"{p}.post_ffw_norm"))

@@ -60,12 +60,17 @@ HF_FIELDS = {"vocab_size": SIZE, "hidden_size": SIZE, "num_hidden_layers": LAYER
 ROPE_FIELDS = {"default": {"rope_theta": REQUIRED_POSITIVE},
                "linear": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE},
                "llama3": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE, "low_freq_factor": REQUIRED_POSITIVE,
-                          "high_freq_factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE}}
+                          "high_freq_factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE},
+               "yarn": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE,
+                        "beta_fast": POSITIVE, "beta_slow": POSITIVE, "mscale": POSITIVE, "mscale_all_dim": POSITIVE,
+                        "attention_factor": POSITIVE}}
 GGUF_FIELDS = {"block_count": LAYERS, "embedding_length": SIZE, "attention.head_count": HEADS,
                "attention.head_count_kv": OPTIONAL_HEADS, "attention.key_length": OPTIONAL_SIZE, "feed_forward_length": SIZE,
                "context_length": CONTEXT, "vocab_size": OPTIONAL_SIZE, "rope.dimension_count": OPTIONAL_SIZE,
                "rope.freq_base": POSITIVE, "attention.layer_norm_rms_epsilon": EPSILON, "attention.sliding_window": COUNT,
-               "attn_logit_softcapping": SCALE, "final_logit_softcapping": SCALE, "rope.scaling.factor": POSITIVE}
+               "attn_logit_softcapping": SCALE, "final_logit_softcapping": SCALE, "rope.scaling.factor": POSITIVE,
+               "rope.scaling.original_context_length": OPTIONAL_SIZE, "rope.scaling.yarn_beta_fast": POSITIVE,
+               "rope.scaling.yarn_beta_slow": POSITIVE}
 ENCODER_FIELDS = {"vocab_size": SIZE, "hidden_size": SIZE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
                   "intermediate_size": SIZE, "max_position_embeddings": CONTEXT, "type_vocab_size": COUNT,
                   "layer_norm_eps": EPSILON, "norm_eps": EPSILON, "pad_token_id": TOKEN, "local_attention": COUNT,

@@ -147,6 +147,11 @@ def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str]) -
     rope = {"rope_theta": get("rope.freq_base", 10000.0)}
     if get("rope.scaling.type") == "linear":
         rope.update(rope_type="linear", factor=get("rope.scaling.factor"))
+    elif get("rope.scaling.type") == "yarn":          # llama.cpp's keys; its attention factor is YaRN's default
+        rope.update(rope_type="yarn", factor=get("rope.scaling.factor"),
+                    original_max_position_embeddings=get("rope.scaling.original_context_length") or get("context_length", 4096),
+                    **{beta: get(f"rope.scaling.yarn_{beta}") for beta in ("beta_fast", "beta_slow")
+                       if get(f"rope.scaling.yarn_{beta}") is not None})
     window = get("attention.sliding_window") or 0
     windows = ()
     if window and spec.swa_pattern:
