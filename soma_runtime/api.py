@@ -60,6 +60,8 @@ from soma_runtime.tools.turn import Turn
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
 LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
+OVERFLOWS = ("error", "truncate")   # what a text model does with a prompt beyond its context
+PROMPT_SHARE = 0.75         # a truncated prompt takes at most this share of the context; the rest is the reply's
 log = logging.getLogger("soma_runtime")
 
 
@@ -101,9 +103,13 @@ class Model:
 
 
 class TextModel(Model):
-    """A text generator (decoder LLM): generate, chat, logits."""
+    """A text generator (decoder LLM): generate, chat, logits. `overflow` says what becomes of a prompt
+    beyond the context: "error" (PromptTooLong), or "truncate": the oldest tokens of a raw prompt go (a
+    leading BOS stays), the oldest messages of a conversation after its system messages, until the prompt
+    takes at most PROMPT_SHARE of the context."""
 
     task = "generate"
+    overflow = "error"
 
     def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, engine: Engine):
         super().__init__(model_id, loaded, backend)
@@ -183,6 +189,7 @@ class TextModel(Model):
         naming it; `max_tokens` is cut to what the context leaves after the prompt. `ignore_eos` runs to
         `max_tokens` past end-of-sequence tokens (benchmarks); `constraint`, what the text must match."""
         max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
+        prompt_ids = self.truncated(prompt_ids) if self.overflow == "truncate" else prompt_ids
         if not isinstance(ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}")
         req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
@@ -218,6 +225,8 @@ class TextModel(Model):
         """A raw prompt's token ids: text is tokenized (after a length check that needs no tokenizing),
         ids pass as they are (the request checks them)."""
         if isinstance(prompt, str):
+            if self.overflow == "truncate":
+                return self.truncated(self.tokenizer.encode(prompt[-self.context_length * self.tokenizer.max_token_chars:]))
             self.check_length(prompt)
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, np.ndarray):
@@ -250,8 +259,27 @@ class TextModel(Model):
         """The prompt and constraint of the assistant's next reply (tools shown to the model, a call or a
         response format enforced, reasoning left free), and how to read the reply."""
         turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
+        kept = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+        while self.overflow == "truncate" and len(messages) - kept > 1 and self.over_budget(turn):
+            rest = messages[kept + 1:]
+            while len(rest) > 1 and rest[0].get("role") == "tool":     # a call's results go with it
+                rest = rest[1:]
+            messages = messages[:kept] + rest
+            turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
         self.check_length(turn.text)
         return turn
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """A raw prompt's newest tokens, within PROMPT_SHARE of the context (a leading BOS kept)."""
+        budget = int(self.context_length * PROMPT_SHARE)
+        if not isinstance(ids, list) or len(ids) <= budget:
+            return ids
+        head = ids[:1] if ids[0] == self.tokenizer.bos_id else []
+        return head + ids[len(ids) - budget + len(head):]
+
+    def over_budget(self, turn: Turn) -> bool:
+        budget = int(self.context_length * PROMPT_SHARE)
+        return len(turn.text) > budget * self.tokenizer.max_token_chars or len(self.turn_ids(turn)) > budget
 
     def turn_ids(self, turn: Turn) -> list[int]:
         return self.tokenizer.encode(turn.text, add_special=False)
@@ -629,7 +657,7 @@ class Runtime:
 
     def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool | None = None, model_id: str | None = None, draft=None) -> Model:
+             autotune: bool | None = None, model_id: str | None = None, draft=None, overflow: str | None = None) -> Model:
         """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
         class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
         run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
@@ -640,8 +668,11 @@ class Runtime:
         default to it on such CPUs (embeddings within 1e-4 cosine of f32), to f32 elsewhere.
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py). `draft` turns on
-        speculative decoding for a text model (see `speculate`)."""
+        speculative decoding for a text model (see `speculate`); `overflow`, what it does with a prompt beyond
+        its context (TextModel: "error" or "truncate")."""
         check_load_options(n_ctx, kv_dtype, activations)
+        if overflow is not None and overflow not in OVERFLOWS:
+            raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
         if autotune is None:
             autotune = os.environ.get("SOMA_AUTOTUNE", "1") != "0"
         bar = tqdm(total=4, desc="loading", unit="step", disable=None if progress is None else not progress, delay=0.5,
@@ -657,6 +688,8 @@ class Runtime:
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
             model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
         self.models[model_id] = model
+        if overflow is not None and isinstance(model, TextModel):
+            model.overflow = overflow
         if draft is not None:
             self.speculate(model, draft)
         return model

@@ -59,7 +59,10 @@ def add_model_args(p, default_model=True):
                         "bf16 for encoders on CPUs with AMX)")
 
 
-def add_draft_arg(p) -> None:
+def add_generation_args(p) -> None:
+    p.add_argument("--overflow", default=None, choices=("error", "truncate"),
+                   help="a prompt beyond the context: an error (default), or its oldest tokens (a chat's oldest messages "
+                        "after the system prompt) dropped until it takes three quarters of the context")
     p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")
@@ -74,7 +77,8 @@ def load_model(args):
     from soma_runtime.api import Runtime
     return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
                                                                                  activations=getattr(args, "activations", None),
-                                                                                 draft=getattr(args, "draft", None))
+                                                                                 draft=getattr(args, "draft", None),
+                                                                                 overflow=getattr(args, "overflow", None))
 
 
 def read_prompt(text: str) -> str:
@@ -233,7 +237,8 @@ def cmd_serve(args) -> int:
                     **{name: value for name, value in limits.items() if value is not None})
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
-          args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft)
+          args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
+          args.overflow)
     return 0
 
 
@@ -267,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--input", "-i", action="append", default=None, metavar="NAME=FILE.npy|FILE.npz",
                    help="a graph model's input (repeatable)")
     r.add_argument("--output-dir", default=None, help="where a graph model's outputs are written, one NAME.npy each")
-    add_draft_arg(r)
+    add_generation_args(r)
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (implies --chat)")
     r.add_argument("--max-tokens", "-n", type=positive_int, default=256)
@@ -331,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ctx", type=positive_int, default=None, help="context length per sequence")
     srv.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
     srv.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"), help="where to compute (default: auto)")
-    add_draft_arg(srv)
+    add_generation_args(srv)
     srv.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together per model")
     srv.add_argument("--step-tokens", type=positive_int, default=256, help="most rows (decode + prompt chunks) per batched step")
     srv.add_argument("--max-queue", type=positive_int, default=256, help="queued requests per model before answering 503")

@@ -75,10 +75,11 @@ def default_id(source: str | None) -> str:
 
 class ModelRegistry:
     def __init__(self, runtime: Runtime | None = None, memory_budget: int | None = None, max_batch: int = 16,
-                 step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None):
-        """`draft`: speculative decoding for every text model loaded (Runtime.speculate)."""
+                 step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None, overflow: str | None = None):
+        """`draft`: speculative decoding for every text model loaded (Runtime.speculate); `overflow`: what
+        they do with prompts beyond their context (TextModel)."""
         self.runtime = runtime or Runtime()
-        self.draft = draft
+        self.draft, self.overflow = draft, overflow
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
@@ -110,7 +111,8 @@ class ModelRegistry:
         model_id = check_model_id(model_id)
         with self.load_lock:
             old = self.models.get(model_id)
-            model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id)
+            model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
+                                      overflow=self.overflow)
             try:
                 size = model.memory_bytes
                 self._make_room(size, priority, keep=model_id)

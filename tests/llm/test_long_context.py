@@ -8,6 +8,7 @@ import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.convert import convert_hf_to_gguf
+from soma_runtime.errors import PromptTooLong
 from tests.fixtures.decoders import build_model
 
 ORIGINAL = 32          # the "pretrained" context the scaling stretches
@@ -53,3 +54,50 @@ def test_rope_scaled_gguf_matches_llama_cpp(scaling, tmp_path):
     llama.eval(ids)
     want = np.array(llama.scores[: len(ids)])
     assert np.max(np.abs(ours - want)) <= 1e-3 * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.fixture(scope="module")
+def small_context(tmp_path_factory):
+    """A tiny model run with a 64-token context."""
+    directory = str(tmp_path_factory.mktemp("llama"))
+    build_model("llama", directory)
+    return Runtime().load(directory, n_ctx=64, progress=False)
+
+
+def test_a_prompt_beyond_the_context_is_an_error_or_its_newest_tokens(small_context):
+    model = small_context
+    ids = np.random.default_rng(2).integers(3, 300, 200).tolist()
+    with pytest.raises(PromptTooLong):
+        model.complete(ids, max_tokens=4, temperature=0)
+    model.overflow = "truncate"
+    try:
+        kept = model.truncated(ids)
+        assert kept == ids[-48:]                   # three quarters of 64
+        got = [t.id for t in model.generate(ids, max_tokens=8, temperature=0, ignore_eos=True)]
+        assert got == [t.id for t in model.generate(ids[-48:], max_tokens=8, temperature=0, ignore_eos=True)]
+        text = "The quick brown fox jumps over the lazy dog. " * 40
+        assert model.complete(text, max_tokens=4, temperature=0) == model.complete(
+            model.truncated(model.tokenize(text)), max_tokens=4, temperature=0)
+    finally:
+        model.overflow = "error"
+
+
+def test_a_long_conversation_drops_its_oldest_messages_keeping_the_system_prompt(small_context):
+    model = small_context
+    system = {"role": "system", "content": "Hi."}
+    turns = [{"role": r, "content": f"n{i}"}
+             for i, r in zip(range(11), ["user", "assistant"] * 6)]
+    with pytest.raises(PromptTooLong):
+        model.chat([system, *turns], max_tokens=4, temperature=0, stream=False)
+    model.overflow = "truncate"
+    try:
+        turn = model.turn([system, *turns])
+        assert turn.text.startswith(model.chat_prompt([system])[:20]) and "Hi." in turn.text
+        assert "\nn10<" in turn.text and "\nn0<" not in turn.text
+        assert len(model.turn_ids(turn)) <= 48
+        kept = [m for m in turns if f"\n{m['content']}<" in turn.text]
+        assert kept == turns[-len(kept):]            # the newest ones, in order
+        assert model.chat([system, *turns], max_tokens=4, temperature=0, stream=False) == \
+            model.chat([system, *kept], max_tokens=4, temperature=0, stream=False)
+    finally:
+        model.overflow = "error"
