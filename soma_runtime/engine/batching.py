@@ -274,6 +274,8 @@ class Scheduler:
         for stream, count, drafts in zip(streams, counts, self.drafter.propose([s.history for s in streams], counts,
                                                                              [id(s) for s in streams])):
             stream.drafts = drafts[:count]
+            if count and not stream.drafts:
+                stream.draft_length.nothing_found()
 
     def _goes_on(self, jobs: list[Job], batch: list) -> bool:
         """Whether the step after this one can be launched now: it would run the same streams, all still

@@ -19,17 +19,20 @@ LOOKUP_NGRAM = (3, 2)      # prompt lookup matches the last 3, then 2 tokens (on
 POOR_RATE = 0.25           # a stream whose drafts are accepted less often than this ...
 REST_STEPS = 16            # ... stops drafting for this many steps, then tries a single token; each poor
 LONGEST_REST = 256         # spell in a row doubles the rest, up to this
+IDLE_STEPS = 4             # a stream the drafter had nothing for this many steps in a row rests too (REST_STEPS)
 
 
 @dataclass
 class DraftLength:
     """How many tokens to draft for one stream: one more after a step that kept them all, one fewer after
     a rejection; a stream whose running acceptance falls below POOR_RATE rests (plain steps) a while,
-    longer each time until a draft is accepted again."""
+    longer each time until a draft is accepted again, and so does one the drafter keeps finding nothing for
+    (a resting stream's steps may run ahead on a GPU)."""
     tokens: int = 4
     rate: float = 1.0             # running share of draft tokens accepted
     resting: int = 0
     rest: int = REST_STEPS        # the next rest's length
+    empty: int = 0                # steps in a row the drafter proposed nothing
 
     def next(self) -> int:
         if self.resting:
@@ -40,6 +43,7 @@ class DraftLength:
     def update(self, drafted: int, accepted: int) -> None:
         if not drafted:
             return
+        self.empty = 0
         self.rate = 0.8 * self.rate + 0.2 * accepted / drafted
         self.tokens = min(LONGEST_DRAFT, self.tokens + 1) if accepted == drafted else max(1, self.tokens - 1)
         if accepted:
@@ -47,6 +51,11 @@ class DraftLength:
         if self.rate < POOR_RATE:
             self.resting, self.tokens, self.rate = self.rest, 1, POOR_RATE
             self.rest = min(LONGEST_REST, 2 * self.rest)
+
+    def nothing_found(self) -> None:
+        self.empty += 1
+        if self.empty >= IDLE_STEPS:
+            self.resting, self.empty = REST_STEPS, 0
 
 
 class Drafter:

@@ -13,7 +13,7 @@ from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.grammar import constraint_of
 from soma_runtime.engine.sampling import Sampler, SamplingParams
-from soma_runtime.engine.speculate import REST_STEPS, Drafter, DraftLength, PromptLookup, lookup
+from soma_runtime.engine.speculate import IDLE_STEPS, REST_STEPS, Drafter, DraftLength, PromptLookup, lookup
 from soma_runtime.ir.sampling import probabilities
 from tests.fixtures.decoders import FAMILIES, build_model
 
@@ -48,7 +48,8 @@ def test_smollm2_greedy_tokens_are_plain_decodings(smol, draft, prompt):
     plain = tokens(smol, prompt, 40)
     assert tokens(smol, prompt, 40, draft) == plain
     m = smol.metrics()
-    assert m["drafted_tokens"] > 0 and m["target_steps"] > 0
+    assert m["target_steps"] > 0
+    assert m["drafted_tokens"] > 0 or (draft == "prompt-lookup" and prompt == FREE)   # free text may offer no n-gram
     assert m["tokens_per_step"] == pytest.approx(1 + m["accepted_tokens"] / m["target_steps"])
     assert smol.engine.pool.in_use == 0
 
@@ -200,3 +201,7 @@ def test_draft_length_grows_backs_off_and_rests_longer_each_poor_spell():
         assert [length.next() for _ in range(rest)] == [0] * rest and length.next() == 1
     length.update(1, 1)
     assert length.rest == REST_STEPS
+    for _ in range(IDLE_STEPS):                # nothing to draft, step after step: a rest too
+        assert length.next() > 0
+        length.nothing_found()
+    assert [length.next() for _ in range(REST_STEPS)] == [0] * REST_STEPS and length.next() > 0
