@@ -290,15 +290,15 @@ class Scheduler:
         """The step's sampling rows and the wanted rows sampled on the host (whose logits come back): None
         and all where no stream samples on the model; else a row per wanted row, greedy for host-sampled ones
         (a speculating stream's rows are all on the host)."""
-        rows, host = [], []
+        rows, host, count = [], [], 0
         for job, (_, _, want) in zip(jobs, batch):
             if want and job.stream.on_model:
                 rows.append(job.stream.draws())
             elif want:
-                first = sum(len(r) for r in rows)
-                host += range(first, first + want)
+                host += range(count, count + want)
                 rows.append(greedy_rows(want))
-        if len(host) == sum(len(r) for r in rows) and rows:
+            count += want
+        if len(host) == count and rows:
             return None, host
         return (np.concatenate(rows) if rows else greedy_rows(0)), host
 
