@@ -52,6 +52,7 @@ from soma_runtime.engine.vad import VoiceActivity
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.loaders import package_file
+from soma_runtime.quant import kv
 from soma_runtime.text.chat import ChatTemplate
 from soma_runtime.tools.loop import ToolLoop
 from soma_runtime.tools.registry import ToolRegistry
@@ -632,15 +633,19 @@ class Pipeline:
         text = self.llm.chat(messages, stream=False, max_tokens=max_tokens, **(chat or {})).strip()
         samples, rate = self.tts.speak(text or "...", **(speak or {}))
         return Reply(heard, text, samples, rate)
-KV_DTYPES, ACTIVATIONS = ("f32", "f16", "bf16"), ("f32", "bf16", "q8")
+ACTIVATIONS = ("f32", "bf16", "q8")
 
 
 def check_load_options(n_ctx, kv_dtype, activations) -> None:
     if n_ctx is not None and (type(n_ctx) is not int or n_ctx < 1):
         raise RequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
-    for name, value, allowed in (("kv_dtype", kv_dtype, KV_DTYPES), ("activations", activations, ACTIVATIONS)):
-        if value is not None and value not in allowed:
-            raise RequestError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if activations is not None and activations not in ACTIVATIONS:
+        raise RequestError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if kv_dtype is not None:
+        try:
+            kv.layout(kv_dtype, 1)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
 
 class Runtime:

@@ -5,16 +5,19 @@ input is named anywhere else. Knows graphs, nothing of kernels or how a batch is
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from soma_runtime.ir.builder import GraphBuilder, Value
+from soma_runtime.quant import kv
 
 
 @dataclass(frozen=True)
 class PagedKV:
     """Self-attention keys and values in pages [P, block, kv_heads, head_dim], a pair a layer, kept across
     steps (engine/kv.py holds them): the cache of a decoder. `windows` gives each layer's sliding window
-    (0: the layer sees its whole context)."""
+    (0: the layer sees its whole context); `dtype` is a kv_dtype spec (quant/kv.py): a float type, or
+    codecs whose pages hold each head's vector as bytes [P, block, kv_heads, row_bytes]."""
     layers: int
     kv_heads: int
     head_dim: int
@@ -24,6 +27,23 @@ class PagedKV:
     @property
     def window_sizes(self) -> list[int]:
         return sorted(set(self.windows))
+
+    @functools.cached_property
+    def layout(self) -> kv.Layout:
+        return kv.layout(self.dtype, self.layers)
+
+    def codec(self, layer: int, which: int) -> str:
+        """Layer's key (which=0) or value (1) codec, "none" for a float cache."""
+        kind = self.layout.kinds[layer][which]
+        return kind if kind in kv.CODECS else "none"
+
+    def page_shape(self, layer: int, which: int, pages, block) -> tuple[tuple, str]:
+        """The shape and dtype of a layer's key (which=0) or value (1) pages."""
+        last, dtype = kv.page_meta(self.layout.kinds[layer][which], self.head_dim)
+        return (pages, block, self.kv_heads, last), dtype
+
+    def token_bytes(self) -> int:
+        return kv.bytes_per_token(self.layout, self.kv_heads, self.head_dim)
 
 
 @dataclass
@@ -73,8 +93,8 @@ class DecoderIO:
         attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),
                               g.input("ctx_slots", ("T",), "i64"),
                               {w: g.input(self.spans_name(w), ("S", 2), "i64") for w in c.window_sizes})
-        pages = [g.input(f"{kv}_pages.{i}", ("P", "BLK", c.kv_heads, c.head_dim), c.dtype) for i in range(c.layers)
-                 for kv in "kv"]
+        pages = [g.input(f"{name}_pages.{i}", *c.page_shape(i, j, "P", "BLK")) for i in range(c.layers)
+                 for j, name in enumerate("kv")]
         return DecoderStep(g.input("ids", ("S",), "i64"), attention, g.input("logit_rows", ("R",), "i64"),
                            g.input("sampling", ("R", 5), "f32"), pages)
 
@@ -123,8 +143,8 @@ class EncoderDecoderIO:
 
     @staticmethod
     def page_inputs(g: GraphBuilder, prefix: str, c: PagedKV) -> list[Value]:
-        return [g.input(f"{prefix}{kv}_pages.{i}", ("P" if not prefix else "CP", "BLK", c.kv_heads, c.head_dim), c.dtype)
-                for i in range(c.layers) for kv in "kv"]
+        return [g.input(f"{prefix}{name}_pages.{i}", *c.page_shape(i, j, "P" if not prefix else "CP", "BLK"))
+                for i in range(c.layers) for j, name in enumerate("kv")]
 
     def declare(self, g: GraphBuilder) -> CrossStep:
         attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),

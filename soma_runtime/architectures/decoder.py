@@ -13,9 +13,10 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderIO, PagedKV
-from soma_runtime.errors import ModelLoadError
+from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
+from soma_runtime.quant import kv
 
 
 class Weights:
@@ -69,8 +70,16 @@ def as_f32(t):
 
 
 def cache_of(cfg: DecoderConfig, kv_dtype: str) -> PagedKV:
-    """The cache a decoder keeps: paged K/V for every layer, in `kv_dtype`."""
-    return PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tuple(cfg.window(i) for i in range(cfg.num_layers)), kv_dtype)
+    """The cache a decoder keeps: paged K/V for every layer, in `kv_dtype` (a spec, quant/kv.py);
+    RequestError if the spec is malformed or its codecs cannot hold this model's heads."""
+    cache = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tuple(cfg.window(i) for i in range(cfg.num_layers)), kv_dtype)
+    try:
+        for kinds in cache.layout.kinds:
+            for kind in kinds:
+                kv.page_meta(kind, cfg.head_dim)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return cache
 
 
 def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activations: str = "f32") -> Graph:
@@ -83,6 +92,12 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
     step = io.declare(g)
     att = step.attention                # causal attention, windowed or not, sees a contiguous span of its context
     made = {}
+
+    def kv_basis():
+        """The rotation the tq KV codecs code vectors in (quant/kv.py), one for the model."""
+        if "kv_rotation" not in made:
+            made["kv_rotation"] = g.const("kv_rotation", kv.rotation(hd))
+        return made["kv_rotation"]
 
     def const(name, f32=False):
         """A weight as a graph constant, once however often it is read (tied embeddings, shared norms)."""
@@ -129,10 +144,18 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             inv_freq = inv_freq / as_f32(weights["rope_freqs.weight"])
         freqs = g.const(f"{p}.inv_freq", inv_freq.astype(np.float32))
         q, k = (g.rope(t, att.positions, freqs, style=cfg.rope_style) for t in (q, k))
-        k_pages, v_pages = g.kv_append(k_pages, k, att.slots), g.kv_append(v_pages, v, att.slots)
+        k_codec, v_codec = io.cache.codec(i, 0), io.cache.codec(i, 1)
+        if rotated(k_codec):                # <qR, kR> = <q, k>: keys coded in the rotated basis
+            q, k = g.matmul(q, kv_basis()), g.matmul(k, kv_basis())
+        if rotated(v_codec):
+            v = g.matmul(v, kv_basis())
+        k_pages = g.kv_append(k_pages, k, att.slots, **coded(codec=k_codec))
+        v_pages = g.kv_append(v_pages, v, att.slots, **coded(codec=v_codec))
         pages_out += [k_pages, v_pages]
         attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, att.spans[cfg.window(i)], scale=cfg.score_scale(),
-                                 softcap=cfg.attn_softcap)
+                                 softcap=cfg.attn_softcap, **coded(k_codec=k_codec, v_codec=v_codec))
+        if rotated(v_codec):                # sum p vR = (sum p v) R: back from the values' rotated basis
+            attn = g.matmul(attn, kv_basis(), transpose_b=True)
         x = g.add(x, block_output(linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output"), f"{p}.post_attention_norm"))
         x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down"), f"{p}.post_ffw_norm"))
     rows = g.embedding(x, step.logit_rows)            # the rows that sample a token: the head reads only those
@@ -143,6 +166,15 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
                        g.const("softcap", np.full(1, cap, np.float32)))
     return io.outputs(g, logits, g.sample(logits, step.sampling, width=sample_width(cfg)), pages_out)
+
+
+def coded(**codecs) -> dict:
+    """An op's codec attrs, those of a float cache ("none") left out."""
+    return {name: c for name, c in codecs.items() if c != "none"}
+
+
+def rotated(codec: str) -> bool:
+    return codec in kv.CODECS and kv.CODECS[codec].rotated
 
 
 def sample_width(cfg: DecoderConfig) -> int:

@@ -60,6 +60,10 @@ def add_model_args(p, default_model=True):
 
 
 def add_generation_args(p) -> None:
+    p.add_argument("--kv-cache", default=None, metavar="K[/V][,edges=N]",
+                   help="the KV cache's type: f32, f16, bf16, or compressed: q8_0, q4_0 (llama.cpp's blocks), tq4, tq3, "
+                        "tq2 (rotated Lloyd-Max codes; tq3j/tq2j with QJL); keys and values apart as K/V (tq4/tq2), "
+                        "edges=N keeps the first and last N layers f16 (default: f16 for GGUF, the checkpoint's dtype else)")
     p.add_argument("--overflow", default=None, choices=("error", "truncate"),
                    help="a prompt beyond the context: an error (default), or its oldest tokens (a chat's oldest messages "
                         "after the system prompt) dropped until it takes three quarters of the context")
@@ -78,7 +82,8 @@ def load_model(args):
     return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
                                                                                  activations=getattr(args, "activations", None),
                                                                                  draft=getattr(args, "draft", None),
-                                                                                 overflow=getattr(args, "overflow", None))
+                                                                                 overflow=getattr(args, "overflow", None),
+                                                                                 kv_dtype=getattr(args, "kv_cache", None))
 
 
 def read_prompt(text: str) -> str:
@@ -238,7 +243,7 @@ def cmd_serve(args) -> int:
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
-          args.overflow)
+          args.overflow, kv_dtype=args.kv_cache)
     return 0
 
 

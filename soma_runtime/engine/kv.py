@@ -42,12 +42,12 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
 class KVPool:
     def __init__(self, cache: PagedKV, max_tokens: int, zeros, block: int = 16):
         """The pages of a model's `cache` for `max_tokens` tokens; `zeros(shape, dtype)` allocates them where
-        the backend computes (on the host: memory mapped lazily, so it grows with the tokens actually cached)."""
-        self.block, self.dtype = block, cache.dtype
+        the backend computes (on the host: memory mapped lazily, so it grows with the tokens actually cached).
+        A compressed layer's pages hold bytes (PagedKV.page_shape)."""
+        self.block = block
         self.num_pages = -(-max_tokens // block) + 1
-        shape = (self.num_pages, block, cache.kv_heads, cache.head_dim)
-        self.k = [zeros(shape, cache.dtype) for _ in range(cache.layers)]
-        self.v = [zeros(shape, cache.dtype) for _ in range(cache.layers)]
+        self.k, self.v = ([zeros(*cache.page_shape(i, which, self.num_pages, block)) for i in range(cache.layers)]
+                          for which in (0, 1))
         self.free = list(range(self.num_pages - 1, 0, -1))
         self.refs = np.zeros(self.num_pages, np.int32)
         self.by_hash: dict[int, int] = {}          # prefix hash -> page

@@ -12,7 +12,9 @@ reference backend: slow, obvious and right. Modes are a closed set:
   read    take take_along reshape expand        indexed lookup and views: take = index along an
           broadcast transpose permute slice     axis (embedding), take_along = torch.gather,
           cast dequant iota arange fill         expand = a new axis of size 1, broadcast = to a
-                                                shape, dequant = decode quantized blocks, iota =
+                                                shape, cast to a KV codec (quant/kv.py) encodes
+                                                vectors as its bytes, dequant = decode quantized
+                                                blocks (of a QTensor, or a codec's bytes), iota =
                                                 positions 0..n-1 along an axis, arange = 0..v-1
                                                 for a value v (a size known only at run time),
                                                 fill = a constant tensor
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.dtypes import DTYPES, QTensor, dequantize, descending, highest, lowest
+from soma_runtime.quant import kv
 
 ATOMS: dict[str, tuple[str, ...]] = {
     "mul": ("mul",),
@@ -155,13 +158,15 @@ def _read(mode, args, p, struct):
         index = [slice(None)] * x.ndim
         index[p["axis"]] = slice(p["start"], p["stop"], p.get("step", 1))
         return x[tuple(index)]
+    if mode == "cast" and struct[0] in kv.CODECS:        # encode vectors as a KV codec's bytes
+        return kv.encode(struct[0], x)
     if mode == "cast":
         target = DTYPES[struct[0]].numpy
         if struct[0] in ("f16", "bf16", "f32"):      # round to the target's precision, keep computing in f64
             return x.astype(target).astype(np.float64)
         return x.astype(target)
     if mode == "dequant":
-        return dequantize(x).astype(np.float64)
+        return (kv.decode(struct[0], x) if struct else dequantize(x)).astype(np.float64)
     if mode == "iota":
         shape = [1] * p["ndim"]
         shape[p["axis"]] = p["n"]

@@ -33,22 +33,24 @@ def tolerance(opdef: OpDef, out_dtype: str) -> float:
     return opdef.tol * F32_TOL.get(out_dtype, 1e-5)
 
 
-def _variants(opdef: OpDef, pattern: tuple):
+def _variants(opdef: OpDef, pattern: tuple, struct: dict):
     """Every structural variant of an op for one dtype pattern: (input metas, attrs)."""
     if opdef.any_rank:
         for rank in range(1, 7):
-            yield from _variants_at(opdef, pattern, (rank, *opdef.ranks[1:]))
+            yield from _variants_at(opdef, pattern, (rank, *opdef.ranks[1:]), struct)
     else:
-        yield from _variants_at(opdef, pattern, opdef.ranks)
+        yield from _variants_at(opdef, pattern, opdef.ranks, struct)
 
 
-def _variants_at(opdef: OpDef, pattern: tuple, ranks: tuple):
+def _variants_at(opdef: OpDef, pattern: tuple, ranks: tuple, struct: dict):
     n_inputs = len(pattern)
-    struct_choices = [[(k, v) for v in values] for k, values in opdef.struct.items()]
+    struct_choices = [[(k, v) for v in values] for k, values in {**opdef.struct, **struct}.items()]
     for combo in itertools.product(*struct_choices):
         attrs = dict(combo)
+        # an optional input is absent where the pattern says "none", present where it names dtypes
         optional = [i for i, spec in enumerate(opdef.inputs[:n_inputs]) if spec.endswith("?")]
-        for present in itertools.product((True, False), repeat=len(optional)):
+        choices = [(False,) if pattern[i] == "none" else (True, False) if pattern[i] == "*" else (True,) for i in optional]
+        for present in itertools.product(*choices):
             metas = []
             for i, dt in enumerate(pattern):
                 if i in optional and not present[optional.index(i)]:
@@ -66,13 +68,15 @@ class JetRegistry:
         self._missed: set = set()
         self._chosen: dict[tuple, object] = {}     # a formula never depends on sizes: look each up once
 
-    def register(self, op: str, backend: str, dtypes: list[tuple], kernel) -> None:
+    def register(self, op: str, backend: str, dtypes: list[tuple], kernel, struct: dict | None = None) -> None:
+        """File `kernel` under every variant of `op` for these dtype patterns; `struct` narrows the values
+        of the op's structural attrs the kernel covers (default: all the op lists)."""
         opdef = OPS[op]
         for pattern in dtypes:
             arities = range(1, MAX_VARIADIC + 1) if opdef.variadic else [len(pattern)]
             for n in arities:
                 full = pattern[:1] * n if opdef.variadic else tuple(pattern)
-                for metas, attrs in _variants(opdef, full):
+                for metas, attrs in _variants(opdef, full, struct or {}):
                     entries = self._jets.setdefault((opdef.formula_hash(metas, attrs), backend), [])
                     entry = (full, frozenset(opdef.attrs), kernel)
                     if entry not in entries:
@@ -193,9 +197,10 @@ def verified(opdef: OpDef, jet, backend: str):
 REGISTRY = JetRegistry()
 
 
-def jet(op: str, backend: str, dtypes: list[tuple]):
-    """Decorator a backend uses to register a kernel: `@jet("rmsnorm", "cpu", [("f32", "f32")])`."""
+def jet(op: str, backend: str, dtypes: list[tuple], struct: dict | None = None):
+    """Decorator a backend uses to register a kernel: `@jet("rmsnorm", "cpu", [("f32", "f32")])`; `struct`
+    narrows the structural attr values it covers (`{"codec": ("none",)}`)."""
     def register(kernel):
-        REGISTRY.register(op, backend, dtypes, kernel)
+        REGISTRY.register(op, backend, dtypes, kernel, struct)
         return kernel
     return register

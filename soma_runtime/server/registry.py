@@ -75,11 +75,12 @@ def default_id(source: str | None) -> str:
 
 class ModelRegistry:
     def __init__(self, runtime: Runtime | None = None, memory_budget: int | None = None, max_batch: int = 16,
-                 step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None, overflow: str | None = None):
+                 step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None, overflow: str | None = None,
+                 kv_dtype: str | None = None):
         """`draft`: speculative decoding for every text model loaded (Runtime.speculate); `overflow`: what
-        they do with prompts beyond their context (TextModel)."""
+        they do with prompts beyond their context (TextModel); `kv_dtype`: their KV cache's type."""
         self.runtime = runtime or Runtime()
-        self.draft, self.overflow = draft, overflow
+        self.draft, self.overflow, self.kv_dtype = draft, overflow, kv_dtype
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
@@ -112,7 +113,7 @@ class ModelRegistry:
         with self.load_lock:
             old = self.models.get(model_id)
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
-                                      overflow=self.overflow)
+                                      overflow=self.overflow, kv_dtype=self.kv_dtype)
             try:
                 size = model.memory_bytes
                 self._make_room(size, priority, keep=model_id)

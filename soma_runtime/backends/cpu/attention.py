@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from soma_runtime.backends.cpu import amx
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, f32, out_f32
@@ -20,6 +21,8 @@ from soma_runtime.backends.cpu.linear import rope
 from soma_runtime.backends.cpu.simd import exp_f32, narrow, widen
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
+from soma_runtime.quant import kv
+from soma_runtime.quant.formats import F16_TABLE
 
 CACHE_MIXES = [("f32", c, c, m) for c in HALF for m in ("f32", "none")]
 
@@ -99,15 +102,34 @@ def _softmax_rows(x):
             row[j] *= inv
 
 
+def load_row(cache, slot, head, out, codec, tables):
+    """One cached head vector as f32 into `out`: an element each (f32, or f16 bits), or decoded from a
+    codec's bytes (u8 caches, quant/kv.py)."""
+
+
+@overload(load_row, inline="always")
+def _load_row(cache, slot, head, out, codec, tables):
+    if cache.dtype == types.uint8:
+        def decoded(cache, slot, head, out, codec, tables):
+            kv.decode_row(codec, cache[slot, head], out, *tables)
+        return decoded
+
+    def widened(cache, slot, head, out, codec, tables):
+        for d in range(out.shape[0]):
+            out[d] = widen(cache[slot, head, d])
+    return widened
+
+
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
-def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
-    """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16); mask [S, T] or none ([0, 0]); out [S, H, Dv].
+def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, codecs, tables, out):
+    """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16) or a codec's bytes [slots, KV,
+    row_bytes] (codecs: the key's and the value's codec numbers); mask [S, T] or none ([0, 0]); out [S, H, Dv].
     Row s reads only context positions spans[s, 0] <= t < spans[s, 1] (its visible ones, masked-out
     keys within are skipped): padding, far context and other sequences' segments cost nothing.
     q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache
     under f32 queries)."""
     rows, heads, dim = q.shape
-    kv_heads, dv = k.shape[1], v.shape[2]
+    kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
     masked = mask.shape[0] > 0
     for task in prange(rows * kv_heads):
@@ -123,9 +145,7 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
         for t in range(lo, hi):
             if masked and mask[s, t] == -np.inf:
                 continue
-            slot = ctx[t]
-            for d in range(dim):
-                key[d] = widen(k[slot, kvh, d])
+            load_row(k, ctx[t], kvh, key, codecs[0], tables)
             for g in range(group):
                 acc = np.float32(0)
                 for d in range(dim):
@@ -149,9 +169,7 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, out):
         for t in range(lo, hi):
             if masked and mask[s, t] == -np.inf:
                 continue
-            slot = ctx[t]
-            for d in range(dv):
-                value[d] = widen(v[slot, kvh, d])
+            load_row(v, ctx[t], kvh, value, codecs[1], tables)
             for g in range(group):
                 p = scores[g, t - lo]
                 for d in range(dv):
@@ -210,16 +228,26 @@ def flat_cache(pages: np.ndarray) -> np.ndarray:
     return flat.view(np.uint16) if flat.dtype == np.float16 else flat
 
 
-@jet("paged_attention", CPU, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
-     + [("f32", c, c, INT, m, sp, *r) for c in HALF for m in ("f32", "none") for sp in (INT, "none") for r in ROPE_INPUTS])
+KERNEL_TABLES = (F16_TABLE, *kv.kernel_tables())
+PLAIN = np.array([-1, -1], np.int64)
+ATTENTION_INPUTS = [(m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
+
+
+@jet("paged_attention", CPU, [("f32", "u8", "u8", INT, *rest) for rest in ATTENTION_INPUTS],
+     struct={"k_codec": tuple(kv.CODECS), "v_codec": tuple(kv.CODECS)})
+@jet("paged_attention", CPU, [(F, F, F, INT, *rest) for rest in ATTENTION_INPUTS]
+     + [("f32", c, c, INT, m, sp, *r) for c in HALF for m in ("f32", "none") for sp in (INT, "none") for r in ROPE_INPUTS],
+     struct={"k_codec": ("none",), "v_codec": ("none",)})
 def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, out=None, scale=None,
-                    softcap=0.0, rope_style="neox"):
+                    softcap=0.0, rope_style="neox", k_codec="none", v_codec="none"):
     if positions is not None:
         q = rope(q, positions, inv_freq, style=rope_style)
     like = dtype_of(q)
     S, H, D = q.shape
     T = ctx_slots.shape[0]
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
+    if k_codec != "none":
+        return compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, like, out)
     fits = k_pages.dtype in (np.float32, np.float16) and (mask is None or mask.shape == (1, 1, S, T))
     if not fits:
         mask = np.zeros((1, 1, S, T), np.float32) if mask is None else mask
@@ -234,12 +262,29 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
         return deliver(dense_attention(q, k_pages, v_pages, run, scale), like, out)
     result = out_f32(out, (S, H, v_pages.shape[3]))
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
-    rows_mask = np.zeros((0, 0), np.float32) if mask is None else np.ascontiguousarray(f32(mask)[0, 0])
-    # the rows' spans as given (masked keys within are skipped), else the mask's visible ranges, else all
-    if spans is not None:
-        visible = np.ascontiguousarray(spans, dtype=np.int64)
-    else:
-        visible = np.tile(np.array([0, T], np.int64), (S, 1)) if mask is None else visible_spans(rows_mask)
+    rows_mask, visible = row_spans(spans, mask, S, T)
     _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible,
-                     scale, np.float32(softcap), precision, result)
+                     scale, np.float32(softcap), precision, PLAIN, KERNEL_TABLES, result)
+    return result if result is out else deliver(result, like, out)
+
+
+def row_spans(spans, mask, S: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's mask ([S, T], or [0, 0] for none) and each row's visible span [S, 2]: as given (masked
+    keys within are skipped), else the mask's visible ranges, else all."""
+    rows_mask = np.zeros((0, 0), np.float32) if mask is None else np.ascontiguousarray(f32(mask)[0, 0])
+    if spans is not None:
+        return rows_mask, np.ascontiguousarray(spans, dtype=np.int64)
+    return rows_mask, np.tile(np.array([0, T], np.int64), (S, 1)) if mask is None else visible_spans(rows_mask)
+
+
+def compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, like, out):
+    """Attention over a compressed cache's pages: each key and value decoded where the kernel reads it."""
+    S, H, _ = q.shape
+    if mask is not None and mask.shape != (1, 1, S, ctx_slots.shape[0]):
+        mask = np.broadcast_to(mask, (1, 1, S, ctx_slots.shape[0]))
+    rows_mask, visible = row_spans(spans, mask, S, ctx_slots.shape[0])
+    result = out_f32(out, (S, H, kv.CODECS[v_codec].dim(v_pages.shape[3])))
+    codecs = np.array([kv.CODEC_IDS[k_codec], kv.CODEC_IDS[v_codec]], np.int64)
+    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible, scale,
+                     np.float32(softcap), np.float32(0), codecs, KERNEL_TABLES, result)
     return result if result is out else deliver(result, like, out)

@@ -15,6 +15,7 @@ from soma_runtime.backends.cpu.simd import stored
 from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import GATED
+from soma_runtime.quant import kv
 
 SMALL_ROWS = 32      # up to this many rows, BLAS's packing of the weight costs more than the product
 SERIAL_WEIGHT = 1 << 17   # a weight under this many elements is read by one thread (waking others costs more)
@@ -193,13 +194,26 @@ def _append_rotated(cache, new, slots, positions, inv_freq, neox):
 KV_APPENDS = [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in HALF for r in ROPE_INPUTS]
 
 
-@jet("kv_append", CPU, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])])
-def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, out=None, style="neox"):
+CODED_APPENDS = [("u8", F, INT, *r) for r in ROPE_INPUTS]
+
+
+@jet("kv_append", CPU, [(*keys, *values) for keys in CODED_APPENDS for values in (("none", "none"), keys[:2])],
+     struct={"codec": tuple(kv.CODECS)})
+@jet("kv_append", CPU, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])],
+     struct={"codec": ("none",)})
+def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, out=None, style="neox",
+              codec="none"):
     """Write new rows into their slots in place (rotated first, given rope's inputs), and values into
-    theirs if given; the returned tensors are the caches themselves."""
+    theirs if given; the returned tensors are the caches themselves. A compressed cache gets each
+    head's row as its codec's bytes."""
     if v_pages is not None:
-        return kv_append(pages, new, slots, positions, inv_freq, style=style), kv_append(v_pages, v_new, slots)
+        return (kv_append(pages, new, slots, positions, inv_freq, style=style, codec=codec),
+                kv_append(v_pages, v_new, slots, codec=codec))
     flat = pages.reshape(-1, *pages.shape[2:])
+    if codec != "none":
+        rows = rope(new, positions, inv_freq, style=style) if positions is not None else new
+        flat[slots.reshape(-1)] = kv.encode(codec, f32(rows).reshape(-1, *rows.shape[-2:]))
+        return pages
     if positions is not None and all_f32(new) and new.ndim == 3 and positions.shape == new.shape[:1]:
         cache = flat.view(np.uint16) if flat.dtype == np.float16 else flat      # numba has no float16: its bits
         if cache.dtype in (np.uint16, np.float32):
@@ -215,9 +229,12 @@ def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_
     return pages
 
 
-@jet("kv_read", CPU, [(F, INT)])
-def kv_read(pages, slots, out=None):
+@jet("kv_read", CPU, [("u8", INT)], struct={"codec": tuple(kv.CODECS)})
+@jet("kv_read", CPU, [(F, INT)], struct={"codec": ("none",)})
+def kv_read(pages, slots, out=None, codec="none"):
     flat = pages.reshape(-1, *pages.shape[2:])
+    if codec != "none":
+        return deliver(kv.decode(codec, np.take(flat, slots, axis=0)), "f32", out)
     if out is not None:
         return np.take(flat, slots, axis=0, out=out)
     return np.take(flat, slots, axis=0)

@@ -16,8 +16,10 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
+from soma_runtime.backends.cuda.kv_codecs import ON_DEVICE, books, codec_constants, decoded
 from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turned_pairs, turns
 from soma_runtime.ir.jets import jet
+from soma_runtime.quant import kv
 
 
 @triton.jit
@@ -60,16 +62,19 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, scale, softcap, half,
-                            HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr,
-                            ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
-                            BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr):
+                            count_ptr, out_ptr, books_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width, scale,
+                            softcap, half, HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
+                            NEOX: tl.constexpr, ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
+                            BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, K_CODEC: tl.constexpr,
+                            K_BITS: tl.constexpr, K_SIZE: tl.constexpr, V_CODEC: tl.constexpr, V_BITS: tl.constexpr,
+                            V_SIZE: tl.constexpr):
     """Query row s, kv head kvh, share c of the row's span (flash-decoding: shares in parallel): the
     share's unnormalized output, running max and sum for each query head of the group; the last share
     to finish merges them all (with one share, it stores its own). The span, the first tile's slots
     and mask and the queries' rope angles load before the wait (the step's inputs: none of its kernels
     writes them), each next tile's a tile ahead; keys and values load after the wait (earlier lost:
-    bench/results/design-notes.md)."""
+    bench/results/design-notes.md). A compressed cache's rows (k_width, v_width bytes; codec numbers
+    K_CODEC, V_CODEC >= 0) are decoded as each tile loads."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
@@ -106,8 +111,15 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
         q = q.to(tl.float32)
         for t0 in tl.range(begin, end, BT):
             t = t0 + tl.arange(0, BT)
-            keys = tl.load(k_ptr + row[:, None] * dim + d[None, :], mask=(t < end)[:, None] & (d[None, :] < dim), other=0.0)
-            values = tl.load(v_ptr + row[:, None] * dv + e[None, :], mask=(t < end)[:, None] & (e[None, :] < dv), other=0.0)
+            k_ok, v_ok = (t < end)[:, None] & (d[None, :] < dim), (t < end)[:, None] & (e[None, :] < dv)
+            if K_CODEC < 0:
+                keys = tl.load(k_ptr + row[:, None] * k_width + d[None, :], mask=k_ok, other=0.0)
+            else:
+                keys = decoded(k_ptr, row, d, k_ok, k_width, books_ptr, K_CODEC, K_BITS, K_SIZE)
+            if V_CODEC < 0:
+                values = tl.load(v_ptr + row[:, None] * v_width + e[None, :], mask=v_ok, other=0.0)
+            else:
+                values = decoded(v_ptr, row, e, v_ok, v_width, books_ptr, V_CODEC, V_BITS, V_SIZE)
             top, total, acc = _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT)
             row, bias = _slots(ctx_ptr, mask_ptr, t + BT, end, s, T, kv_heads, kvh, HAS_MASK)         # the next tile's
     if splits == 1:
@@ -184,12 +196,16 @@ def finished_counts(device) -> torch.Tensor:
 
 
 @jet("paged_attention", CUDA, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
-     + CACHE_MIXES)
+     + CACHE_MIXES, struct={"k_codec": ("none",), "v_codec": ("none",)})
+@jet("paged_attention", CUDA, [("f32", "u8", "u8", INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS],
+     struct={"k_codec": ON_DEVICE, "v_codec": ON_DEVICE})
 @device_jet
 def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, scale=None, softcap=0.0,
-                    rope_style="neox"):
+                    rope_style="neox", k_codec="none", v_codec="none"):
     S, H, D = q.shape
-    KV, Dv, T = k_pages.shape[2], v_pages.shape[3], ctx_slots.shape[0]
+    KV, T = k_pages.shape[2], ctx_slots.shape[0]
+    Dv = v_pages.shape[3] if v_codec == "none" else kv.CODECS[v_codec].dim(v_pages.shape[3])
+    (K_CODEC, K_BITS, K_SIZE), (V_CODEC, V_BITS, V_SIZE) = codec_constants(k_codec), codec_constants(v_codec)
     q = strided_rows(q, H * D)
     rope = None if positions is None else (positions.expand(S).contiguous(), inv_freq.contiguous())
     if mask is not None:
@@ -205,12 +221,14 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     _paged_attention_kernel[(S, KV, splits)](
         q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, q.stride(0), T, splits, H, KV, D, Dv,
-        float(1 / math.sqrt(D) if scale is None else scale), float(softcap), 0 if rope is None else inv_freq.shape[0],
+        total, finished_counts(q.device), out, books(q.device), q.stride(0), T, splits, H, KV, D, Dv, k_pages.shape[3],
+        v_pages.shape[3], float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
+        0 if rope is None else inv_freq.shape[0],
         HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
-        EXACT=k_pages.dtype != torch.float32, GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
-        CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), num_warps=warps, num_stages=stages)
+        EXACT=k_pages.dtype in (torch.float16, torch.bfloat16), GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
+        CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), K_CODEC=K_CODEC, K_BITS=K_BITS, K_SIZE=K_SIZE, V_CODEC=V_CODEC,
+        V_BITS=V_BITS, V_SIZE=V_SIZE, num_warps=warps, num_stages=stages)
     return out
 
 

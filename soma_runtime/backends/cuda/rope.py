@@ -106,9 +106,10 @@ ROPE_INPUTS = ((INT, "f32"), ("none", "none"))      # an op's fused rope: positi
 KV_APPENDS = [(F, F, INT, *r) for r in ROPE_INPUTS] + [(c, "f32", INT, *r) for c in ("f16", "bf16") for r in ROPE_INPUTS]
 
 
-@jet("kv_append", CUDA, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])])
+@jet("kv_append", CUDA, [(*keys, *values) for keys in KV_APPENDS for values in (("none", "none"), keys[:2])],
+     struct={"codec": ("none",)})
 @device_jet
-def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
+def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox", codec="none"):
     """Rows of `new` into their cache slots, in place (rotated first, given rope's inputs), and the
     values' rows into theirs in the same launch if given; the caches themselves are the result."""
     width = pages.shape[2] * pages.shape[3]

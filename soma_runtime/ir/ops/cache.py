@@ -1,4 +1,6 @@
-"""The paged KV cache: pages [P, block, H, D]; a slot is page * block + offset."""
+"""The paged KV cache: pages [P, block, H, D]; a slot is page * block + offset. A compressed cache
+(`codec`, quant/kv.py) keeps each head's vector as bytes: pages u8 [P, block, H, row_bytes(D)],
+written by casting to the codec and read by decoding (the dequant atom)."""
 from __future__ import annotations
 
 import math
@@ -7,6 +9,28 @@ from soma_runtime.ir.atoms import Ref
 from soma_runtime.ir.graph import TensorMeta, same_dim
 from soma_runtime.ir.ops.base import broadcast_shapes, check, float_dtype, op, same_dtype
 from soma_runtime.ir.ops.linear import rope, rope_rule, sdpa
+from soma_runtime.quant.kv import CODECS
+
+CODEC_CHOICES = ("none", *CODECS)
+
+
+def cache_rule(pages: TensorMeta, dim, codec: str, what: str = "pages"):
+    """Pages of a float cache, or the bytes of `codec` for head vectors of `dim` elements."""
+    if codec == "none":
+        float_dtype(pages, what)
+        return
+    check(codec in CODECS, f"unknown KV codec {codec!r}; known: {', '.join(CODECS)}")
+    check(pages.dtype == "u8", f"{what} of a {codec} cache must be u8 bytes, got {pages.dtype}")
+    if isinstance(dim, int) and isinstance(pages.shape[-1], int):
+        check(dim % 32 == 0 and pages.shape[-1] == CODECS[codec].row_bytes(dim),
+              f"{what}: a {codec} row of {dim} elements is {CODECS[codec].row_bytes(dim) if dim % 32 == 0 else '?'} bytes, "
+              f"the pages hold {pages.shape[-1]}")
+
+
+def cached_dim(pages: TensorMeta, codec: str):
+    """The head dim a cache's pages hold."""
+    last = pages.shape[-1]
+    return last if codec == "none" or not isinstance(last, int) else CODECS[codec].dim(last)
 
 
 def rope_inputs_rule(x, positions, inv_freq, what):
@@ -26,34 +50,37 @@ def kv_append_rule(metas, attrs):
           "kv_append: value pages must have the key pages' shape")
     pairs = [(pages, new)] + ([(v_pages, v_new)] if v_pages is not None else [])
     for cache, rows in pairs:
-        float_dtype(cache, "pages")
-        float_dtype(rows)
         check(cache.ndim == 4 and rows.ndim >= 2, "kv_append takes pages [P, block, H, D] and new [..., H, D]")
-        check(all(same_dim(a, b) is not False for a, b in zip(cache.shape[2:], rows.shape[-2:])),
-              "head shape differs from the cache's")
+        cache_rule(cache, rows.shape[-1], attrs["codec"])
+        float_dtype(rows)
+        check(same_dim(cache.shape[2], rows.shape[-2]) is not False and
+              same_dim(cached_dim(cache, attrs["codec"]), rows.shape[-1]) is not False, "head shape differs from the cache's")
         check(all(same_dim(a, b) is not False for a, b in zip(rows.shape[:-2], new.shape[:-2])), "values and keys differ in rows")
     return [cache for cache, _ in pairs]
 
 
 @op("kv_append", ["pages", "new", "slots", "positions?", "inv_freq?", "v_pages?", "v_new?"], kv_append_rule,
-    attrs={"style": "neox"}, struct={"style": ("neox", "interleaved")}, stateful=True, view=True, aliases=(0, 5),
-    ranks=(4, 3, 1, 1, 1, 4, 3))
-def kv_append(A, pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox"):
+    attrs={"style": "neox", "codec": "none"}, struct={"style": ("neox", "interleaved"), "codec": CODEC_CHOICES},
+    stateful=True, view=True, aliases=(0, 5), ranks=(4, 3, 1, 1, 1, 4, 3))
+def kv_append(A, pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_new=None, style="neox", codec="none"):
     """Rows of `new` [..., H, D] into the cache slots; with positions and inv_freq, rotated first (rope:
     a key is stored rotated, in one pass). With v_pages and v_new, a layer's values go into the same
-    slots of their own pages as well (unrotated): one kernel writes both."""
+    slots of their own pages as well (unrotated): one kernel writes both. With a codec, each head's
+    row is stored as its bytes (both caches' the same)."""
     if positions is not None and inv_freq is not None:
         new = Ref(rope(A, new, positions, inv_freq, style).index, new.shape, new.dtype)
-    written = scattered(A, pages, new, slots)
-    return written if v_pages is None or v_new is None else (written, scattered(A, v_pages, v_new, slots))
+    written = scattered(A, pages, new, slots, codec)
+    return written if v_pages is None or v_new is None else (written, scattered(A, v_pages, v_new, slots, codec))
 
 
-def scattered(A, pages, new, slots):
-    """The pages with rows of `new` written into their slots, in the cache's dtype."""
+def scattered(A, pages, new, slots, codec):
+    """The pages with rows of `new` written into their slots, in the cache's dtype (or codec)."""
     P, block, H, D = pages.shape
     flat = A.read("reshape", pages, shape=(P * block, H, D))
-    rows = A.read("reshape", new, shape=(-1, H, D))
-    if new.dtype != pages.dtype:          # values are stored in the cache's dtype
+    rows = A.read("reshape", new, shape=(-1, H, new.shape[-1]))
+    if codec != "none":
+        rows = A.read("cast", rows, struct=(codec,))
+    elif new.dtype != pages.dtype:          # values are stored in the cache's dtype
         rows = A.read("cast", rows, struct=(pages.dtype,))
     written = A.write("scatter", flat, rows, A.read("reshape", slots, shape=(-1,)), axis=0)
     return A.read("reshape", written, shape=pages.shape)
@@ -62,14 +89,18 @@ def scattered(A, pages, new, slots):
 def kv_read_rule(metas, attrs):
     pages, slots = metas
     check(pages.ndim == 4, "kv_read takes pages [P, block, H, D]")
+    cache_rule(pages, cached_dim(pages, attrs["codec"]), attrs["codec"])
     check(slots.dtype in ("i32", "i64"), "slots must be integer")
-    return [TensorMeta(tuple(slots.shape) + tuple(pages.shape[2:]), pages.dtype)]
+    decoded = attrs["codec"] != "none"
+    return [TensorMeta((*slots.shape, pages.shape[2], cached_dim(pages, attrs["codec"])), "f32" if decoded else pages.dtype)]
 
 
-@op("kv_read", ["pages", "slots"], kv_read_rule, ranks=(4, 1))
-def kv_read(A, pages, slots):
+@op("kv_read", ["pages", "slots"], kv_read_rule, attrs={"codec": "none"}, struct={"codec": CODEC_CHOICES}, ranks=(4, 1))
+def kv_read(A, pages, slots, codec="none"):
+    """The cached head vectors at `slots` [..., H, D] (a compressed cache's decoded to f32)."""
     P, block, H, D = pages.shape
-    return A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
+    rows = A.read("take", A.read("reshape", pages, shape=(P * block, H, D)), slots, axis=0)
+    return rows if codec == "none" else A.read("dequant", rows, struct=(codec,))
 
 
 def paged_attention_rule(metas, attrs):
@@ -79,10 +110,13 @@ def paged_attention_rule(metas, attrs):
     float_dtype(q)
     check(q.ndim == 3, "paged_attention takes q as [S, H, D]")
     check(k_pages.ndim == 4 and v_pages.ndim == 4, "paged_attention takes pages as [P, block, H, D]")
-    same_dtype(k_pages, v_pages)
-    float_dtype(k_pages, "pages")
+    k_codec, v_codec = attrs["k_codec"], attrs["v_codec"]
+    if k_codec == v_codec == "none":
+        same_dtype(k_pages, v_pages)
+    cache_rule(k_pages, q.shape[2], k_codec, "k_pages")
+    cache_rule(v_pages, cached_dim(v_pages, v_codec), v_codec, "v_pages")
     check(ctx.ndim == 1 and ctx.dtype in ("i32", "i64"), "ctx_slots must be a 1-D integer tensor")
-    check(same_dim(q.shape[2], k_pages.shape[3]) is not False, "q and cached k head dims differ")
+    check(same_dim(q.shape[2], cached_dim(k_pages, k_codec)) is not False, "q and cached k head dims differ")
     if isinstance(q.shape[1], int) and isinstance(k_pages.shape[2], int):
         check(q.shape[1] % k_pages.shape[2] == 0, f"query heads {q.shape[1]} not a multiple of kv heads {k_pages.shape[2]}")
     if mask is not None:
@@ -92,20 +126,24 @@ def paged_attention_rule(metas, attrs):
         check(spans.dtype in ("i32", "i64"), "spans must be integer")
         check(spans.ndim == 2 and same_dim(spans.shape[0], q.shape[0]) is not False and same_dim(spans.shape[1], 2) is not False,
               f"spans must be [{q.shape[0]}, 2], got {list(spans.shape)}")
-    return [TensorMeta((q.shape[0], q.shape[1], v_pages.shape[3]), q.dtype)]
+    return [TensorMeta((q.shape[0], q.shape[1], cached_dim(v_pages, v_codec)), q.dtype)]
 
 
 @op("paged_attention", ["q", "k_pages", "v_pages", "ctx_slots", "mask?", "spans?", "positions?", "inv_freq?"],
-    paged_attention_rule, attrs={"scale": None, "softcap": 0.0, "rope_style": "neox"},
-    struct={"softcap": (0.0, 30.0), "rope_style": ("neox", "interleaved")}, tol=4.0, ranks=(3, 4, 4, 1, 4, 2, 1, 1))
-def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, inv_freq, scale, softcap, rope_style):
+    paged_attention_rule, attrs={"scale": None, "softcap": 0.0, "rope_style": "neox", "k_codec": "none", "v_codec": "none"},
+    struct={"softcap": (0.0, 30.0), "rope_style": ("neox", "interleaved"), "k_codec": CODEC_CHOICES, "v_codec": CODEC_CHOICES},
+    tol=4.0, ranks=(3, 4, 4, 1, 4, 2, 1, 1))
+def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, inv_freq, scale, softcap, rope_style,
+                    k_codec, v_codec):
     """New queries [S, H, D] attend over the cached keys/values at ctx_slots: kv_read, then sdpa on
     [1, H, len, D] views (mask [1, 1, S, T] additive); out [S, H, Dv]. With spans [S, 2], row s sees
     only context positions spans[s, 0] <= t < spans[s, 1] (a batch's rows, each its own sequence's
     segment), so a kernel reads nothing else. With positions and inv_freq, the queries are rotated
-    first (rope, as the kernel loads them). One kernel per layer on CPU."""
+    first (rope, as the kernel loads them). Compressed pages (k_codec, v_codec) are read as their
+    decoded values. One kernel per layer on CPU."""
     S, H, D = q.shape
-    T, KV, Dv = ctx_slots.shape[0], k_pages.shape[2], v_pages.shape[3]
+    T, KV = ctx_slots.shape[0], k_pages.shape[2]
+    Dv = v_pages.shape[3] if v_codec == "none" else CODECS[v_codec].dim(v_pages.shape[3])
     if positions is not None and inv_freq is not None:
         q = Ref(rope(A, q, positions, inv_freq, rope_style).index, q.shape, q.dtype)
     if spans is not None:
@@ -114,10 +152,11 @@ def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, i
     def heads_first(x, shape, dtype):        # [len, heads, dim] -> [1, heads, len, dim], shape known
         return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
 
-    keys, values = kv_read(A, k_pages, ctx_slots), kv_read(A, v_pages, ctx_slots)
-    out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), k_pages.dtype),
-               heads_first(values, (1, KV, T, Dv), v_pages.dtype), mask, False, scale, softcap, 0, "f32")
-    return A.read("transpose", A.read("reshape", out, shape=(H, S, v_pages.shape[3])), axis1=0, axis2=1)
+    keys, values = kv_read(A, k_pages, ctx_slots, k_codec), kv_read(A, v_pages, ctx_slots, v_codec)
+    key_dtype, value_dtype = ("f32" if c != "none" else p.dtype for c, p in ((k_codec, k_pages), (v_codec, v_pages)))
+    out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), key_dtype),
+               heads_first(values, (1, KV, T, Dv), value_dtype), mask, False, scale, softcap, 0, "f32")
+    return A.read("transpose", A.read("reshape", out, shape=(H, S, Dv)), axis1=0, axis2=1)
 
 
 def span_mask(A, mask, spans, S, T):

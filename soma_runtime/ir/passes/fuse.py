@@ -287,6 +287,8 @@ def pair_kv_appends(r: Rewriter) -> bool:
             continue
         if keys.inputs[5] is not None or values.inputs[5] is not None or values.inputs[3] is not None:
             continue                                           # already paired; values are never rotated
+        if keys.attrs.get("codec", "none") != values.attrs.get("codec", "none"):
+            continue                                           # one kernel writes one codec
         ins = keys.inputs[:5] + [values.inputs[0], values.inputs[1]]
         r.replace([values, keys], [Node("kv_append", ins, keys.outputs + values.outputs, dict(keys.attrs), keys.name)])
         return True
