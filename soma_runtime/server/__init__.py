@@ -22,7 +22,8 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
           memory_budget: int | None = None, max_batch: int = 16, step_tokens: int = 256, n_ctx: int | None = None,
           threads: int | None = None, max_queue: int = 256, backend: str = "auto", sha256: list[str] = (),
           policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
-          max_connections: int = 1024, draft: str | None = None, overflow: str | None = None, kv_dtype: str | None = None) -> None:
+          max_connections: int = 1024, draft: str | None = None, overflow: str | None = None,
+          kv_dtype: str | None = None) -> None:
     """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
     SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from. `draft`: speculative
     decoding for the text models (Runtime.speculate); `overflow`: what they do with prompts beyond their

@@ -197,8 +197,8 @@ def finished_counts(device) -> torch.Tensor:
 
 @jet("paged_attention", CUDA, [(F, F, F, INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
      + CACHE_MIXES, struct={"k_codec": ("none",), "v_codec": ("none",)})
-@jet("paged_attention", CUDA, [("f32", "u8", "u8", INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS],
-     struct={"k_codec": ON_DEVICE, "v_codec": ON_DEVICE})
+@jet("paged_attention", CUDA, [("f32", "u8", "u8", INT, m, sp, *r) for m in (F, "none") for sp in (INT, "none")
+                               for r in ROPE_INPUTS], struct={"k_codec": ON_DEVICE, "v_codec": ON_DEVICE})
 @device_jet
 def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, scale=None, softcap=0.0,
                     rope_style="neox", k_codec="none", v_codec="none"):
