@@ -16,7 +16,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
-from soma_runtime.backends.cuda.kv_codecs import ON_DEVICE, books, codec_constants, decoded
+from soma_runtime.backends.cuda.kv_codecs import ON_DEVICE, books, codec_constants, decoded, words
 from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turned_pairs, turns
 from soma_runtime.ir.jets import jet
 from soma_runtime.quant import kv
@@ -115,11 +115,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
             if K_CODEC < 0:
                 keys = tl.load(k_ptr + row[:, None] * k_width + d[None, :], mask=k_ok, other=0.0)
             else:
-                keys = decoded(k_ptr, row, d, k_ok, k_width, books_ptr, K_CODEC, K_BITS, K_SIZE)
+                keys = decoded(k_ptr, row, t < end, k_width, dim // 32, books_ptr, K_CODEC, K_BITS, K_SIZE, BD // 32)
             if V_CODEC < 0:
                 values = tl.load(v_ptr + row[:, None] * v_width + e[None, :], mask=v_ok, other=0.0)
             else:
-                values = decoded(v_ptr, row, e, v_ok, v_width, books_ptr, V_CODEC, V_BITS, V_SIZE)
+                values = decoded(v_ptr, row, t < end, v_width, dv // 32, books_ptr, V_CODEC, V_BITS, V_SIZE, BV // 32)
             top, total, acc = _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT)
             row, bias = _slots(ctx_ptr, mask_ptr, t + BT, end, s, T, kv_heads, kvh, HAS_MASK)         # the next tile's
     if splits == 1:
@@ -219,10 +219,10 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     G, SPLITS = triton.next_power_of_2(H // KV), triton.next_power_of_2(splits)
     # 16-bit caches hold values exact in tf32: their products need two passes, not three
     _paged_attention_kernel[(S, KV, splits)](
-        q, k_pages.contiguous(), v_pages.contiguous(), ctx_slots.contiguous(), q if mask is None else mask,
+        q, words(k_pages, k_codec), words(v_pages, v_codec), ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, books(q.device), q.stride(0), T, splits, H, KV, D, Dv, k_pages.shape[3],
-        v_pages.shape[3], float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
+        total, finished_counts(q.device), out, books(q.device), q.stride(0), T, splits, H, KV, D, Dv,
+        k_pages.shape[3] // (1 if k_codec == "none" else 2), v_pages.shape[3] // (1 if v_codec == "none" else 2), float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
         0 if rope is None else inv_freq.shape[0],
         HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,

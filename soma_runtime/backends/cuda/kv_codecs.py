@@ -1,6 +1,6 @@
-"""Compressed KV caches on the GPU (quant/kv.py's codecs): rows encoded where they are appended (torch
-ops on the device, capturable in a CUDA graph: no host round trip), and `decoded`, which the attention
-kernel calls on each tile of a compressed page's bytes. QJL's kinds are not here: their sketch's
+"""Compressed KV caches on the GPU (quant/kv.py's codecs): rows encoded into their slots by one kernel,
+byte for byte as the host encodes them (the least-squares sums in f64), and `decoded`, which the
+attention kernel calls on each tile of a compressed page's bytes. QJL's kinds are not here: their sketch's
 32 x 32 product per block would cost more than it is worth measuring on the device; they run on the host."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet
 from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rope
 from soma_runtime.ir.jets import jet
@@ -32,89 +33,132 @@ def codec_constants(codec: str) -> tuple[int, int, int]:
     return kv.CODEC_IDS[codec], c.bits, c.type_size
 
 
+def words(pages: torch.Tensor, codec: str) -> torch.Tensor:
+    """A cache's pages as the attention kernel reads them: a float cache's as they are, a compressed
+    cache's bytes as int16 words (its rows and blocks are an even number of bytes)."""
+    pages = pages.contiguous()
+    return pages if codec == "none" else pages.view(torch.int16)
+
+
 @triton.jit
-def decoded(base_ptr, row, d, ok, row_bytes, books_ptr, CODEC: tl.constexpr, BITS: tl.constexpr, SIZE: tl.constexpr):
-    """Elements d of cache rows `row` [BT] (row_bytes apart) of a compressed page, as f32 [BT, BD]."""
-    block = row[:, None] * row_bytes + (d // 32)[None, :] * SIZE
-    j = (d % 32)[None, :]
-    low = tl.load(base_ptr + block, mask=ok, other=0).to(tl.int32)
-    high = tl.load(base_ptr + block + 1, mask=ok, other=0).to(tl.int32)
-    scale = (low | (high << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if CODEC == 0:                                   # q8_0
-        code = tl.load(base_ptr + block + 2 + j, mask=ok, other=0).to(tl.int8, bitcast=True)
-        return code.to(tl.float32) * scale
-    if CODEC == 1:                                   # q4_0
-        code = (tl.load(base_ptr + block + 2 + j % 16, mask=ok, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
-        return (code - 8).to(tl.float32) * scale
-    if BITS == 4:
-        code = (tl.load(base_ptr + block + 2 + j % 16, mask=ok, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
-    else:
-        code = (tl.load(base_ptr + block + 2 + j % 8, mask=ok, other=0).to(tl.int32) >> (2 * (j // 8))) & 3
-        if BITS == 3:
-            code = code | (((tl.load(base_ptr + block + 10 + j // 8, mask=ok, other=0).to(tl.int32) >> (j % 8)) & 1) << 2)
-    level = tl.load(books_ptr + (BITS * 2 + ((high >> 7) & 1)) * 16 + code, mask=ok, other=0.0)
-    return tl.abs(scale) * level
+def _after(first, second):
+    """[..., n] and [..., n] -> [..., 2n]: second's elements after first's."""
+    both = tl.permute(tl.join(first, second), (0, 1, 3, 2))
+    return tl.reshape(both, (first.shape[0], first.shape[1], 2 * first.shape[2]))
 
 
-def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
-    return v.to(torch.float16).reshape(-1, 1).view(torch.uint8)
+@triton.jit
+def _pairs(first, second):
+    """[..., n] and [..., n] -> [..., 2n], interleaved: first[0], second[0], first[1], ..."""
+    return tl.reshape(tl.join(first, second), (first.shape[0], first.shape[1], 2 * first.shape[2]))
 
 
-def _round_half_away(v: torch.Tensor) -> torch.Tensor:
-    a = v.abs()
-    f = a.floor()
-    return v.sign() * (f + (a - f >= 0.5).to(v.dtype))
+@triton.jit
+def decoded(words_ptr, row, rows_ok, row_words, blocks, books_ptr, CODEC: tl.constexpr, BITS: tl.constexpr,
+            SIZE: tl.constexpr, NB: tl.constexpr):
+    """Cache rows `row` [BT] of a compressed page (its bytes read as int16 words, row_words a row) as f32
+    [BT, NB * 32]: a block's scale in one word, its codes a word per 2 bytes, unpacked in registers."""
+    b = tl.arange(0, NB)
+    ok = rows_ok[:, None] & (b < blocks)[None, :]
+    start = row[:, None].to(tl.int64) * row_words + b[None, :] * (SIZE // 2)                 # [BT, NB]
+    scale_bits = tl.load(words_ptr + start, mask=ok, other=0)
+    scale = scale_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    okw = ok[:, :, None]
+    if CODEC == 0:                                            # q8_0: 16 words of signed bytes
+        w = tl.load(words_ptr + start[:, :, None] + 1 + tl.arange(0, 16)[None, None, :], mask=okw, other=0).to(tl.int32)
+        values = _pairs((w << 24) >> 24, w >> 8).to(tl.float32)
+    elif BITS == 4:                                           # q4_0, tq4: el j low nibble of byte j, el j+16 high
+        w = tl.load(words_ptr + start[:, :, None] + 1 + tl.arange(0, 8)[None, None, :], mask=okw, other=0).to(tl.int32)
+        code = _after(_pairs(w & 15, (w >> 8) & 15), _pairs((w >> 4) & 15, (w >> 12) & 15))
+        values = (code - 8).to(tl.float32) if CODEC == 1 else code
+    else:                                                     # tq2, tq3: el j at byte j % 8, bits 2 (j // 8)
+        w = tl.load(words_ptr + start[:, :, None] + 1 + tl.arange(0, 4)[None, None, :], mask=okw, other=0).to(tl.int32)
+        byte = _pairs(w & 255, (w >> 8) & 255)
+        code = _after(_after(byte & 3, (byte >> 2) & 3), _after((byte >> 4) & 3, (byte >> 6) & 3))
+        if BITS == 3:                                         # the high bits: el j at byte 8 + j // 8, bit j % 8
+            h = tl.load(words_ptr + start[:, :, None] + 5 + tl.arange(0, 2)[None, None, :], mask=okw, other=0).to(tl.int32)
+            high = _pairs(h & 255, (h >> 8) & 255)
+            bit = (high[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
+            code = code | (tl.reshape(bit, (bit.shape[0], bit.shape[1], 32)) << 2)
+        values = code
+    if CODEC >= 2:                                            # tq: a level of the codebook the scale's sign names
+        book = (BITS * 2 + (scale_bits < 0).to(tl.int32)) * 16
+        values = tl.load(books_ptr + book[:, :, None] + values, mask=okw, other=0.0)
+        scale = tl.abs(scale)
+    out = values * scale[:, :, None]
+    return tl.reshape(out, (out.shape[0], NB * 32))
 
 
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 4:
-        return codes[:, :16] | codes[:, 16:] << 4
-    low = codes & 3
-    packed = low[:, 0:8] | low[:, 8:16] << 2 | low[:, 16:24] << 4 | low[:, 24:32] << 6
-    if bits == 2:
-        return packed
-    high = (codes >> 2).reshape(-1, 4, 8) << torch.arange(8, device=codes.device, dtype=torch.uint8)
-    return torch.cat([packed, high.sum(-1, dtype=torch.uint8)], dim=1)
-
-
-def _tq_blocks(blocks: torch.Tensor, bits: int) -> torch.Tensor:
-    """As quant/kv.py's tq encoder: the better of the two codebooks per block, the scale's sign naming it."""
-    top = blocks.abs().amax(1, keepdim=True)
-    unit = blocks / torch.where(top == 0, torch.ones_like(top), top)
-    best_codes = best_scale = best_error = None
-    for book in books(blocks.device)[bits]:
-        book = book[:2 ** bits]
-        codes = torch.bucketize(unit, (book[1:] + book[:-1]) / 2).to(torch.uint8)
-        levels = book[codes.long()].double()
-        energy = (levels * levels).sum(1, keepdim=True)
-        wide = blocks.double()
-        scale = torch.where(top == 0, 0.0, (wide * levels).sum(1, keepdim=True) / energy.clamp_min(1e-30))
-        error = ((wide - scale * levels) ** 2).sum(1, keepdim=True)
-        if best_codes is None:
-            best_codes, best_scale, best_error = codes, scale, error
-        else:
+@chained
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, slots_ptr, books_ptr, x_stride, heads, dim, row_bytes, CODEC: tl.constexpr,
+                   BITS: tl.constexpr, SIZE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Block b of head h of row r of x into its cache slot's bytes, as quant/kv.py encodes it: the block's
+    32 values laid out [R, C] (element j at j // C, j % C), so that each packed byte gathers one column."""
+    r, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, cols = tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
+    after_prior()
+    x = tl.load(x_ptr + r * x_stride + h * dim + b * 32 + rows * C + cols).to(tl.float32)
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    base = out_ptr + (slot * heads + h) * row_bytes + b * SIZE
+    top = tl.max(tl.max(tl.abs(x), 1), 0)
+    if CODEC == 0:                                           # q8_0: d = max |x| / 127, codes rounded half away
+        d = top / 127
+        inverse = tl.where(d == 0, 0.0, 1 / tl.where(d == 0, 1.0, d))
+        v = x * inverse
+        a = tl.abs(v)
+        code = tl.where(v < 0, -1.0, 1.0) * (tl.floor(a) + tl.where(a - tl.floor(a) >= 0.5, 1.0, 0.0))
+        tl.store(base + 2 + rows * C + cols, code.to(tl.int8).to(tl.uint8, bitcast=True))
+    elif CODEC == 1:                                         # q4_0: d = the signed max / -8
+        at = tl.argmax(tl.reshape(tl.abs(x), (R * C,)), 0)
+        signed = tl.sum(tl.sum(tl.where(rows * C + cols == at, x, 0.0), 1), 0)
+        d = signed / -8
+        inverse = tl.where(d == 0, 0.0, 1 / tl.where(d == 0, 1.0, d))
+        code = tl.minimum(tl.maximum(tl.floor(x * inverse + 8.5), 0.0), 15.0).to(tl.int32)
+        tl.store(base + 2 + cols, tl.sum(code << (4 * rows), 0).to(tl.uint8))
+    else:                                                    # tq: the closer of the two codebooks, least squares
+        unit = x / tl.where(top == 0, 1.0, top)
+        d = 0.0
+        best_error = float("inf")
+        best_code = tl.zeros((R, C), tl.int32)
+        flag = 0
+        for which in tl.static_range(2):
+            book = books_ptr + (BITS * 2 + which) * 16
+            code = tl.zeros((R, C), tl.int32)
+            for k in tl.static_range(2 ** BITS - 1):         # codes: the midpoints below each value
+                middle = (tl.load(book + k) + tl.load(book + k + 1)) / 2
+                code += (middle < unit).to(tl.int32)
+            level = tl.load(book + code).to(tl.float64)
+            wide = x.to(tl.float64)
+            energy = tl.sum(tl.sum(level * level, 1), 0)
+            scale = tl.where(top == 0, 0.0, tl.sum(tl.sum(wide * level, 1), 0) / tl.where(energy == 0, 1.0, energy))
+            error = tl.sum(tl.sum((wide - scale * level) * (wide - scale * level), 1), 0)
             better = error < best_error
-            best_codes, best_scale = torch.where(better, codes, best_codes), torch.where(better, -scale, best_scale)
-    return torch.cat([_f16_bytes(best_scale), _pack(best_codes, bits)], dim=1)
+            best_code = tl.where(better, code, best_code)
+            d = tl.where(better, scale, d)
+            best_error = tl.where(better, error, best_error)
+            flag = tl.where(better, which, flag)
+        d = tl.where(flag == 1, -d, d)
+        if BITS == 4:
+            tl.store(base + 2 + cols, tl.sum(best_code << (4 * rows), 0).to(tl.uint8))
+        else:
+            tl.store(base + 2 + cols, tl.sum((best_code & 3) << (2 * rows), 0).to(tl.uint8))
+            if BITS == 3:
+                tl.store(base + 10 + tl.arange(0, R), tl.sum(((best_code >> 2) & 1) << cols, 1).to(tl.uint8))
+    bits = d.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(base, (bits & 255).to(tl.uint8))
+    tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8))
 
 
-def encode(codec: str, rows: torch.Tensor) -> torch.Tensor:
-    """Rows [..., D] (f32) as the codec's bytes [..., row_bytes(D)], byte for byte as quant/kv.py encodes."""
-    blocks = rows.reshape(-1, 32).to(torch.float32)
-    if codec == "q8_0":
-        d = blocks.abs().amax(1, keepdim=True) / 127
-        data = torch.cat([_f16_bytes(d), _round_half_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)], dim=1)
-    elif codec == "q4_0":
-        d = torch.gather(blocks, 1, blocks.abs().argmax(1, keepdim=True)) / -8
-        codes = torch.trunc(blocks * _inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
-        data = torch.cat([_f16_bytes(d), _pack(codes, 4)], dim=1)
-    else:
-        data = _tq_blocks(blocks, kv.CODECS[codec].bits)
-    return data.reshape(*rows.shape[:-1], kv.CODECS[codec].row_bytes(rows.shape[-1]))
+def encode_into(codec: str, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows [n, heads, D] (any float) encoded into their slots of compressed pages [P, block, heads, row_bytes]."""
+    number, bits, size = codec_constants(codec)
+    n, heads, dim = rows.shape
+    rows = rows.reshape(n, heads * dim)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    R, C = (2, 16) if bits in (4, 8) else (4, 8)
+    _encode_kernel[(n, heads, dim // 32)](rows, pages, slots, books(rows.device), rows.stride(0), heads, dim, pages.shape[3],
+                                          CODEC=number, BITS=bits, SIZE=size, R=R, C=C)
 
 
 CODED_APPENDS = [("u8", F, INT, *r) for r in ROPE_INPUTS]
@@ -128,8 +172,7 @@ def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_
     place; values into theirs if given."""
     if positions is not None:
         new = rope(new, positions, inv_freq, style=style)
-    flat = pages.view(-1, *pages.shape[2:])
-    flat.index_copy_(0, slots.reshape(-1), encode(codec, new.reshape(-1, *new.shape[-2:])))
+    encode_into(codec, pages, new.reshape(-1, *new.shape[-2:]), slots.reshape(-1).contiguous())
     if v_pages is None:
         return pages
     return pages, kv_append(v_pages, v_new, slots, codec=codec)
