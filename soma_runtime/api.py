@@ -100,7 +100,7 @@ class Model:
 
     def info(self) -> dict:
         return {"id": self.id, "task": self.task, "path": self.loaded.path, "format": self.loaded.format,
-                "backend": self.backend.name, "weight_bytes": self.weight_bytes()}
+                "backend": self.backend.name, "weight_bytes": self.weight_bytes(), "memory_bytes": self.memory_bytes}
 
 
 class TextModel(Model):
@@ -181,8 +181,28 @@ class TextModel(Model):
 
     @property
     def memory_bytes(self) -> int:
-        per_token = sum(page[0, 0].nbytes for page in self.engine.pool.pages)
-        return self.weight_bytes() + per_token * self.engine.n_ctx
+        return self.weight_bytes() + self.kv_bytes_per_token * self.engine.n_ctx
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(page[0, 0].nbytes for page in self.engine.pool.pages)
+
+    def compressed(self) -> str | None:
+        """The next KV kind of the memory ladder (f32/f16/bf16 -> tq4 -> tq3) this model's cache can take,
+        or None: already at the last, another spec, or heads the codecs cannot hold."""
+        current = self.engine.kv_dtype
+        following = "tq4" if current in kv.FLOAT_KINDS else "tq3" if current == "tq4" else None
+        if following is None or self.engine.cfg.head_dim % kv.BLOCK:
+            return None
+        return following
+
+    def recompress(self, kv_dtype: str) -> None:
+        """Its KV cache in another kind, running requests' pages converted (Engine.recompress)."""
+        self.engine.recompress(kv_dtype)
+
+    def limit_context(self, n_ctx: int) -> None:
+        """A shorter context for requests admitted from now on (the memory ladder's last rung)."""
+        self.engine.n_ctx = min(self.engine.n_ctx, n_ctx)
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
                 ignore_eos: bool = False, constraint: Constraint | None = None, **params) -> GenerationRequest:

@@ -247,6 +247,32 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    """A running server's memory: its budget, each model's share (KV cache kind, context) and the ladder's rungs taken."""
+    import json
+    import os
+    import urllib.request
+    request = urllib.request.Request(args.url.rstrip("/") + "/v1/memory")
+    key = args.api_key or os.environ.get("SOMA_API_KEY")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            memory = json.load(response)
+    except OSError as e:
+        raise RequestError(f"no server answers at {args.url}: {e}") from None
+    if args.json:
+        print(json.dumps(memory, indent=2))
+        return 0
+    print(f"budget {memory['budget_bytes'] / 2**20:,.0f} MiB, models {memory['used_bytes'] / 2**20:,.0f} MiB")
+    for m in memory["models"]:
+        cache = f"  kv {m['kv_cache']} ({m['kv_bytes_per_token']} B/token), context {m['context']}" if "kv_cache" in m else ""
+        print(f"  {m['id']:24s} {m['bytes'] / 2**20:9,.0f} MiB  priority {m['priority']}{cache}")
+    taken = ", ".join(f"{step} x{n}" for step, n in memory["degradations"].items()) or "none"
+    print(f"degradations: {taken}")
+    return 0
+
+
 def cmd_import(args) -> int:
     from soma_runtime.loaders import verify_sha256
     from soma_runtime.loaders.soma import import_hf_dir
@@ -364,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="open connections served at once before answering 503")
     srv.set_defaults(run=cmd_serve)
 
+    mem = sub.add_parser("memory", help="a running server's memory budget, models, KV caches and degradations")
+    mem.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    mem.add_argument("--api-key", default=None, help="its API key (default: $SOMA_API_KEY)")
+    mem.add_argument("--json", action="store_true", help="print the server's answer as JSON")
+    mem.set_defaults(run=cmd_memory)
     imp = sub.add_parser("import", help="write a soma model directory (config.toml, chat.toml, ...) for a HF directory")
     imp.add_argument("src", help="Hugging Face model directory")
     imp.add_argument("dst", help="output directory")

@@ -284,6 +284,18 @@ class Engine:
         self.metrics = Metrics()
         self.lock = threading.Lock()          # one forward at a time: plans own their arenas
 
+    def recompress(self, kv_dtype: str) -> None:
+        """The KV cache re-encoded in another kind (a spec, quant/kv.py), between steps: every sequence's
+        pages and the prefix cache's converted, so running requests go on where they were in a cache
+        that takes less memory (the first rung of the server's degradation ladder)."""
+        cache = cache_of(self.cfg, kv_dtype)
+        with self.lock:
+            self.pool.transcode(self.cache, cache, self.backend)
+            self.kv_dtype, self.cache, self.io = kv_dtype, cache, DecoderIO(cache)
+            self.graph = build_decoder(self.cfg, self.weights, self.io, self.activations)
+            self.fusions = fuse(self.graph)
+            self.plans, self.captures, self.row_bytes = {}, self.backend.captures(), None
+
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
         draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
@@ -344,9 +356,9 @@ class Engine:
             ids = np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64)
         logits_wanted = sampling is None                     # else only the tokens chosen on the model come back
         rows_params = greedy_rows(len(logit_rows)) if logits_wanted else np.asarray(sampling, np.float32)
-        step = DecoderStep(ids, attention, logit_rows, rows_params, self.pool.pages)
-        plan = self.plan(rows, len(logit_rows))
-        with self.lock:
+        with self.lock:                      # the pages, plan and graph of one cache (recompress swaps them)
+            step = DecoderStep(ids, attention, logit_rows, rows_params, self.pool.pages)
+            plan = self.plan(rows, len(logit_rows))
             out = self.io.read(self.captures.run(plan, self.io.feed(step), self.io.shared(), rows, len(attention.ctx_slots)))
             self.pool.keep(out.pages)
         for seq, tokens, _ in batch:

@@ -19,6 +19,7 @@ import numpy as np
 
 from soma_runtime.architectures.contract import Attention, PagedKV
 from soma_runtime.errors import RequestError
+from soma_runtime.quant import kv
 
 BUCKET = 128        # a sequence's segment of a step's context is a multiple of this many slots
 
@@ -85,6 +86,19 @@ class KVPool:
     def pages(self) -> list:
         """Every layer's key and value pages, in the graph's order (k, v per layer)."""
         return [p for pair in zip(self.k, self.v) for p in pair]
+
+    def transcode(self, source: PagedKV, target: PagedKV, backend) -> None:
+        """Every layer's pages re-encoded from `source`'s kinds into `target`'s (quant/kv.py), the pages that
+        hold something (a sequence's, the prefix cache's) converted, the rest left unwritten: sequences
+        and published prefixes go on in the new cache where they were."""
+        held = np.flatnonzero(self.refs > 0).tolist() + list(self.idle)
+        for which, pages in enumerate((self.k, self.v)):
+            for layer, old in enumerate(pages):
+                new = backend.zeros(*target.page_shape(layer, which, self.num_pages, self.block))
+                if held:
+                    kinds = source.layout.kinds[layer][which], target.layout.kinds[layer][which]
+                    new[held] = backend.place(kv.transcode(np.asarray(backend.fetch(old[held])), *kinds, target.head_dim))
+                pages[layer] = new
 
     def keep(self, pages: list) -> None:
         """The pages a step returns (a backend that updates out of place gives new ones)."""

@@ -269,6 +269,18 @@ def layout(spec: str, layers: int) -> Layout:
     return Layout(tuple(("f16", "f16") if i < edges or i >= layers - edges else (key, value) for i in range(layers)))
 
 
+def transcode(pages: np.ndarray, source: str, target: str, head_dim: int) -> np.ndarray:
+    """Cached vectors [..., last] of kind `source` as kind `target` (a float type or a codec), through their
+    f32 values in the model's basis: a codec's rotated values turned back first, a rotated codec's
+    turned before it codes them."""
+    rotated = {kind: kind in CODECS and CODECS[kind].rotated for kind in (source, target)}
+    values = decode(source, pages) if source in CODECS else pages.astype(np.float32)
+    if rotated[source] != rotated[target]:
+        basis = rotation(head_dim)
+        values = values @ (basis if rotated[target] else basis.T)
+    return encode(target, values) if target in CODECS else values.astype(dtype(target).numpy)
+
+
 def page_meta(kind: str, head_dim: int) -> tuple[int, str]:
     """A page's last dim and dtype for a cache of this kind: D elements, or a codec's row bytes."""
     return (CODECS[kind].row_bytes(head_dim), "u8") if kind in CODECS else (head_dim, kind)

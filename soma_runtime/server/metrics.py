@@ -5,7 +5,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from soma_runtime.engine.generate import peak_rss_mb
-from soma_runtime.server.registry import ModelRegistry
+from soma_runtime.server.registry import DEGRADATIONS, ModelRegistry
 from soma_runtime.server.security import label_value
 
 
@@ -74,5 +74,7 @@ def render(metrics: ServerMetrics, registry: ModelRegistry) -> str:
            [({"model": s.id}, s.bytes) for s in models])
     family("soma_memory_budget_bytes", "gauge", "The server's memory budget for models.", [({}, registry.budget)])
     family("soma_models_evicted_total", "counter", "Models unloaded to make room.", [({}, registry.evicted)])
+    family("soma_memory_degradations_total", "counter", "Rungs of the memory ladder taken: compress_kv, unload_model, "
+           "reduce_context.", [({"step": step}, registry.degradations[step]) for step in DEGRADATIONS])
     family("soma_peak_rss_bytes", "gauge", "Peak resident memory of the server process.", [({}, peak_rss_mb() * 2**20)])
     return "\n".join(lines) + "\n"

@@ -1,8 +1,12 @@
 """The models a server holds: loading within a memory budget, priorities, LRU eviction, hot-swap.
 
 Each text generator runs its scheduling loop on a thread of its own; other models run one call at a
-time under a lock. Loading a model that does not fit the budget first unloads loaded models of no
-higher priority, least recently used first. Loading under the id of a running model is a hot-swap:
+time under a lock. A model that does not fit the budget makes room down a ladder, each rung logged
+and counted (`degradations`, in /v1/metrics and /v1/memory): first the KV caches, the largest first,
+are compressed (f16 -> tq4 -> tq3, running requests' pages converted where they are), then loaded
+models of no higher priority are unloaded, least recently used first, once they finish their
+requests, then the new model's context is cut to what fits. No admitted request is dropped; a model
+that fits in none of these ways is refused (OutOfMemory). Loading under the id of a running model is a hot-swap:
 the new one is loaded beside it, new requests go to it from then on, and the old one finishes the
 requests it holds before it is dropped. An unloaded model likewise drains before it goes.
 """
@@ -15,7 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from soma_runtime.api import Model, Runtime
+from collections import Counter
+
+from soma_runtime.api import Model, Runtime, TextModel
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.graph import Graph
@@ -24,6 +30,8 @@ from soma_runtime.server.security import check_model_id, safe_model_id
 
 log = logging.getLogger("soma_runtime.server")
 DRAIN_SECONDS = 120        # how long a load waits for an unloaded model to finish its requests
+MIN_CONTEXT = 256          # the shortest context the ladder cuts a new model's down to
+DEGRADATIONS = ("compress_kv", "unload_model", "reduce_context")      # the ladder's rungs, in order
 
 
 class ModelNotFound(RequestError):
@@ -88,6 +96,7 @@ class ModelRegistry:
         self.lock = threading.RLock()
         self.load_lock = threading.Lock()           # one load at a time; serving goes on meanwhile
         self.evicted = 0
+        self.degradations: Counter[str] = Counter()  # the ladder's rungs taken (DEGRADATIONS)
 
     @property
     def used_bytes(self) -> int:
@@ -115,8 +124,8 @@ class ModelRegistry:
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
                                       overflow=self.overflow, kv_dtype=self.kv_dtype)
             try:
+                self._make_room(model, priority, keep=model_id)
                 size = model.memory_bytes
-                self._make_room(size, priority, keep=model_id)
             except BaseException:                   # not served: the runtime lets it go (and keeps the one it replaced)
                 self.runtime.models.pop(model_id, None)
                 if old is not None:
@@ -136,31 +145,74 @@ class ModelRegistry:
             log.info("loaded %s from %s (%.1f MB, priority %d)", model_id, served.source, size / 1e6, priority)
             return served
 
-    def _make_room(self, size: int, priority: int, keep: str) -> None:
-        """Unload models of no higher priority, least recently used first, and wait for them to finish
-        their requests, until `size` more bytes fit the budget."""
-        if size > self.budget:
-            raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, "
-                              f"over the server's whole budget of {self.budget / 1e6:.0f} MB")
+    def _make_room(self, model: Model, priority: int, keep: str) -> None:
+        """Go down the ladder (the module docstring) until `model` fits the budget beside the others."""
         while True:
             with self.lock:
-                if self.used_bytes + size <= self.budget:
+                if self.used_bytes + model.memory_bytes <= self.budget:
                     return
+                if self._compress_largest(model):
+                    continue
                 victims = sorted((s for s in self.models.values() if s.id != keep and s.priority <= priority),
                                  key=lambda s: (s.priority, s.last_used))
                 if victims:
                     draining = victims[0]
-                    log.info("unloading %s (priority %d) to make room", draining.id, draining.priority)
+                    self._degrade("unload_model", "unloading %s (priority %d) to make room", draining.id, draining.priority)
                     self._drop(draining.id)
                     self.evicted += 1
                 elif self.retiring:
                     draining = self.retiring[0]
+                elif self._reduce_context(model):
+                    return
+                elif not self.used_bytes:
+                    raise OutOfMemory(f"the model needs {model.memory_bytes / 1e6:.0f} MB at the least, over the server's "
+                                      f"whole budget of {self.budget / 1e6:.0f} MB")
                 else:
-                    raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB; {self.used_bytes / 1e6:.0f} of "
+                    raise OutOfMemory(f"the model needs {model.memory_bytes / 1e6:.0f} MB; {self.used_bytes / 1e6:.0f} of "
                                       f"{self.budget / 1e6:.0f} MB are held by models of higher priority")
             if not draining.drained.wait(DRAIN_SECONDS):
-                raise OutOfMemory(f"the model needs {size / 1e6:.0f} MB, held by {draining.id!r}, which is still "
-                                  "finishing its requests; try again shortly")
+                raise OutOfMemory(f"the model needs {model.memory_bytes / 1e6:.0f} MB, held by {draining.id!r}, which is "
+                                  "still finishing its requests; try again shortly")
+
+    def _compress_largest(self, new: Model) -> bool:
+        """The first rung: the largest KV cache that can take a smaller kind re-encoded in it."""
+        held = [(s.model, s) for s in self.models.values()] + [(new, None)]
+        text = [(m, s) for m, s in held if isinstance(m, TextModel) and m.compressed() is not None]
+        if not text:
+            return False
+        model, served = max(text, key=lambda pair: pair[0].kv_bytes_per_token * pair[0].engine.n_ctx)
+        kind = model.compressed()
+        self._degrade("compress_kv", "compressing the KV cache of %s: %s -> %s", model.id, model.engine.kv_dtype, kind)
+        model.recompress(kind)
+        if served is not None:
+            served.bytes = model.memory_bytes
+        return True
+
+    def _reduce_context(self, model: Model) -> bool:
+        """The last rung: a new text model's context cut to what the budget leaves it (at least MIN_CONTEXT)."""
+        if not isinstance(model, TextModel):
+            return False
+        room = self.budget - self.used_bytes - model.weight_bytes()
+        n_ctx = room // max(1, model.kv_bytes_per_token)
+        if n_ctx < MIN_CONTEXT or n_ctx >= model.engine.n_ctx:
+            return False
+        self._degrade("reduce_context", "cutting the context of %s: %d -> %d tokens", model.id, model.engine.n_ctx, n_ctx)
+        model.limit_context(int(n_ctx))
+        return True
+
+    def _degrade(self, step: str, message: str, *args) -> None:
+        self.degradations[step] += 1
+        log.warning("memory budget: " + message, *args)
+
+    def memory(self) -> dict:
+        """The budget, what each model holds (its KV cache's kind and context) and the ladder's rungs taken."""
+        with self.lock:
+            models = [{"id": s.id, "priority": s.priority, "bytes": s.bytes, "task": s.model.task,
+                       **({"kv_cache": s.model.engine.kv_dtype, "kv_bytes_per_token": s.model.kv_bytes_per_token,
+                           "context": s.model.engine.n_ctx} if isinstance(s.model, TextModel) else {})}
+                      for s in self.models.values()]
+            return {"budget_bytes": self.budget, "used_bytes": self.used_bytes, "models": models,
+                    "degradations": dict(self.degradations), "evicted": self.evicted}
 
     def unload(self, model_id: str) -> None:
         with self.lock:

@@ -1,17 +1,21 @@
-"""The model registry's memory budget: a model that does not fit unloads the least recently used
-model of no higher priority; one that cannot fit is refused with a clear error."""
+"""The model registry's memory budget: a model that does not fit, its KV caches compressed as far as
+they go, unloads the least recently used model of no higher priority; one that cannot fit is refused
+with a clear error (tests/server/test_memory_ladder.py takes the ladder's other rungs)."""
 from __future__ import annotations
 
 import pytest
 
 from soma_runtime.api import Runtime
+from soma_runtime.architectures.decoder import cache_of
 from soma_runtime.server.registry import ModelRegistry, OutOfMemory
 
 
 @pytest.fixture(scope="module")
 def size():
+    """The bundled model's smallest footprint: its weights and a context of the ladder's last KV kind."""
     reg = ModelRegistry(Runtime())
-    yield reg.load(None, "probe").bytes
+    model = reg.load(None, "probe").model
+    yield model.weight_bytes() + model.engine.n_ctx * cache_of(model.engine.cfg, "tq3").token_bytes()
     reg.close()
 
 

@@ -69,6 +69,10 @@ def router(state: ServerState) -> APIRouter:
                 "memory": {"peak_rss_mb": round(peak_rss_mb(), 1), "budget_bytes": registry.budget,
                            "models_bytes": registry.used_bytes}}
 
+    @routes.get("/v1/memory")
+    async def memory():
+        return registry.memory()
+
     @routes.get("/v1/metrics")
     async def prometheus():
         return PlainTextResponse(render(state.metrics, registry), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,124 @@
+"""The memory ladder under --memory-budget: budgets set so that each rung is forced in turn while
+requests run. A model's KV cache is compressed under a running request (its pages converted where
+they lie: the request goes on to its end); models are unloaded only after their requests end
+(tests/server/test_registry.py); a new model's context is cut to what is left. Every rung is logged
+and counted in /v1/metrics, /v1/memory and `soma-runtime memory`."""
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+from soma_runtime.api import Runtime
+from soma_runtime.architectures.decoder import cache_of
+from soma_runtime.engine.kv import Sequence
+from soma_runtime.errors import PromptTooLong
+from soma_runtime.quant import kv
+from soma_runtime.server.registry import ModelRegistry
+from tests.server.conftest import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def footprint():
+    """The bundled model's weights and its full context's KV bytes in each kind."""
+    model = Runtime().load("default", progress=False)
+    engine = model.engine
+    return model.weight_bytes(), {kind: cache_of(engine.cfg, kind).token_bytes() * engine.n_ctx for kind in ("f16", "tq4", "tq3")}
+
+
+def drain(inbox: queue.Queue) -> list:
+    items = [inbox.get(timeout=120)]
+    while items[-1] is not None:
+        items.append(inbox.get(timeout=120))
+    return items[:-1]
+
+
+def test_a_kv_cache_is_compressed_under_a_running_request(footprint):
+    weights, cache = footprint
+    reg = ModelRegistry(Runtime(), memory_budget=2 * weights + cache["f16"] + cache["tq4"] + 2**20)
+    try:
+        a = reg.load(None, "a")
+        model, inbox = a.model, queue.Queue()
+        a.scheduler.submit(model.request(model.tokenize("Tell me a long story about a dragon."), 96, temperature=0,
+                                         ignore_eos=True), inbox.put)
+        first = inbox.get(timeout=120)
+        assert first is not None and not isinstance(first, Exception)
+        reg.load(None, "b")                                  # a's cache (the first of the largest) is compressed
+        tokens = [first, *drain(inbox)]
+        assert not any(isinstance(t, Exception) for t in tokens) and len(tokens) == 96
+        assert model.engine.kv_dtype == "tq4" and reg.models["b"].model.engine.kv_dtype == "f16"
+        assert reg.degradations == {"compress_kv": 1} and reg.used_bytes <= reg.budget
+        assert a.bytes == model.memory_bytes < weights + cache["f16"]
+        assert model.engine.pool.in_use == 0
+        reply = model.chat([{"role": "user", "content": "What is the capital of France?"}], stream=False, max_tokens=12,
+                           temperature=0)
+        assert "Paris" in reply
+    finally:
+        reg.close()
+
+
+def test_a_new_models_context_is_cut_to_what_the_budget_leaves(footprint):
+    weights, cache = footprint
+    reg = ModelRegistry(Runtime(), memory_budget=weights + cache["tq3"] // 2)
+    try:
+        model = reg.load(None, "small").model
+        assert model.engine.kv_dtype == "tq3"
+        assert reg.degradations == {"compress_kv": 2, "reduce_context": 1}
+        assert 256 <= model.engine.n_ctx < 2100 and reg.used_bytes <= reg.budget
+        with pytest.raises(PromptTooLong):
+            model.request(model.tokenize("word " * 2500), 8)
+        assert model.generate("Hello", max_tokens=4, temperature=0)
+    finally:
+        reg.close()
+
+
+def test_recompressing_converts_the_pages_sequences_hold():
+    """The pages a sequence holds are their old values re-encoded (through the model's basis for a
+    rotated codec); tq4 to tq3 re-codes the decoded values."""
+    model = Runtime().load("default", kv_dtype="f16", progress=False)
+    engine = model.engine
+    seq = Sequence()
+    engine.forward([(seq, model.tokenize("The quick brown fox jumps over the lazy dog again and again"), 1)])
+    held, before = seq.pages, [np.array(p[seq.pages]) for p in engine.pool.pages]
+    engine.recompress("tq4")
+    rotation = kv.rotation(engine.cfg.head_dim)
+    for old, new in zip(before, engine.pool.pages):
+        assert np.array_equal(new[held], kv.encode("tq4", old.astype(np.float32) @ rotation))
+    tq4 = [np.array(p[held]) for p in engine.pool.pages]
+    engine.recompress("tq3")
+    for old, new in zip(tq4, engine.pool.pages):
+        assert np.array_equal(new[held], kv.encode("tq3", kv.decode("tq4", old)))
+    engine.forward([(seq, [1], 1)])                       # the sequence goes on in the new cache
+    engine.pool.release(seq)
+
+
+def test_a_server_under_its_budget_compresses_answers_and_reports_the_rung(footprint):
+    weights, cache = footprint
+    budget_gib = (2 * weights + cache["f16"] + cache["tq4"] + 2**20) / 2**30
+    server = ServerProcess("-m", "a=default", "-m", "b=default", "--memory-budget", f"{budget_gib:.6f}", "--max-batch", "4")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(model: str) -> str:
+            reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a color."}],
+                                                   max_tokens=16, temperature=0)
+            return reply.choices[0].message.content
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(ask, ["a", "b", "a", "b"]))
+        metrics = server.get("/v1/metrics")[1].splitlines()
+        assert 'soma_memory_degradations_total{step="compress_kv"} 1' in metrics
+        assert 'soma_memory_degradations_total{step="unload_model"} 0' in metrics
+        status, memory = server.get("/v1/memory")
+        assert status == 200 and memory["degradations"] == {"compress_kv": 1}
+        assert [m["kv_cache"] for m in memory["models"]] == ["tq4", "f16"]
+        shown = subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", "memory", "--url", server.url],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "compress_kv x1" in shown.stdout and "kv tq4" in shown.stdout
+        assert "memory budget: compressing the KV cache of a" in server.output()
+    finally:
+        assert server.stop() == 0, server.output()
