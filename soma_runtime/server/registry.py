@@ -17,9 +17,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-
 from collections import Counter
+from dataclasses import dataclass, field
 
 from soma_runtime.api import Model, Runtime, TextModel
 from soma_runtime.engine.batching import Scheduler

@@ -117,7 +117,7 @@ def test_a_server_under_its_budget_compresses_answers_and_reports_the_rung(footp
         assert status == 200 and memory["degradations"] == {"compress_kv": 1}
         assert [m["kv_cache"] for m in memory["models"]] == ["tq4", "f16"]
         shown = subprocess.run([sys.executable, "-m", "soma_runtime.cli.main", "memory", "--url", server.url],
-                               capture_output=True, text=True, timeout=60)
+                               check=False, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "compress_kv x1" in shown.stdout and "kv tq4" in shown.stdout
         assert "memory budget: compressing the KV cache of a" in server.output()
     finally:

@@ -217,12 +217,13 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     out = torch.empty((S, H, Dv), dtype=q.dtype, device=q.device)
     BD, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
     G, SPLITS = triton.next_power_of_2(H // KV), triton.next_power_of_2(splits)
+    keys, values = words(k_pages, k_codec), words(v_pages, v_codec)        # a row is shape[3] of these apart
     # 16-bit caches hold values exact in tf32: their products need two passes, not three
     _paged_attention_kernel[(S, KV, splits)](
-        q, words(k_pages, k_codec), words(v_pages, v_codec), ctx_slots.contiguous(), q if mask is None else mask,
+        q, keys, values, ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
         total, finished_counts(q.device), out, books(q.device), q.stride(0), T, splits, H, KV, D, Dv,
-        k_pages.shape[3] // (1 if k_codec == "none" else 2), v_pages.shape[3] // (1 if v_codec == "none" else 2), float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
+        keys.shape[3], values.shape[3], float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
         0 if rope is None else inv_freq.shape[0],
         HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
         ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
