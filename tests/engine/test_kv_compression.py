@@ -91,8 +91,10 @@ def test_tq_codecs_decode_as_their_layout_says_and_code_each_block_well(kind):
 
 def test_codebooks_are_lloyds_fixed_points_and_the_rotation_orthogonal():
     for bits, (lloyd, uniform) in kv.CODEBOOKS.items():
-        np.testing.assert_allclose(lloyd, kv.derive_codebook(bits, blocks=8000), atol=3e-3)
-        np.testing.assert_allclose(uniform, np.linspace(-1, 1, 2 ** bits), atol=1e-6)
+        np.testing.assert_allclose(kv.derive_curve(bits, blocks=8000), kv.CURVES[bits], atol=3e-3)
+        u = np.linspace(-1, 1, 2 ** bits)
+        np.testing.assert_allclose(lloyd, u * (kv.CURVES[bits][0] + kv.CURVES[bits][1] * u * u), atol=1e-6)
+        np.testing.assert_allclose(uniform, u, atol=1e-6)
     for dim in (64, 96, 128):
         r = kv.rotation(dim).astype(np.float64)
         np.testing.assert_allclose(r @ r.T, np.eye(dim), atol=1e-5)

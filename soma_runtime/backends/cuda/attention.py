@@ -16,7 +16,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, F, device_jet, strided_rows
-from soma_runtime.backends.cuda.kv_codecs import ON_DEVICE, books, codec_constants, decoded, words
+from soma_runtime.backends.cuda.kv_codecs import ON_DEVICE, codec_constants, curves, decoded, words
 from soma_runtime.backends.cuda.rope import ROPE_INPUTS, rotated, turned_pairs, turns
 from soma_runtime.ir.jets import jet
 from soma_runtime.quant import kv
@@ -62,7 +62,7 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, books_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width, scale,
+                            count_ptr, out_ptr, curves_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width, scale,
                             softcap, half, HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
                             NEOX: tl.constexpr, ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
                             BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, K_CODEC: tl.constexpr,
@@ -115,11 +115,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
             if K_CODEC < 0:
                 keys = tl.load(k_ptr + row[:, None] * k_width + d[None, :], mask=k_ok, other=0.0)
             else:
-                keys = decoded(k_ptr, row, t < end, k_width, dim // 32, books_ptr, K_CODEC, K_BITS, K_SIZE, BD // 32)
+                keys = decoded(k_ptr, row, t < end, k_width, dim // 32, curves_ptr, K_CODEC, K_BITS, K_SIZE, BD // 32)
             if V_CODEC < 0:
                 values = tl.load(v_ptr + row[:, None] * v_width + e[None, :], mask=v_ok, other=0.0)
             else:
-                values = decoded(v_ptr, row, t < end, v_width, dv // 32, books_ptr, V_CODEC, V_BITS, V_SIZE, BV // 32)
+                values = decoded(v_ptr, row, t < end, v_width, dv // 32, curves_ptr, V_CODEC, V_BITS, V_SIZE, BV // 32)
             top, total, acc = _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT)
             row, bias = _slots(ctx_ptr, mask_ptr, t + BT, end, s, T, kv_heads, kvh, HAS_MASK)         # the next tile's
     if splits == 1:
@@ -222,7 +222,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     _paged_attention_kernel[(S, KV, splits)](
         q, keys, values, ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, books(q.device), q.stride(0), T, splits, H, KV, D, Dv,
+        total, finished_counts(q.device), out, curves(q.device), q.stride(0), T, splits, H, KV, D, Dv,
         keys.shape[3], values.shape[3], float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
         0 if rope is None else inv_freq.shape[0],
         HAS_MASK=mask is not None, HAS_SPANS=spans is not None,

@@ -21,8 +21,17 @@ ON_DEVICE = tuple(name for name, codec in kv.CODECS.items() if not codec.qjl)
 
 @functools.cache
 def books(where) -> torch.Tensor:
-    """The tq codebooks [5, 2, 16] (quant/kv.py's kernel table) on the device."""
+    """The tq codebooks [5, 2, 16] (quant/kv.py's kernel table) on the device: the encoder's levels."""
     return torch.from_numpy(kv.kernel_tables()[1]).to(where)
+
+
+@functools.cache
+def curves(where) -> torch.Tensor:
+    """The tq codebooks' curves [5, 2] ((a, b) by code bits, quant/kv.py) on the device: the decoder's."""
+    table = torch.zeros((5, 2), dtype=torch.float32)
+    for bits, curve in kv.CURVES.items():
+        table[bits] = torch.tensor(curve)
+    return table.to(where)
 
 
 def codec_constants(codec: str) -> tuple[int, int, int]:
@@ -54,10 +63,11 @@ def _pairs(first, second):
 
 
 @triton.jit
-def decoded(words_ptr, row, rows_ok, row_words, blocks, books_ptr, CODEC: tl.constexpr, BITS: tl.constexpr,
+def decoded(words_ptr, row, rows_ok, row_words, blocks, curves_ptr, CODEC: tl.constexpr, BITS: tl.constexpr,
             SIZE: tl.constexpr, NB: tl.constexpr):
     """Cache rows `row` [BT] of a compressed page (its bytes read as int16 words, row_words a row) as f32
-    [BT, NB * 32]: a block's scale in one word, its codes a word per 2 bytes, unpacked in registers."""
+    [BT, NB * 32]: a block's scale in one word, its codes a word per 2 bytes, unpacked in registers, a
+    tq code's level computed from its curve (no lookup)."""
     b = tl.arange(0, NB)
     ok = rows_ok[:, None] & (b < blocks)[None, :]
     start = row[:, None].to(tl.int64) * row_words + b[None, :] * (SIZE // 2)                 # [BT, NB]
@@ -81,9 +91,12 @@ def decoded(words_ptr, row, rows_ok, row_words, blocks, books_ptr, CODEC: tl.con
             bit = (high[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
             code = code | (tl.reshape(bit, (bit.shape[0], bit.shape[1], 32)) << 2)
         values = code
-    if CODEC >= 2:                                            # tq: a level of the codebook the scale's sign names
-        book = (BITS * 2 + (scale_bits < 0).to(tl.int32)) * 16
-        values = tl.load(books_ptr + book[:, :, None] + values, mask=okw, other=0.0)
+    if CODEC >= 2:                                            # tq: on the curve the scale's sign names (else uniform)
+        uniform = (scale_bits < 0)[:, :, None]
+        a = tl.where(uniform, 1.0, tl.load(curves_ptr + 2 * BITS))
+        b = tl.where(uniform, 0.0, tl.load(curves_ptr + 2 * BITS + 1))
+        u = (2 * values - (2 ** BITS - 1)).to(tl.float32) * (1.0 / (2 ** BITS - 1))
+        values = u * (a + b * (u * u))
         scale = tl.abs(scale)
     out = values * scale[:, :, None]
     return tl.reshape(out, (out.shape[0], NB * 32))
