@@ -62,8 +62,8 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, curves_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width, scale,
-                            softcap, half, HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
+                            count_ptr, out_ptr, curves_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width,
+                            scale, softcap, half, HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
                             NEOX: tl.constexpr, ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
                             BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, K_CODEC: tl.constexpr,
                             K_BITS: tl.constexpr, K_SIZE: tl.constexpr, V_CODEC: tl.constexpr, V_BITS: tl.constexpr,
