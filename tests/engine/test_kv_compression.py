@@ -166,7 +166,7 @@ def attention_ref(q, k_pages, v_pages, slots, spans, kinds, scale):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("tq4", "tq4"), ("tq4", "tq2"), ("tq3", "tq3"),
                                    ("tq3j", "tq2")])
-@pytest.mark.parametrize("rows", [2, 9])
+@pytest.mark.parametrize("rows", [2, 9, 24])
 def test_attention_over_compressed_pages_equals_attention_over_their_dequantized_values(kinds, rows, backend):
     q, (k_pages, v_pages), slots, spans = paged_inputs(kinds, rows, 48)
     got = run_op("paged_attention", q, k_pages, v_pages, slots, None, spans, backend=backend, scale=0.125,

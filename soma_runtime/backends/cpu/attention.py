@@ -277,14 +277,25 @@ def row_spans(spans, mask, S: int, T: int) -> tuple[np.ndarray, np.ndarray]:
     return rows_mask, np.tile(np.array([0, T], np.int64), (S, 1)) if mask is None else visible_spans(rows_mask)
 
 
+DECODED_ONCE = 16      # a step with this many rows or more decodes its context once, not once per row
+
+
 def compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, like, out):
-    """Attention over a compressed cache's pages: each key and value decoded where the kernel reads it."""
+    """Attention over a compressed cache's pages: a decode row's keys and values decoded where the kernel
+    reads them; a prompt chunk's context decoded once for the step (every row reads it), into a buffer
+    the step lets go."""
     S, H, _ = q.shape
-    if mask is not None and mask.shape != (1, 1, S, ctx_slots.shape[0]):
-        mask = np.broadcast_to(mask, (1, 1, S, ctx_slots.shape[0]))
-    rows_mask, visible = row_spans(spans, mask, S, ctx_slots.shape[0])
+    T = ctx_slots.shape[0]
+    if mask is not None and mask.shape != (1, 1, S, T):
+        mask = np.broadcast_to(mask, (1, 1, S, T))
+    rows_mask, visible = row_spans(spans, mask, S, T)
     result = out_f32(out, (S, H, kv.CODECS[v_codec].dim(v_pages.shape[3])))
+    keys, values = flat_cache(k_pages), flat_cache(v_pages)
     codecs = np.array([kv.CODEC_IDS[k_codec], kv.CODEC_IDS[v_codec]], np.int64)
-    _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible, scale,
-                     np.float32(softcap), np.float32(0), codecs, KERNEL_TABLES, result)
+    if S >= DECODED_ONCE:
+        keys, values = (kv.decode(codec, np.take(pages, ctx_slots, axis=0))
+                        for codec, pages in ((k_codec, keys), (v_codec, values)))
+        ctx_slots, codecs = np.arange(T, dtype=np.int64), PLAIN
+    _paged_attention(f32(q), keys, values, ctx_slots, rows_mask, visible, scale, np.float32(softcap), np.float32(0), codecs,
+                     KERNEL_TABLES, result)
     return result if result is out else deliver(result, like, out)
