@@ -93,7 +93,8 @@ def test_codebooks_are_lloyds_fixed_points_and_the_rotation_orthogonal():
     for bits, (lloyd, uniform) in kv.CODEBOOKS.items():
         np.testing.assert_allclose(kv.derive_curve(bits, blocks=8000), kv.CURVES[bits], atol=3e-3)
         u = np.linspace(-1, 1, 2 ** bits)
-        np.testing.assert_allclose(lloyd, u * (kv.CURVES[bits][0] + kv.CURVES[bits][1] * u * u), atol=1e-6)
+        a, b, c = kv.CURVES[bits]
+        np.testing.assert_allclose(lloyd, u * (a + b * u ** 2 + c * u ** 4), atol=1e-6)
         np.testing.assert_allclose(uniform, u, atol=1e-6)
     for dim in (64, 96, 128):
         r = kv.rotation(dim).astype(np.float64)

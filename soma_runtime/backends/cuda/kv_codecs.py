@@ -27,8 +27,8 @@ def books(where) -> torch.Tensor:
 
 @functools.cache
 def curves(where) -> torch.Tensor:
-    """The tq codebooks' curves [5, 2] ((a, b) by code bits, quant/kv.py) on the device: the decoder's."""
-    table = torch.zeros((5, 2), dtype=torch.float32)
+    """The tq codebooks' curves [5, 3] ((a, b, c) by code bits, quant/kv.py) on the device: the decoder's."""
+    table = torch.zeros((5, 3), dtype=torch.float32)
     for bits, curve in kv.CURVES.items():
         table[bits] = torch.tensor(curve)
     return table.to(where)
@@ -93,10 +93,12 @@ def decoded(words_ptr, row, rows_ok, row_words, blocks, curves_ptr, CODEC: tl.co
         values = code
     if CODEC >= 2:                                            # tq: on the curve the scale's sign names (else uniform)
         uniform = (scale_bits < 0)[:, :, None]
-        a = tl.where(uniform, 1.0, tl.load(curves_ptr + 2 * BITS))
-        b = tl.where(uniform, 0.0, tl.load(curves_ptr + 2 * BITS + 1))
+        a = tl.where(uniform, 1.0, tl.load(curves_ptr + 3 * BITS))
+        b = tl.where(uniform, 0.0, tl.load(curves_ptr + 3 * BITS + 1))
+        c = tl.where(uniform, 0.0, tl.load(curves_ptr + 3 * BITS + 2))
         u = (2 * values - (2 ** BITS - 1)).to(tl.float32) * (1.0 / (2 ** BITS - 1))
-        values = u * (a + b * (u * u))
+        square = u * u
+        values = u * (a + square * (b + c * square))
         scale = tl.abs(scale)
     out = values * scale[:, :, None]
     return tl.reshape(out, (out.shape[0], NB * 32))
