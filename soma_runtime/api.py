@@ -187,7 +187,7 @@ class TextModel(Model):
     def kv_bytes_per_token(self) -> int:
         return sum(page[0, 0].nbytes for page in self.engine.pool.pages)
 
-    def compressed(self) -> str | None:
+    def smaller_kv_kind(self) -> str | None:
         """The next KV kind of the memory ladder (f32/f16/bf16 -> tq4 -> tq3) this model's cache can take,
         or None: already at the last, another spec, or heads the codecs cannot hold."""
         current = self.engine.kv_dtype

@@ -262,10 +262,6 @@ class Layout:
     """Each layer's (key kind, value kind)."""
     kinds: tuple[tuple[str, str], ...]
 
-    @property
-    def compressed(self) -> bool:
-        return any(k in CODECS or v in CODECS for k, v in self.kinds)
-
 
 def layout(spec: str, layers: int) -> Layout:
     """Parse a `kv_dtype` spec (module docstring) for a model of `layers` layers; ValueError if malformed."""

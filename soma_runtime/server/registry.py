@@ -176,11 +176,11 @@ class ModelRegistry:
     def _compress_largest(self, new: Model) -> bool:
         """The first rung: the largest KV cache that can take a smaller kind re-encoded in it."""
         held = [(s.model, s) for s in self.models.values()] + [(new, None)]
-        text = [(m, s) for m, s in held if isinstance(m, TextModel) and m.compressed() is not None]
+        text = [(m, s) for m, s in held if isinstance(m, TextModel) and m.smaller_kv_kind() is not None]
         if not text:
             return False
         model, served = max(text, key=lambda pair: pair[0].kv_bytes_per_token * pair[0].engine.n_ctx)
-        kind = model.compressed()
+        kind = model.smaller_kv_kind()
         self._degrade("compress_kv", "compressing the KV cache of %s: %s -> %s", model.id, model.engine.kv_dtype, kind)
         model.recompress(kind)
         if served is not None:
