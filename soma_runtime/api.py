@@ -185,7 +185,7 @@ class TextModel(Model):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return sum(page[0, 0].nbytes for page in self.engine.pool.pages)
+        return self.engine.cache.token_bytes()
 
     def smaller_kv_kind(self) -> str | None:
         """The next KV kind of the memory ladder (f32/f16/bf16 -> tq4 -> tq3) this model's cache can take,

@@ -74,9 +74,7 @@ def cache_of(cfg: DecoderConfig, kv_dtype: str) -> PagedKV:
     RequestError if the spec is malformed or its codecs cannot hold this model's heads."""
     cache = PagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tuple(cfg.window(i) for i in range(cfg.num_layers)), kv_dtype)
     try:
-        for kinds in cache.layout.kinds:
-            for kind in kinds:
-                kv.page_meta(kind, cfg.head_dim)
+        cache.token_bytes()                  # every layer's pages sized: a codec that cannot hold the heads says so
     except ValueError as e:
         raise RequestError(str(e)) from None
     return cache
@@ -145,16 +143,16 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         freqs = g.const(f"{p}.inv_freq", inv_freq.astype(np.float32))
         q, k = (g.rope(t, att.positions, freqs, style=cfg.rope_style) for t in (q, k))
         k_codec, v_codec = io.cache.codec(i, 0), io.cache.codec(i, 1)
-        if rotated(k_codec):                # <qR, kR> = <q, k>: keys coded in the rotated basis
+        if kv.rotated(k_codec):                # <qR, kR> = <q, k>: keys coded in the rotated basis
             q, k = g.matmul(q, kv_basis()), g.matmul(k, kv_basis())
-        if rotated(v_codec):
+        if kv.rotated(v_codec):
             v = g.matmul(v, kv_basis())
         k_pages = g.kv_append(k_pages, k, att.slots, **coded(codec=k_codec))
         v_pages = g.kv_append(v_pages, v, att.slots, **coded(codec=v_codec))
         pages_out += [k_pages, v_pages]
         attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, att.spans[cfg.window(i)], scale=cfg.score_scale(),
                                  softcap=cfg.attn_softcap, **coded(k_codec=k_codec, v_codec=v_codec))
-        if rotated(v_codec):                # sum p vR = (sum p v) R: back from the values' rotated basis
+        if kv.rotated(v_codec):             # sum p vR = (sum p v) R: back from the values' rotated basis
             attn = g.matmul(attn, kv_basis(), transpose_b=True)
         x = g.add(x, block_output(linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output"), f"{p}.post_attention_norm"))
         x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down"), f"{p}.post_ffw_norm"))
@@ -171,10 +169,6 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
 def coded(**codecs) -> dict:
     """An op's codec attrs, those of a float cache ("none") left out."""
     return {name: c for name, c in codecs.items() if c != "none"}
-
-
-def rotated(codec: str) -> bool:
-    return codec in kv.CODECS and kv.CODECS[codec].rotated
 
 
 def sample_width(cfg: DecoderConfig) -> int:

@@ -281,15 +281,19 @@ def layout(spec: str, layers: int) -> Layout:
     return Layout(tuple(("f16", "f16") if i < edges or i >= layers - edges else (key, value) for i in range(layers)))
 
 
+def rotated(kind: str) -> bool:
+    """Whether a kind codes vectors in the rotated basis (the graph rotates them for it)."""
+    return kind in CODECS and CODECS[kind].rotated
+
+
 def transcode(pages: np.ndarray, source: str, target: str, head_dim: int) -> np.ndarray:
     """Cached vectors [..., last] of kind `source` as kind `target` (a float type or a codec), through their
     f32 values in the model's basis: a codec's rotated values turned back first, a rotated codec's
     turned before it codes them."""
-    rotated = {kind: kind in CODECS and CODECS[kind].rotated for kind in (source, target)}
     values = decode(source, pages) if source in CODECS else pages.astype(np.float32)
-    if rotated[source] != rotated[target]:
+    if rotated(source) != rotated(target):
         basis = rotation(head_dim)
-        values = values @ (basis if rotated[target] else basis.T)
+        values = values @ (basis if rotated(target) else basis.T)
     return encode(target, values) if target in CODECS else values.astype(dtype(target).numpy)
 
 
