@@ -61,7 +61,7 @@ from soma_runtime.tools.turn import Turn
 SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
 LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
-OVERFLOWS = ("error", "truncate")   # what a text model does with a prompt beyond its context
+OVERFLOWS = ("error", "truncate", "slide")   # what a text model does with a prompt beyond its context
 PROMPT_SHARE = 0.75         # a truncated prompt takes at most this share of the context; the rest is the reply's
 log = logging.getLogger("soma_runtime")
 
@@ -105,16 +105,18 @@ class Model:
 
 class TextModel(Model):
     """A text generator (decoder LLM): generate, chat, logits. `overflow` says what becomes of a prompt
-    beyond the context: "error" (PromptTooLong), or "truncate": the oldest tokens of a raw prompt go (a
+    beyond the context: "error" (PromptTooLong); "truncate": the oldest tokens of a raw prompt go (a
     leading BOS stays), the oldest messages of a conversation after its system messages, until the prompt
-    takes at most PROMPT_SHARE of the context."""
+    takes at most PROMPT_SHARE of the context; or "slide", for a model whose every layer attends within a
+    sliding window (as it was trained): the sequence runs on to the model's positions, each token seeing
+    its window, the cache holding a window's worth."""
 
     task = "generate"
-    overflow = "error"
 
     def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, engine: Engine):
         super().__init__(model_id, loaded, backend)
         self.engine, self.tokenizer = engine, loaded.tokenizer
+        self._overflow = "error"
         try:                                                # the model's own defaults must make a request
             self.sampling()
             check_stops(self.stops(None))
@@ -180,6 +182,19 @@ class TextModel(Model):
         return self.engine.n_ctx
 
     @property
+    def overflow(self) -> str:
+        return self._overflow
+
+    @overflow.setter
+    def overflow(self, policy: str) -> None:
+        if policy not in OVERFLOWS:
+            raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {policy!r}")
+        if policy == "slide" and not self.engine.cache.horizon:
+            raise RequestError(f'overflow "slide" needs a model whose every layer attends within a sliding window; '
+                               f'{self.id} has layers that see the whole context')
+        self._overflow, self.engine.sliding = policy, policy == "slide"
+
+    @property
     def memory_bytes(self) -> int:
         return self.weight_bytes() + self.kv_bytes_per_token * self.engine.n_ctx
 
@@ -216,7 +231,7 @@ class TextModel(Model):
         req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
                                 ignore_eos, constraint)
         self.engine.check(req)
-        req.max_tokens = min(req.max_tokens, self.engine.n_ctx - len(req.prompt_ids))
+        req.max_tokens = min(req.max_tokens, self.engine.max_length - len(req.prompt_ids))
         return req
 
     def sampling(self, **params) -> SamplingParams:
@@ -259,8 +274,8 @@ class TextModel(Model):
     def check_length(self, text: str) -> None:
         """PromptTooLong, from the character count alone, for text too long for any tokenization to fit
         the context (every token covers at most the vocabulary's longest piece)."""
-        if len(text) > self.context_length * self.tokenizer.max_token_chars:
-            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.context_length} tokens")
+        if len(text) > self.engine.max_length * self.tokenizer.max_token_chars:
+            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.engine.max_length} tokens")
 
     def complete(self, prompt: str | list[int], **params) -> str:
         return "".join(t.text for t in self.generate(prompt, **params))
@@ -694,7 +709,7 @@ class Runtime:
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py). `draft` turns on
         speculative decoding for a text model (see `speculate`); `overflow`, what it does with a prompt beyond
-        its context (TextModel: "error" or "truncate")."""
+        its context (TextModel: "error", "truncate" or "slide")."""
         check_load_options(n_ctx, kv_dtype, activations)
         if overflow is not None and overflow not in OVERFLOWS:
             raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
@@ -712,9 +727,9 @@ class Runtime:
             precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
             model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
-        self.models[model_id] = model
         if overflow is not None and isinstance(model, TextModel):
             model.overflow = overflow
+        self.models[model_id] = model
         if draft is not None:
             self.speculate(model, draft)
         return model

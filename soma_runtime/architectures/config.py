@@ -7,7 +7,7 @@ llama-3 and linear scaling, are computed here once, so the graph only sees `inv_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -74,6 +74,13 @@ class DecoderConfig:
     def inv_freq_of(self, rope: dict) -> np.ndarray:
         return rope_inv_freq(rope, self.rotary_dim or self.head_dim)
 
+    def at_context(self, n_ctx: int) -> DecoderConfig:
+        """This config run with a context of `n_ctx` tokens: dynamic NTK's frequencies are those of that
+        length (HF's for a sequence that long; the same for every token, so cached keys stay valid)."""
+        def at(rope: dict | None) -> dict | None:
+            return {**rope, "context": n_ctx} if rope is not None and rope_kind(rope) == "dynamic" else rope
+        return replace(self, rope=at(self.rope), rope_local=at(self.rope_local))
+
     def score_scale(self) -> float:
         """What q.k is multiplied by: 1/sqrt(head_dim) unless the model says otherwise, times the square of
         YaRN's attention factor (it scales q and k as they turn)."""
@@ -88,13 +95,18 @@ class DecoderConfig:
 
 
 def rope_inv_freq(rope: dict, dim: int) -> np.ndarray:
-    """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, llama3, yarn)."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    """Rotary frequencies for `dim` rotated dims, as HF computes them (default, linear, dynamic, llama3, yarn)."""
+    kind = rope_kind(rope)
     if kind not in ROPE_FIELDS:
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_FIELDS)})")
     check_fields(rope, ROPE_FIELDS[kind], "rope parameters")
-    inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    if kind == "default":
+    theta = rope["rope_theta"]
+    if kind == "dynamic":            # NTK-aware: the base stretched to the context's length, past the original one
+        factor, original = rope["factor"], rope["original_max_position_embeddings"]
+        length = max(rope.get("context", original), original)
+        theta = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if kind in ("default", "dynamic"):
         return inv.astype(np.float32)
     if kind == "linear":
         return (inv / rope["factor"]).astype(np.float32)
@@ -127,9 +139,19 @@ def yarn_ramp(rope: dict, dim: int) -> tuple[float, float]:
     return max(low, 0), min(high, dim - 1)
 
 
+def rope_kind(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def rope_context(rope: dict, max_position: int) -> int:
+    """The positions a model runs to: its own, or for dynamic NTK (whose config keeps the original) that
+    stretched by the factor."""
+    return int(max_position * rope["factor"]) if rope_kind(rope) == "dynamic" else max_position
+
+
 def rope_attention_factor(rope: dict) -> float:
     """YaRN's scale on the rotated queries and keys (1 for the other kinds): HF's attention_factor."""
-    if rope.get("rope_type", rope.get("type")) != "yarn":
+    if rope_kind(rope) != "yarn":
         return 1.0
     if "attention_factor" in rope:
         return rope["attention_factor"]
@@ -160,8 +182,8 @@ def _hf_rope(hf: dict, source: str) -> tuple[dict, dict | None]:
 
 
 def with_original_context(rope: dict, hf: dict) -> dict:
-    """YaRN's original context defaults to the model's (as HF reads it)."""
-    if rope.get("rope_type", rope.get("type")) == "yarn" and "original_max_position_embeddings" not in rope:
+    """YaRN's and dynamic NTK's original context defaults to the model's (as HF reads it)."""
+    if rope_kind(rope) in ("yarn", "dynamic") and "original_max_position_embeddings" not in rope:
         return {**rope, "original_max_position_embeddings": hf.get("max_position_embeddings", 4096)}
     return rope
 
@@ -197,7 +219,7 @@ def config_from_hf(hf: dict, model_type: str, traits: dict, source: str = "confi
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
-            max_position=hf.get("max_position_embeddings", 4096),
+            max_position=rope_context(rope, hf.get("max_position_embeddings", 4096)),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=rope,
             rope_local=rope_local,

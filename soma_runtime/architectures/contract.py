@@ -28,6 +28,12 @@ class PagedKV:
     def window_sizes(self) -> list[int]:
         return sorted(set(self.windows))
 
+    @property
+    def horizon(self) -> int:
+        """How far back any layer's attention reaches: the widest window where every layer has one (a
+        sequence's older keys are never read again), else 0 (the whole context)."""
+        return max(self.windows) if self.windows and min(self.windows) > 0 else 0
+
     @functools.cached_property
     def layout(self) -> kv.Layout:
         return kv.layout(self.dtype, self.layers)

@@ -59,6 +59,8 @@ HF_FIELDS = {"vocab_size": SIZE, "hidden_size": SIZE, "num_hidden_layers": LAYER
              "final_logit_softcapping": SCALE, "sliding_window": COUNT, "rope_local_base_freq": POSITIVE}
 ROPE_FIELDS = {"default": {"rope_theta": REQUIRED_POSITIVE},
                "linear": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE},
+               "dynamic": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE,
+                           "context": OPTIONAL_SIZE},
                "llama3": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE, "low_freq_factor": REQUIRED_POSITIVE,
                           "high_freq_factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE},
                "yarn": {"rope_theta": REQUIRED_POSITIVE, "factor": REQUIRED_POSITIVE, "original_max_position_embeddings": SIZE,

@@ -64,9 +64,10 @@ def add_generation_args(p) -> None:
                    help="the KV cache's type: f32, f16, bf16, or compressed: q8_0, q4_0 (llama.cpp's blocks), tq4, tq3, "
                         "tq2 (rotated Lloyd-Max codes; tq3j/tq2j with QJL); keys and values apart as K/V (tq4/tq2), "
                         "edges=N keeps the first and last N layers f16 (default: f16 for GGUF, the checkpoint's dtype else)")
-    p.add_argument("--overflow", default=None, choices=("error", "truncate"),
-                   help="a prompt beyond the context: an error (default), or its oldest tokens (a chat's oldest messages "
-                        "after the system prompt) dropped until it takes three quarters of the context")
+    p.add_argument("--overflow", default=None, choices=("error", "truncate", "slide"),
+                   help="a prompt beyond the context: an error (default); its oldest tokens (a chat's oldest messages "
+                        "after the system prompt) dropped until it takes three quarters of the context; or, for a model "
+                        "trained with a sliding window on every layer, run on within the window (slide)")
     p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")

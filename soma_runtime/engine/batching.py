@@ -96,7 +96,7 @@ class Scheduler:
     def submit(self, req: GenerationRequest, emit: Callable) -> Job:
         """Queue a request; raises RequestError at once for one that can never run."""
         self.engine.check(req)
-        need = self.engine.pool.pages_for(min(len(req.prompt_ids) + req.max_tokens, self.engine.n_ctx))
+        need = self.engine.pool.pages_for(self.engine.held_tokens(len(req.prompt_ids) + req.max_tokens))
         if need > self.engine.pool.num_pages - 1:
             raise RequestError(f"request needs {need} KV pages, the pool has {self.engine.pool.num_pages - 1}")
         job = Job(req, emit)
@@ -255,7 +255,7 @@ class Scheduler:
                     leading.update(first)
                     stream.start()
                     self.stats.cached_tokens += stream.metrics.cached_tokens
-                tokens = stream.take(budget)
+                tokens = stream.take(min(budget, self.engine.n_ctx))    # a sliding prompt past the context: in chunks
                 budget -= len(tokens)
                 want = 0 if stream.pending else 1       # the logits after a prompt's last chunk
             else:

@@ -22,7 +22,7 @@ from soma_runtime.architectures.contract import DecoderIO, DecoderStep
 from soma_runtime.architectures.decoder import Weights, build_decoder, cache_of, sample_width
 from soma_runtime.backends.base import Backend
 from soma_runtime.engine.grammar import Constraint, Grammars
-from soma_runtime.engine.kv import KVPool, Sequence
+from soma_runtime.engine.kv import ROLLBACK, KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.speculate import DraftLength
 from soma_runtime.engine.stops import StopMatcher, check_stops
@@ -141,7 +141,7 @@ class Stream:
     @property
     def budget_pages(self) -> int:
         """The pages this stream may still take before it ends."""
-        total = min(len(self.req.prompt_ids) + self.req.max_tokens, self.engine.n_ctx)
+        total = self.engine.held_tokens(len(self.req.prompt_ids) + self.req.max_tokens)
         return max(0, self.engine.pool.pages_for(total) - len(self.seq.pages))
 
     def take(self, limit: int) -> list[int]:
@@ -152,7 +152,7 @@ class Stream:
     @property
     def has_next_step(self) -> bool:
         """Whether a step may follow the one in flight, should its token not end the stream."""
-        return len(self.generated) + 1 < self.req.max_tokens and len(self.history) + 1 < self.engine.n_ctx
+        return len(self.generated) + 1 < self.req.max_tokens and len(self.history) + 1 < self.engine.max_length
 
     @property
     def on_model(self) -> bool:
@@ -168,7 +168,7 @@ class Stream:
 
     def draft_room(self) -> int:
         """Draft tokens this step may take: what the draft length allows, within max_tokens and the context."""
-        room = min(self.req.max_tokens - len(self.generated), self.engine.n_ctx - len(self.history)) - 1
+        room = min(self.req.max_tokens - len(self.generated), self.engine.max_length - len(self.history)) - 1
         return max(0, min(self.draft_length.next(), room)) if self.speculates and not self.prefilling else 0
 
     def draws(self) -> np.ndarray | None:
@@ -241,7 +241,7 @@ class Stream:
             if stopped or dead or (self.guide is not None and self.guide.done):
                 out.text += self.stops.flush() if not stopped else ""
                 out.finish_reason = "stop"
-            elif len(self.generated) >= self.req.max_tokens or len(self.history) >= self.engine.n_ctx:
+            elif len(self.generated) >= self.req.max_tokens or len(self.history) >= self.engine.max_length:
                 out.text, out.finish_reason = out.text + self.stops.flush(), "length"
             else:
                 self.pending = [token]
@@ -265,14 +265,15 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None):
-        self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
+        self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
+        self.sliding = False          # sequences may run past the context, within every layer's window (slide)
         if self.n_ctx < 2:
             raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
         self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
-        self.cache = cache_of(cfg, kv_dtype)
+        self.cache = cache_of(self.cfg, kv_dtype)
         self.io = DecoderIO(self.cache)
-        self.graph = build_decoder(cfg, weights, self.io, activations)
+        self.graph = build_decoder(self.cfg, weights, self.io, activations)
         self.fusions = fuse(self.graph)
         self.captures = backend.captures()               # decode steps captured and replayed, where the backend can
         self.pool = KVPool(self.cache, max(self.n_ctx, kv_tokens or KV_TOKENS), backend.zeros)
@@ -304,8 +305,20 @@ class Engine:
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
                        self.kv_tokens)
-        draft.placed = self.placed
+        draft.placed, draft.sliding = self.placed, self.sliding
         return draft
+
+    @property
+    def max_length(self) -> int:
+        """The most tokens a sequence may reach: the context, or sliding, the model's positions."""
+        return self.cfg.max_position if self.sliding else self.n_ctx
+
+    def held_tokens(self, total: int) -> int:
+        """The most tokens of a sequence `total` long the cache holds at once: all of them, or where every
+        layer attends within a window, that window and a step's rows (at most the context)."""
+        if self.cache.horizon:
+            return min(total, self.cache.horizon + ROLLBACK + self.n_ctx + self.pool.block)
+        return min(total, self.n_ctx)
 
     def layer_weights(self) -> list:
         """The per-layer weights as the fused graph holds them (q/k/v stacked, ...), which prefill
@@ -400,8 +413,8 @@ class Engine:
         if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.cfg.vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), "
                                f"got {min(prompt_ids)}..{max(prompt_ids)}")
-        if len(prompt_ids) >= self.n_ctx:
-            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.n_ctx}")
+        if len(prompt_ids) >= self.max_length:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_length}")
         if type(max_tokens) is not int or max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
 

@@ -3,7 +3,8 @@ the model's cache spec (architectures/contract.py), and each step's attention in
 
 A sequence owns a block table (its pages, in order); token position p lives in slot
 `table[p // block] * block + p % block`. Page 0 is never handed out: padded context slots point
-there, and attention masks them out.
+there, and attention masks them out. Where every layer attends within a sliding window, a sequence
+lets go of the pages behind its window as it runs on, so it holds a window's worth however long it grows.
 
 Prefix caching: a full page is published under the hash of every token up to its end, so a later
 sequence whose prompt starts with the same tokens attaches those pages instead of computing them
@@ -22,13 +23,15 @@ from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv
 
 BUCKET = 128        # a sequence's segment of a step's context is a multiple of this many slots
+ROLLBACK = 16       # tokens a sequence may be rolled back (rejected drafts); pages behind its window stay this long
 
 
 @dataclass
 class Sequence:
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)      # its block table from page `dropped` on
     length: int = 0                   # tokens whose K/V are in the cache
     published: int = 0                # leading pages already in the prefix cache
+    dropped: int = 0                  # leading pages let go: behind every layer's window
 
 
 def prefix_hashes(tokens: list[int], block: int) -> list[int]:
@@ -45,7 +48,7 @@ class KVPool:
         """The pages of a model's `cache` for `max_tokens` tokens; `zeros(shape, dtype)` allocates them where
         the backend computes (on the host: memory mapped lazily, so it grows with the tokens actually cached).
         A compressed layer's pages hold bytes (PagedKV.page_shape)."""
-        self.block = block
+        self.block, self.horizon = block, cache.horizon
         self.num_pages = -(-max_tokens // block) + 1
         self.k, self.v = ([zeros(*cache.page_shape(i, which, self.num_pages, block)) for i in range(cache.layers)]
                           for which in (0, 1))
@@ -77,7 +80,12 @@ class KVPool:
         return page
 
     def reserve(self, seq: Sequence, total_tokens: int) -> None:
-        need = self.pages_for(total_tokens) - len(seq.pages)
+        """Pages for `seq` to run on to `total_tokens`, those behind its window let go first."""
+        if self.horizon:
+            behind = max(0, seq.length - self.horizon + 1 - ROLLBACK) // self.block - seq.dropped
+            self._let_go(seq.pages[:behind])
+            seq.pages, seq.dropped = seq.pages[behind:], seq.dropped + behind
+        need = self.pages_for(total_tokens) - seq.dropped - len(seq.pages)
         if need > self.available:
             raise RequestError(f"KV cache full: {total_tokens} tokens need {need} more pages, {self.available} free")
         seq.pages.extend(self._take() for _ in range(max(0, need)))
@@ -111,25 +119,27 @@ class KVPool:
         window w), never another row's: a sequence gets the same numbers alone or batched.
         `context_for(slots)` gives the context length a step of that many slots runs with."""
         rows = sum(n for _, n in batch)
-        buckets = [-(-(seq.length + n) // BUCKET) * BUCKET for seq, n in batch]
+        firsts = [max(0, seq.length - self.horizon + 1) // self.block * self.block if self.horizon else 0 for seq, _ in batch]
+        buckets = [-(-(seq.length + n - first) // BUCKET) * BUCKET for (seq, n), first in zip(batch, firsts)]
         ctx = np.zeros(context_for(sum(buckets)), np.int64)
         spans = {w: np.zeros((rows, 2), np.int64) for w in windows}
         positions, written, row, offset = [], [], 0, 0
-        for (seq, n), bucket in zip(batch, buckets):
+        for (seq, n), bucket, first in zip(batch, buckets, firsts):
             start, stop = seq.length, seq.length + n
-            slots = self.slots(seq, 0, stop)                  # the context read, ending in the slots written
-            ctx[offset: offset + stop] = slots
-            written.append(slots[start:])
+            slots = self.slots(seq, first, stop)              # the context read, ending in the slots written
+            ctx[offset: offset + stop - first] = slots
+            written.append(slots[start - first:])
             query = np.arange(start, stop)
             for w, span in spans.items():
-                span[row: row + n, 0] = offset + (np.maximum(query - w + 1, 0) if w else 0)
-                span[row: row + n, 1] = offset + query + 1
+                span[row: row + n, 0] = offset + (np.maximum(query - w + 1, 0) if w else 0) - first
+                span[row: row + n, 1] = offset + query + 1 - first
             positions.append(query)
             row, offset = row + n, offset + bucket
         return Attention(np.concatenate(positions).astype(np.int64), np.concatenate(written), ctx, spans)
 
     def slots(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
-        pages = np.asarray(seq.pages[start // self.block: -(-stop // self.block)], np.int64)
+        assert start // self.block >= seq.dropped, "a sequence's pages behind its window were let go"
+        pages = np.asarray(seq.pages[start // self.block - seq.dropped: -(-stop // self.block) - seq.dropped], np.int64)
         first = start // self.block * self.block
         return (pages[:, None] * self.block + np.arange(self.block)).reshape(-1)[start - first: stop - first]
 
@@ -151,8 +161,9 @@ class KVPool:
     def publish(self, seq: Sequence, tokens: list[int]) -> None:
         """Publish the sequence's full pages, whose K/V are the cache of `tokens`' prefix."""
         full = min(seq.length, len(tokens)) // self.block
-        for i, h in enumerate(prefix_hashes(tokens[: full * self.block], self.block)[seq.published:], seq.published):
-            page = seq.pages[i]
+        first = max(seq.published, seq.dropped)
+        for i, h in enumerate(prefix_hashes(tokens[: full * self.block], self.block)[first:], first):
+            page = seq.pages[i - seq.dropped]
             if h not in self.by_hash and page not in self.hash_of:
                 self.by_hash[h], self.hash_of[page] = page, h
         seq.published = max(seq.published, full)
@@ -160,10 +171,10 @@ class KVPool:
     def fork(self, seq: Sequence) -> Sequence:
         """A copy of `seq` to continue apart (a beam): its full pages shared (only ever read again), its
         partial last page copied."""
-        full = seq.length // self.block
+        full = seq.length // self.block - seq.dropped
         for page in seq.pages[:full]:
             self.refs[page] += 1
-        copy = Sequence(seq.pages[:full], seq.length)
+        copy = Sequence(seq.pages[:full], seq.length, dropped=seq.dropped)
         if seq.length % self.block:
             page, source = self._take(), seq.pages[full]
             for pages in (*self.k, *self.v):
@@ -172,14 +183,18 @@ class KVPool:
         return copy
 
     def release(self, seq: Sequence) -> None:
-        for page in reversed(seq.pages):
+        self._let_go(seq.pages)
+        seq.pages, seq.length, seq.published, seq.dropped = [], 0, 0, 0
+
+    def _let_go(self, pages: list[int]) -> None:
+        """A sequence's hold on `pages` ends: each nobody else holds is free again, or cached if published."""
+        for page in reversed(pages):
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 if page in self.hash_of:
                     self.idle[page] = None
                 else:
                     self.free.append(page)
-        seq.pages, seq.length, seq.published = [], 0, 0
 
     def clear_prefix_cache(self) -> None:
         for page in self.idle:

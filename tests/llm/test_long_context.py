@@ -8,7 +8,10 @@ import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.convert import convert_hf_to_gguf
-from soma_runtime.errors import PromptTooLong
+from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate import Engine
+from soma_runtime.errors import PromptTooLong, RequestError
+from tests.engine.test_batching import run_all
 from tests.fixtures.decoders import build_model
 
 ORIGINAL = 32          # the "pretrained" context the scaling stretches
@@ -34,6 +37,22 @@ def test_rope_scaling_matches_transformers_past_the_original_context(scaling, tm
     got = Runtime().load(str(tmp_path), progress=False).logits(ids)
     scale = max(1.0, float(np.abs(want).max()))
     assert np.max(np.abs(got - want)) <= 1e-4 * scale, f"{scaling}: max logit error {np.max(np.abs(got - want)):.3g}"
+
+
+@pytest.mark.parametrize("n_ctx", [ORIGINAL, 3 * ORIGINAL])
+def test_dynamic_ntk_runs_the_frequencies_transformers_has_at_the_context_length(n_ctx, tmp_path):
+    """Dynamic NTK: within the original context the default frequencies; a longer context stretches the
+    base as transformers does for a sequence of that length (one set for every token, as the cache needs):
+    the first n_ctx - 1 rows of transformers' forward over n_ctx tokens."""
+    rope = {"rope_type": "dynamic", "factor": 4.0}
+    hf_model, _ = build_model("qwen2", str(tmp_path), rope_scaling=rope, max_position_embeddings=ORIGINAL)
+    model = Runtime().load(str(tmp_path), n_ctx=n_ctx, progress=False)
+    assert model.context_length == n_ctx and model.info()["max_position"] == 4 * ORIGINAL
+    ids = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, n_ctx).tolist()
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits[0, :-1].numpy()
+    got = model.logits(ids[:-1])
+    assert np.max(np.abs(got - want)) <= 1e-4 * max(1.0, float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("scaling", ["linear", "yarn", "yarn-betas-truncated"])
@@ -101,3 +120,70 @@ def test_a_long_conversation_drops_its_oldest_messages_keeping_the_system_prompt
             model.chat([system, *kept], max_tokens=4, temperature=0, stream=False)
     finally:
         model.overflow = "error"
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A tiny Mistral, every layer attending the last 24 tokens, run with a 32-token context and
+    overflow="slide"."""
+    directory = str(tmp_path_factory.mktemp("mistral"))
+    hf_model, _ = build_model("mistral", directory, sliding_window=24)
+    model = Runtime().load(directory, n_ctx=32, overflow="slide", kv_dtype="f32", activations="f32", progress=False)
+    return hf_model, model
+
+
+def hf_logprobs(hf_model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1).numpy()
+
+
+def test_a_sliding_window_model_runs_past_its_context_as_transformers_does(sliding):
+    """A prompt and a reply four times the context: each token sees its window, as transformers'
+    sliding-window attention has it over the whole sequence; a pool smaller than the sequence runs it,
+    since the pages behind the window are let go."""
+    hf_model, model = sliding
+    ids = np.random.default_rng(3).integers(3, 300, 100).tolist()
+    want = hf_logprobs(hf_model, ids)
+    got = torch.log_softmax(torch.from_numpy(model.logits(ids)), -1).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4)                   # one forward, 100 rows
+    small = Engine(model.loaded.config, model.loaded.weights, model.tokenizer, model.backend, 32, "f32", kv_tokens=96)
+    small.sliding = True
+    got = list(Scheduler(small, thread=False).run(model.request(ids, 40, temperature=0, ignore_eos=True, logprobs=0)))
+    assert len(got) == 40 and small.pool.num_pages == 7 and small.pool.in_use == 0
+    tokens = [t.id for t in got]
+    want = hf_logprobs(hf_model, ids + tokens)[len(ids) - 1: -1]
+    assert tokens == want.argmax(-1).tolist()
+    np.testing.assert_allclose([t.logprob for t in got], want[np.arange(40), tokens], atol=1e-4)
+
+
+def test_sliding_sequences_speculate_and_batch_as_they_run_alone(sliding):
+    """Self-speculation's rejected drafts roll back within the pages kept; batched streams get their solo
+    tokens, with each decode step launched ahead or not."""
+    hf_model, model = sliding
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (84, 70)]
+    solo = [[t.id for t in model.generate(p, max_tokens=30, temperature=0, ignore_eos=True)] for p in prompts]
+    for p, tokens in zip(prompts, solo):
+        assert tokens == hf_logprobs(hf_model, p + tokens)[len(p) - 1: -1].argmax(-1).tolist()
+    model.speculate("layers:1")
+    try:
+        for p, want in zip(prompts, solo):
+            assert [t.id for t in model.generate(p, max_tokens=30, temperature=0, ignore_eos=True)] == want
+            metrics = model.metrics()
+            assert metrics["drafted_tokens"] > metrics["accepted_tokens"] > 0       # rejected drafts rolled back
+    finally:
+        model.speculate(None)
+    for run_ahead in (False, True):
+        scheduler = Scheduler(model.engine, max_batch=4, step_tokens=24, run_ahead=run_ahead)
+        try:
+            assert run_all(scheduler, [model.request(p, 30, temperature=0, ignore_eos=True) for p in prompts]) == solo
+            assert scheduler.stats.max_batch == 2
+        finally:
+            scheduler.close()
+    assert model.engine.pool.in_use == 0
+
+
+def test_slide_needs_a_window_on_every_layer(tmp_path):
+    build_model("gemma3_text", str(tmp_path))             # a global layer among local ones
+    with pytest.raises(RequestError, match="sliding window"):
+        Runtime().load(str(tmp_path), n_ctx=32, overflow="slide", progress=False)
