@@ -135,16 +135,17 @@ class TextModel(Model):
 
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
-             bar, autotune: bool) -> TextModel:
+             bar, autotune: bool, gpu_layers: int | None = None) -> TextModel:
+        """`gpu_layers`: on a device backend, only the first this many layers run there, the rest on the host."""
         bar.set_postfix_str("graph")
         engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
-                        precision.kv_dtype, precision.activations)
+                        precision.kv_dtype, precision.activations, device_layers=gpu_layers)
         bar.update()
         bar.set_postfix_str("kernels")
         engine.plan(1)                        # compile the decode plan (numba caches on disk)
         bar.update()
         bar.set_postfix_str("autotune")
-        backend.prepare(engine.layer_weights(), precision, autotune)
+        engine.prepare(precision, autotune)
         bar.update()
         return cls(model_id, loaded, backend, engine)
 
@@ -196,7 +197,13 @@ class TextModel(Model):
 
     @property
     def memory_bytes(self) -> int:
-        return self.weight_bytes() + self.kv_bytes_per_token * self.engine.n_ctx
+        """Its weights and KV cache for the context where it runs (a split model: on its device)."""
+        return self.engine.memory_bytes()
+
+    def offload(self, gpu_layers: int) -> None:
+        """Run only the first `gpu_layers` layers on the device from now on, the rest on the host (before it
+        serves: the memory ladder's third rung)."""
+        self.engine.offload(gpu_layers)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -362,7 +369,7 @@ class TextModel(Model):
         """Time every kernel variant for this model's weight shapes on its backend and cache the choices."""
         engine = self.engine
         precision = Precision(engine.kv_dtype, engine.activations)
-        return engine.backend.prepare(engine.layer_weights(), precision, tune=True, force=True)
+        return engine.prepare(precision, tune=True, force=True)
 
     def info(self) -> dict:
         cfg = self.loaded.config
@@ -370,7 +377,7 @@ class TextModel(Model):
         return {**super().info(), "model_type": cfg.model_type, "parameters": n_params, "layers": cfg.num_layers,
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                 "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
-                "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations,
+                "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations, "gpu_layers": self.engine.device_layers,
                 "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions)}
 
 
@@ -697,7 +704,8 @@ class Runtime:
 
     def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
-             autotune: bool | None = None, model_id: str | None = None, draft=None, overflow: str | None = None) -> Model:
+             autotune: bool | None = None, model_id: str | None = None, draft=None, overflow: str | None = None,
+             gpu_layers: int | None = None) -> Model:
         """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
         class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
         run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
@@ -709,7 +717,9 @@ class Runtime:
         With `autotune` (default: unless SOMA_AUTOTUNE=0), kernel variants for weight shapes this
         machine has not seen are timed once and the choice cached on disk (schedule.py). `draft` turns on
         speculative decoding for a text model (see `speculate`); `overflow`, what it does with a prompt beyond
-        its context (TextModel: "error", "truncate" or "slide")."""
+        its context (TextModel: "error", "truncate" or "slide"). `gpu_layers` splits a decoder on a device as
+        llama.cpp's --n-gpu-layers does: its first layers run there, the rest on the host (other models
+        run whole)."""
         check_load_options(n_ctx, kv_dtype, activations)
         if overflow is not None and overflow not in OVERFLOWS:
             raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
@@ -726,7 +736,8 @@ class Runtime:
             defaults = backend.defaults(loaded.task, loaded.format, stored)
             precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
-            model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune)
+            split = {"gpu_layers": gpu_layers} if gpu_layers is not None and loaded.task == "generate" else {}
+            model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune, **split)
         if overflow is not None and isinstance(model, TextModel):
             model.overflow = overflow
         self.models[model_id] = model

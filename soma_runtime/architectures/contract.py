@@ -48,8 +48,11 @@ class PagedKV:
         last, dtype = kv.page_meta(self.layout.kinds[layer][which], self.head_dim)
         return (pages, block, self.kv_heads, last), dtype
 
-    def token_bytes(self) -> int:
-        return kv.bytes_per_token(self.layout, self.kv_heads, self.head_dim)
+    def token_bytes(self, layers: range | None = None) -> int:
+        """The cache's bytes for one token, over `layers` (default: all)."""
+        kinds = self.layout.kinds
+        layers = range(self.layers) if layers is None else layers
+        return kv.bytes_per_token([kinds[i] for i in layers], self.kv_heads, self.head_dim)
 
 
 @dataclass
@@ -66,28 +69,42 @@ class Attention:
 @dataclass
 class DecoderStep:
     """One forward of a decoder: token ids, attention inputs, the rows whose logits are wanted with their
-    sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer)."""
+    sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer); for a
+    graph of later layers, the hidden rows the layers before it gave instead of the ids."""
     ids: object
     attention: Attention
     logit_rows: object
     sampling: object
     pages: list = field(default_factory=list)
+    hidden: object = None
 
 
 @dataclass
 class DecoderOutputs:
-    """logits [R, vocab] of the wanted rows, each row's chosen token [R], and the updated pages."""
+    """logits [R, vocab] of the wanted rows, each row's chosen token [R], and the updated pages; a graph
+    of earlier layers gives its hidden rows [S, width] instead of logits and choices."""
     logits: object
     choices: object
     pages: list
+    hidden: object = None
 
 
 class DecoderIO:
     """A decoder graph's inputs and outputs for a given cache. Dims: S rows, T context slots, R wanted
-    rows, P pages of BLK slots."""
+    rows, P pages of BLK slots. A graph may hold a run of the layers (a model split across devices): one
+    not starting at layer 0 takes the hidden rows [S, width] the one before gives, one not ending at the
+    last layer gives its hidden rows instead of logits and choices."""
 
-    def __init__(self, cache: PagedKV):
-        self.cache = cache
+    def __init__(self, cache: PagedKV, layers: range | None = None, width: int = 0):
+        self.cache, self.layers, self.width = cache, range(cache.layers) if layers is None else layers, width
+
+    @property
+    def first(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.layers.stop == self.cache.layers
 
     @staticmethod
     def spans_name(window: int) -> str:
@@ -99,30 +116,40 @@ class DecoderIO:
         attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),
                               g.input("ctx_slots", ("T",), "i64"),
                               {w: g.input(self.spans_name(w), ("S", 2), "i64") for w in c.window_sizes})
-        pages = [g.input(f"{name}_pages.{i}", *c.page_shape(i, j, "P", "BLK")) for i in range(c.layers)
+        pages = [g.input(f"{name}_pages.{i}", *c.page_shape(i, j, "P", "BLK")) for i in self.layers
                  for j, name in enumerate("kv")]
-        return DecoderStep(g.input("ids", ("S",), "i64"), attention, g.input("logit_rows", ("R",), "i64"),
-                           g.input("sampling", ("R", 5), "f32"), pages)
+        ids = g.input("ids", ("S",), "i64") if self.first else None
+        hidden = None if self.first else g.input("hidden", ("S", self.width), "f32")
+        rows, sampling = None, None
+        if self.last:
+            rows, sampling = g.input("logit_rows", ("R",), "i64"), g.input("sampling", ("R", 5), "f32")
+        return DecoderStep(ids, attention, rows, sampling, pages, hidden)
 
-    def outputs(self, g: GraphBuilder, logits: Value, choices: Value, pages: list[Value]):
-        return g.output(logits, choices, *pages)
+    def outputs(self, g: GraphBuilder, pages: list[Value], logits: Value = None, choices: Value = None, hidden: Value = None):
+        return g.output(*((logits, choices) if self.last else (hidden,)), *pages)
 
     def feed(self, step: DecoderStep) -> dict:
-        """The graph's inputs by name, for one step."""
+        """The graph's inputs by name, for one step (`step.pages`: every layer's)."""
         a = step.attention
-        named = {"ids": step.ids, "positions": a.positions, "slots": a.slots, "ctx_slots": a.ctx_slots,
-                 "logit_rows": step.logit_rows, "sampling": step.sampling}
+        named = {"positions": a.positions, "slots": a.slots, "ctx_slots": a.ctx_slots}
+        named.update({"ids": step.ids} if self.first else {"hidden": step.hidden})
+        if self.last:
+            named.update(logit_rows=step.logit_rows, sampling=step.sampling)
         named.update({self.spans_name(w): span for w, span in a.spans.items()})
-        named.update({f"{kv}_pages.{i}": step.pages[2 * i + j] for i in range(self.cache.layers) for j, kv in enumerate("kv")})
+        named.update({f"{kv}_pages.{i}": step.pages[2 * i + j] for i in self.layers for j, kv in enumerate("kv")})
         return named
 
     def shared(self) -> set[str]:
         """The inputs that are the same tensors every step (the pages, updated in place)."""
-        return {f"{kv}_pages.{i}" for i in range(self.cache.layers) for kv in "kv"}
+        return {f"{kv}_pages.{i}" for i in self.layers for kv in "kv"}
 
     def read(self, outputs: list) -> DecoderOutputs:
-        logits, choices, *pages = outputs
-        return DecoderOutputs(logits, choices, pages)
+        """The step's results; `pages`, this graph's layers' (k, v per layer)."""
+        if self.last:
+            logits, choices, *pages = outputs
+            return DecoderOutputs(logits, choices, pages)
+        hidden, *pages = outputs
+        return DecoderOutputs(None, None, pages, hidden)
 
 
 @dataclass

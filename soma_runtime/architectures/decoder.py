@@ -1,4 +1,5 @@
-"""The transformer decoder template: DecoderConfig + weights -> one Graph, read top to bottom.
+"""The transformer decoder template: DecoderConfig + weights -> one Graph, read top to bottom (or a
+graph of a run of its layers, for a model split across devices: DecoderIO says which).
 
 embed -> N x (norm, attention over the paged KV cache, norm, gated mlp) -> norm -> head, as plain
 math: each projection a matmul (plus its bias), rope, appends and attention each their own op. The
@@ -120,15 +121,18 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
     def block_output(y, post_norm):
         return norm(y, post_norm) if cfg.sandwich_norms else y
 
-    x = g.embedding(const("token_embd.weight"), step.ids)
-    if x.dtype != "f32":
-        x = g.cast(x, dtype="f32")
-    if cfg.embed_scale != 1.0:
-        x = g.mul(x, g.const("embed_scale", np.full(1, cfg.embed_scale, np.float32)))
+    if io.first:
+        x = g.embedding(const("token_embd.weight"), step.ids)
+        if x.dtype != "f32":
+            x = g.cast(x, dtype="f32")
+        if cfg.embed_scale != 1.0:
+            x = g.mul(x, g.const("embed_scale", np.full(1, cfg.embed_scale, np.float32)))
+    else:                                         # a later part of a split model: the rows its earlier part gave
+        x = step.hidden
     pages_out = []
-    for i in range(cfg.num_layers):
+    for i in io.layers:
         p = f"blk.{i}"
-        k_pages, v_pages = step.pages[2 * i: 2 * i + 2]
+        k_pages, v_pages = step.pages[2 * (i - io.layers.start): 2 * (i - io.layers.start) + 2]
         h = norm(x, f"{p}.attn_norm")
         if f"{p}.attn_qkv.weight" in weights:
             q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
@@ -156,6 +160,8 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             attn = g.matmul(attn, kv_basis(), transpose_b=True)
         x = g.add(x, block_output(linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output"), f"{p}.post_attention_norm"))
         x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down"), f"{p}.post_ffw_norm"))
+    if not io.last:
+        return io.outputs(g, pages_out, hidden=x)
     rows = g.embedding(x, step.logit_rows)            # the rows that sample a token: the head reads only those
     head = "token_embd" if cfg.tie_embeddings or "output.weight" not in weights else "output"
     logits = linear(norm(rows, "output_norm"), head)
@@ -163,7 +169,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
                        g.const("softcap", np.full(1, cap, np.float32)))
-    return io.outputs(g, logits, g.sample(logits, step.sampling, width=sample_width(cfg)), pages_out)
+    return io.outputs(g, pages_out, logits, g.sample(logits, step.sampling, width=sample_width(cfg)))
 
 
 def coded(**codecs) -> dict:

@@ -68,6 +68,9 @@ def add_generation_args(p) -> None:
                    help="a prompt beyond the context: an error (default); its oldest tokens (a chat's oldest messages "
                         "after the system prompt) dropped until it takes three quarters of the context; or, for a model "
                         "trained with a sliding window on every layer, run on within the window (slide)")
+    p.add_argument("--gpu-layers", type=int, default=None, metavar="N",
+                   help="on a GPU, run only the model's first N layers there and the rest on the host (llama.cpp's "
+                        "--n-gpu-layers; default: all on the GPU)")
     p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")
@@ -84,7 +87,8 @@ def load_model(args):
                                                                                  activations=getattr(args, "activations", None),
                                                                                  draft=getattr(args, "draft", None),
                                                                                  overflow=getattr(args, "overflow", None),
-                                                                                 kv_dtype=getattr(args, "kv_cache", None))
+                                                                                 kv_dtype=getattr(args, "kv_cache", None),
+                                                                                 gpu_layers=getattr(args, "gpu_layers", None))
 
 
 def read_prompt(text: str) -> str:
@@ -244,7 +248,7 @@ def cmd_serve(args) -> int:
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
-          args.overflow, kv_dtype=args.kv_cache)
+          args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers)
     return 0
 
 
@@ -267,7 +271,8 @@ def cmd_memory(args) -> int:
         return 0
     print(f"budget {memory['budget_bytes'] / 2**20:,.0f} MiB, models {memory['used_bytes'] / 2**20:,.0f} MiB")
     for m in memory["models"]:
-        cache = f"  kv {m['kv_cache']} ({m['kv_bytes_per_token']} B/token), context {m['context']}" if "kv_cache" in m else ""
+        cache = (f"  kv {m['kv_cache']} ({m['kv_bytes_per_token']} B/token), context {m['context']}, "
+                 f"{m['gpu_layers']} layers on the device" if "kv_cache" in m else "")
         print(f"  {m['id']:24s} {m['bytes'] / 2**20:9,.0f} MiB  priority {m['priority']}{cache}")
     taken = ", ".join(f"{step} x{n}" for step, n in memory["degradations"].items()) or "none"
     print(f"degradations: {taken}")

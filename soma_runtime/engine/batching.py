@@ -81,7 +81,7 @@ class Scheduler:
         `thread`: the loop runs on a thread of its own; else `run` steps it on the caller's. With a
         `drafter`, decoding streams speculate: their drafts run as rows after their token, checked at once."""
         self.engine, self.max_batch, self.step_tokens, self.drafter = engine, max_batch, step_tokens, drafter
-        self.run_ahead = engine.backend.asynchronous if run_ahead is None else run_ahead
+        self.run_ahead = engine.asynchronous if run_ahead is None else run_ahead
         self.ahead: tuple[list[Job], object] | None = None      # the step launched ahead: its jobs, its Step
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []

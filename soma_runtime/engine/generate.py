@@ -12,22 +12,24 @@ from __future__ import annotations
 import resource
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.contract import DecoderIO, DecoderStep
-from soma_runtime.architectures.decoder import Weights, build_decoder, cache_of, sample_width
-from soma_runtime.backends.base import Backend
+from soma_runtime.architectures.contract import DecoderStep
+from soma_runtime.architectures.decoder import Weights, cache_of, sample_width
+from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.grammar import Constraint, Grammars
 from soma_runtime.engine.kv import ROLLBACK, KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.speculate import DraftLength
+from soma_runtime.engine.stages import Stage, fusions, split, stage_bytes
 from soma_runtime.engine.stops import StopMatcher, check_stops
 from soma_runtime.errors import PromptTooLong, RequestError
-from soma_runtime.ir.passes import fuse, plan_memory
+from soma_runtime.ir.passes import plan_memory
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.sampling import log_softmax
 from soma_runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -261,24 +263,22 @@ class Launched:
 
 
 class Engine:
-    """A decoder's graph, fused once, its plans per step shape, its KV pool: runs batches of rows."""
+    """A decoder's graph, fused once, its plans per step shape, its KV pool: runs batches of rows. With
+    `device_layers`, a model on a device runs only its first layers there, the rest on the host (stages.py)."""
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
-                 n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None):
+                 n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
+                 device_layers: int | None = None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
         self.sliding = False          # sequences may run past the context, within every layer's window (slide)
         if self.n_ctx < 2:
             raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
         self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
+        self.placement = split(self.cfg, backend, device_layers)
         self.cache = cache_of(self.cfg, kv_dtype)
-        self.io = DecoderIO(self.cache)
-        self.graph = build_decoder(self.cfg, weights, self.io, activations)
-        self.fusions = fuse(self.graph)
-        self.captures = backend.captures()               # decode steps captured and replayed, where the backend can
-        self.pool = KVPool(self.cache, max(self.n_ctx, kv_tokens or KV_TOKENS), backend.zeros)
-        self.plans: dict[tuple[int, int], Plan] = {}
-        self.placed: dict[str, object] = {}       # the weights on the device, shared by every plan
+        self.stages = self.build_stages()
+        self.pool = KVPool(self.cache, max(self.n_ctx, kv_tokens or KV_TOKENS), self.backend_of)
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.grammars = Grammars(tokenizer.hf.to_str(), cfg.vocab_size, sorted(self.stop_ids))
@@ -291,11 +291,54 @@ class Engine:
         that takes less memory (the first rung of the server's degradation ladder)."""
         cache = cache_of(self.cfg, kv_dtype)
         with self.lock:
-            self.pool.transcode(self.cache, cache, self.backend)
-            self.kv_dtype, self.cache, self.io = kv_dtype, cache, DecoderIO(cache)
-            self.graph = build_decoder(self.cfg, self.weights, self.io, self.activations)
-            self.fusions = fuse(self.graph)
-            self.plans, self.captures, self.row_bytes = {}, self.backend.captures(), None
+            self.pool.transcode(self.cache, cache)
+            self.kv_dtype, self.cache = kv_dtype, cache
+            self.stages, self.row_bytes = self.build_stages(), None
+
+    def build_stages(self) -> list[Stage]:
+        return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations)
+                for layers, backend in self.placement]
+
+    def backend_of(self, layer: int) -> Backend:
+        return next(backend for layers, backend in self.placement if layer in layers)
+
+    @property
+    def device_layers(self) -> int:
+        """The layers that run on the model's backend (all, unless split)."""
+        return len(self.placement[0][0]) if self.placement[0][1] is self.backend else 0
+
+    def offload(self, device_layers: int) -> None:
+        """Keep only the first `device_layers` layers on the device, the rest on the host, before any request
+        runs (the server's ladder, for a model that does not fit its budget); the device's copies of the
+        others go with the old stages."""
+        with self.lock:
+            assert not self.pool.in_use, "layers are offloaded before a model serves"
+            self.placement = split(self.cfg, self.backend, device_layers)
+            self.stages, self.row_bytes = self.build_stages(), None
+            self.pool = KVPool(self.cache, max(self.n_ctx, self.kv_tokens or KV_TOKENS), self.backend_of)
+
+    def memory_bytes(self, device_layers: int | None = None, n_ctx: int | None = None) -> int:
+        """What the model holds where its first stage runs (its device): the weights and KV cache of the
+        layers there, with `device_layers` of them on the device and a context of `n_ctx` tokens (default:
+        as it runs)."""
+        layers = split(self.cfg, self.backend, self.device_layers if device_layers is None else device_layers)[0][0]
+        return stage_bytes(self.cfg, self.weights, self.cache, layers, self.n_ctx if n_ctx is None else n_ctx)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a step's results come back while later work runs on (a split step waits on the host)."""
+        return all(stage.backend.asynchronous for stage in self.stages)
+
+    @property
+    def fusions(self) -> Counter:
+        return fusions(self.stages)
+
+    def prepare(self, precision: Precision, tune: bool, force: bool = False) -> dict:
+        """Each stage's layer weights readied on its backend (Backend.prepare); what was measured."""
+        measured = {}
+        for stage in self.stages:
+            measured.update(stage.backend.prepare(stage.layer_weights(), precision, tune, force))
+        return measured
 
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
@@ -304,8 +347,10 @@ class Engine:
             raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
-                       self.kv_tokens)
-        draft.placed, draft.sliding = self.placed, self.sliding
+                       self.kv_tokens, self.device_layers)
+        for mine, theirs in zip(draft.stages, self.stages):
+            mine.placed = theirs.placed
+        draft.sliding = self.sliding
         return draft
 
     @property
@@ -320,23 +365,15 @@ class Engine:
             return min(total, self.cache.horizon + ROLLBACK + self.n_ctx + self.pool.block)
         return min(total, self.n_ctx)
 
-    def layer_weights(self) -> list:
-        """The per-layer weights as the fused graph holds them (q/k/v stacked, ...), which prefill
-        multiplies by every prompt row (the head sees one)."""
-        return [w for name, w in self.graph.constants.items() if name.startswith("blk.")]
-
     def plan(self, rows: int, logit_rows: int = 1) -> Plan:
-        key = (rows, logit_rows)
-        if key not in self.plans:
-            k = self.pool.k[0]
-            self.plans[key] = Plan(self.graph, self.backend, {"S": rows, "R": logit_rows, "P": k.shape[0], "BLK": k.shape[1]},
-                                   free=("T",), placed=self.placed)
-        return self.plans[key]
+        """The first stage's plan of a step (each stage's is made as a step first runs it)."""
+        first = self.stages[0]
+        return first.plan(rows, logit_rows, self.pool.k[first.layers.start])
 
     def step_rows(self, wanted: int) -> int:
         """At most `wanted` rows for one step: fewer where the device's free memory cannot hold their
         activations (prompts are then run in chunks), never fewer than one."""
-        free = self.backend.free_bytes()
+        free = self.stages[0].backend.free_bytes()
         if free is None:
             return wanted
         if self.row_bytes is None:
@@ -362,25 +399,28 @@ class Engine:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
         attention = self.pool.attention([(seq, len(tokens)) for seq, tokens, _ in batch], self.cache.window_sizes,
-                                        lambda slots: self.captures.context(rows, slots))
+                                        lambda slots: self.stages[0].captures.context(rows, slots))
         logit_rows = np.concatenate([np.arange(end - want, end) for end, (_, _, want)
                                      in zip(np.cumsum([len(tokens) for _, tokens, _ in batch]), batch)]).astype(np.int64)
         if ids is None:
             ids = np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64)
         logits_wanted = sampling is None                     # else only the tokens chosen on the model come back
         rows_params = greedy_rows(len(logit_rows)) if logits_wanted else np.asarray(sampling, np.float32)
-        with self.lock:                      # the pages, plan and graph of one cache (recompress swaps them)
+        with self.lock:                      # the pages, plans and graphs of one cache (recompress swaps them)
             step = DecoderStep(ids, attention, logit_rows, rows_params, self.pool.pages)
-            plan = self.plan(rows, len(logit_rows))
-            out = self.io.read(self.captures.run(plan, self.io.feed(step), self.io.shared(), rows, len(attention.ctx_slots)))
-            self.pool.keep(out.pages)
+            out, last = None, None
+            for stage in self.stages:
+                if out is not None:          # a split model: the rows its device part gave go on on the host
+                    step.hidden = stage.backend.place(last.fetch(out.hidden))
+                out, last = stage.run(step, len(logit_rows), len(attention.ctx_slots)), stage.backend
+                self.pool.keep(out.pages, stage.layers)
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
         ends = np.cumsum([want for _, _, want in batch])[:-1]
         if logits_wanted or not host:
-            read = self.backend.fetch_soon(out.logits if logits_wanted else out.choices)
+            read = last.fetch_soon(out.logits if logits_wanted else out.choices)
             return Launched(out.choices, lambda: np.split(read(), ends))
-        read_choices, read_logits = self.backend.fetch_soon(out.choices), self.backend.fetch_soon(out.logits[list(host)])
+        read_choices, read_logits = last.fetch_soon(out.choices), last.fetch_soon(out.logits[list(host)])
 
         def wait() -> list:
             chosen, logits = list(read_choices()), read_logits()

@@ -14,6 +14,7 @@ holds stays cached until the pool needs it back, least recently used first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,13 +45,13 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
 
 
 class KVPool:
-    def __init__(self, cache: PagedKV, max_tokens: int, zeros, block: int = 16):
-        """The pages of a model's `cache` for `max_tokens` tokens; `zeros(shape, dtype)` allocates them where
-        the backend computes (on the host: memory mapped lazily, so it grows with the tokens actually cached).
+    def __init__(self, cache: PagedKV, max_tokens: int, backend_of: Callable, block: int = 16):
+        """The pages of a model's `cache` for `max_tokens` tokens, each layer's where `backend_of(layer)`
+        computes it (on the host: memory mapped lazily, so they grow with the tokens actually cached).
         A compressed layer's pages hold bytes (PagedKV.page_shape)."""
-        self.block, self.horizon = block, cache.horizon
+        self.block, self.horizon, self.backend_of = block, cache.horizon, backend_of
         self.num_pages = -(-max_tokens // block) + 1
-        self.k, self.v = ([zeros(*cache.page_shape(i, which, self.num_pages, block)) for i in range(cache.layers)]
+        self.k, self.v = ([backend_of(i).zeros(*cache.page_shape(i, which, self.num_pages, block)) for i in range(cache.layers)]
                           for which in (0, 1))
         self.free = list(range(self.num_pages - 1, 0, -1))
         self.refs = np.zeros(self.num_pages, np.int32)
@@ -95,22 +96,25 @@ class KVPool:
         """Every layer's key and value pages, in the graph's order (k, v per layer)."""
         return [p for pair in zip(self.k, self.v) for p in pair]
 
-    def transcode(self, source: PagedKV, target: PagedKV, backend) -> None:
+    def transcode(self, source: PagedKV, target: PagedKV) -> None:
         """Every layer's pages re-encoded from `source`'s kinds into `target`'s (quant/kv.py), the pages that
         hold something (a sequence's, the prefix cache's) converted, the rest left unwritten: sequences
         and published prefixes go on in the new cache where they were."""
         held = np.flatnonzero(self.refs > 0).tolist() + list(self.idle)
         for which, pages in enumerate((self.k, self.v)):
             for layer, old in enumerate(pages):
+                backend = self.backend_of(layer)
                 new = backend.zeros(*target.page_shape(layer, which, self.num_pages, self.block))
                 if held:
                     kinds = source.layout.kinds[layer][which], target.layout.kinds[layer][which]
                     new[held] = backend.place(kv.transcode(np.asarray(backend.fetch(old[held])), *kinds, target.head_dim))
                 pages[layer] = new
 
-    def keep(self, pages: list) -> None:
-        """The pages a step returns (a backend that updates out of place gives new ones)."""
-        self.k, self.v = list(pages[0::2]), list(pages[1::2])
+    def keep(self, pages: list, layers: range | None = None) -> None:
+        """The pages a step returns for `layers` (default: all; a backend that updates out of place gives
+        new ones)."""
+        for i, layer in enumerate(range(len(self.k)) if layers is None else layers):
+            self.k[layer], self.v[layer] = pages[2 * i], pages[2 * i + 1]
 
     def attention(self, batch: list[tuple[Sequence, int]], windows: list[int], context_for) -> Attention:
         """The attention inputs of a step running `n` new tokens of each sequence (their pages reserved).

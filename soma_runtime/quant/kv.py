@@ -302,9 +302,9 @@ def page_meta(kind: str, head_dim: int) -> tuple[int, str]:
     return (CODECS[kind].row_bytes(head_dim), "u8") if kind in CODECS else (head_dim, kind)
 
 
-def bytes_per_token(spec: Layout, kv_heads: int, head_dim: int) -> int:
-    """The cache's bytes for one token, every layer's keys and values."""
+def bytes_per_token(kinds: list[tuple[str, str]], kv_heads: int, head_dim: int) -> int:
+    """The cache's bytes for one token: the keys and values of layers of these (K, V) kinds."""
     def size(kind):
         last, dt = page_meta(kind, head_dim)
         return last * (1 if dt == "u8" else np.dtype(dtype(dt).numpy).itemsize)
-    return sum(kv_heads * (size(k) + size(v)) for k, v in spec.kinds)
+    return sum(kv_heads * (size(k) + size(v)) for k, v in kinds)

@@ -5,7 +5,8 @@ time under a lock. A model that does not fit the budget makes room down a ladder
 and counted (`degradations`, in /v1/metrics and /v1/memory): first the KV caches, the largest first,
 are compressed (f16 -> tq4 -> tq3, running requests' pages converted where they are), then loaded
 models of no higher priority are unloaded, least recently used first, once they finish their
-requests, then the new model's context is cut to what fits. No admitted request is dropped; a model
+requests, then a new model on a device keeps there only the layers that fit (the rest run on the
+host, llama.cpp's --n-gpu-layers), then the new model's context is cut to what fits. No admitted request is dropped; a model
 that fits in none of these ways is refused (OutOfMemory). Loading under the id of a running model is a hot-swap:
 the new one is loaded beside it, new requests go to it from then on, and the old one finishes the
 requests it holds before it is dropped. An unloaded model likewise drains before it goes.
@@ -30,7 +31,7 @@ from soma_runtime.server.security import check_model_id, safe_model_id
 log = logging.getLogger("soma_runtime.server")
 DRAIN_SECONDS = 120        # how long a load waits for an unloaded model to finish its requests
 MIN_CONTEXT = 256          # the shortest context the ladder cuts a new model's down to
-DEGRADATIONS = ("compress_kv", "unload_model", "reduce_context")      # the ladder's rungs, in order
+DEGRADATIONS = ("compress_kv", "unload_model", "offload_layers", "reduce_context")      # the ladder's rungs, in order
 
 
 class ModelNotFound(RequestError):
@@ -83,11 +84,12 @@ def default_id(source: str | None) -> str:
 class ModelRegistry:
     def __init__(self, runtime: Runtime | None = None, memory_budget: int | None = None, max_batch: int = 16,
                  step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None, overflow: str | None = None,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, gpu_layers: int | None = None):
         """`draft`: speculative decoding for every text model loaded (Runtime.speculate); `overflow`: what
-        they do with prompts beyond their context (TextModel); `kv_dtype`: their KV cache's type."""
+        they do with prompts beyond their context (TextModel); `kv_dtype`: their KV cache's type;
+        `gpu_layers`: how many of their layers run on the device (Runtime.load)."""
         self.runtime = runtime or Runtime()
-        self.draft, self.overflow, self.kv_dtype = draft, overflow, kv_dtype
+        self.draft, self.overflow, self.kv_dtype, self.gpu_layers = draft, overflow, kv_dtype, gpu_layers
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
@@ -121,7 +123,8 @@ class ModelRegistry:
         with self.load_lock:
             old = self.models.get(model_id)
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
-                                      overflow=self.overflow, kv_dtype=self.kv_dtype)
+                                      overflow=self.overflow, kv_dtype=self.kv_dtype,
+                                      gpu_layers=self.gpu_layers)
             try:
                 self._make_room(model, priority, keep=model_id)
                 size = model.memory_bytes
@@ -161,6 +164,8 @@ class ModelRegistry:
                     self.evicted += 1
                 elif self.retiring:
                     draining = self.retiring[0]
+                elif self._offload_layers(model):
+                    continue
                 elif self._reduce_context(model):
                     return
                 elif not self.used_bytes:
@@ -187,12 +192,26 @@ class ModelRegistry:
             served.bytes = model.memory_bytes
         return True
 
+    def _offload_layers(self, model: Model) -> bool:
+        """The third rung: a new text model on a device keeps there the most layers (at least one) that fit
+        the budget left, the rest run on the host."""
+        if not isinstance(model, TextModel) or model.backend.fallback is None:
+            return False
+        room, engine = self.budget - self.used_bytes, model.engine
+        fits = [k for k in range(1, engine.device_layers) if engine.memory_bytes(k) <= room]
+        if not fits:
+            return False
+        self._degrade("offload_layers", "running %d of the %d layers of %s on the host", engine.cfg.num_layers - fits[-1],
+                      engine.cfg.num_layers, model.id)
+        model.offload(fits[-1])
+        return True
+
     def _reduce_context(self, model: Model) -> bool:
         """The last rung: a new text model's context cut to what the budget leaves it (at least MIN_CONTEXT)."""
         if not isinstance(model, TextModel):
             return False
-        room = self.budget - self.used_bytes - model.weight_bytes()
-        n_ctx = room // max(1, model.kv_bytes_per_token)
+        fixed = model.engine.memory_bytes(n_ctx=0)            # its weights where it runs; then each token's KV
+        n_ctx = (self.budget - self.used_bytes - fixed) // max(1, model.engine.memory_bytes(n_ctx=1) - fixed)
         if n_ctx < MIN_CONTEXT or n_ctx >= model.engine.n_ctx:
             return False
         self._degrade("reduce_context", "cutting the context of %s: %d -> %d tokens", model.id, model.engine.n_ctx, n_ctx)
@@ -208,7 +227,8 @@ class ModelRegistry:
         with self.lock:
             models = [{"id": s.id, "priority": s.priority, "bytes": s.bytes, "task": s.model.task,
                        **({"kv_cache": s.model.engine.kv_dtype, "kv_bytes_per_token": s.model.kv_bytes_per_token,
-                           "context": s.model.engine.n_ctx} if isinstance(s.model, TextModel) else {})}
+                           "context": s.model.engine.n_ctx, "gpu_layers": s.model.engine.device_layers}
+                          if isinstance(s.model, TextModel) else {})}
                       for s in self.models.values()]
             return {"budget_bytes": self.budget, "used_bytes": self.used_bytes, "models": models,
                     "degradations": dict(self.degradations), "evicted": self.evicted}

@@ -125,7 +125,7 @@ def test_a_spec_sets_each_layers_key_and_value_kinds():
     layout = kv.layout("tq4/tq2,edges=1", 4)
     assert layout.kinds == (("f16", "f16"), ("tq4", "tq2"), ("tq4", "tq2"), ("f16", "f16"))
     assert kv.layout("q8_0", 2).kinds == (("q8_0", "q8_0"),) * 2
-    assert kv.bytes_per_token(kv.layout("tq4/tq2", 1), 2, 64) == 2 * (36 + 20)
+    assert kv.bytes_per_token(kv.layout("tq4/tq2", 1).kinds, 2, 64) == 2 * (36 + 20)
     for bad in ("q5_0", "tq4/tq2/tq3", "tq4,edges=x", "tq4,keep=2", "f16/bf16", "tq4/f16"):
         with pytest.raises(ValueError):
             kv.layout(bad, 4)

@@ -199,7 +199,7 @@ def test_a_plain_math_decoder_becomes_the_graph_the_fused_kernels_run(tiny_llama
     one append; queries rotated by attention; the o and down products adding the residual; gate and up
     interleaved, normed and gated in one product. The head takes the final norm."""
     _, _, _, model = tiny_llama
-    cfg, graph = model.engine.cfg, model.engine.graph
+    cfg, graph = model.engine.cfg, model.engine.stages[0].graph
     layers, nodes = cfg.num_layers, graph.nodes
     assert not {"rmsnorm", "rope", "add", "swiglu"} & {n.op for n in nodes}
     matmuls = [n for n in nodes if n.op == "matmul"]
@@ -221,14 +221,14 @@ def test_the_fused_plan_computes_the_plain_one_and_verifies_against_its_atoms(ti
     import torch
 
     from soma_runtime.api import Runtime
-    from soma_runtime.engine import generate
+    from soma_runtime.engine import stages
     directory, hf_model, tok, model = tiny_llama
     ids = tok.encode("The quick brown fox jumps over the lazy dog.").ids
     fused = model.logits(ids)
     with monkeypatch.context() as off:
-        off.setattr(generate, "fuse", lambda graph: Counter())
+        off.setattr(stages, "fuse", lambda graph: Counter())
         plain = Runtime("cpu").load(directory, progress=False)
-    assert Counter(n.op for n in plain.engine.graph.nodes)["rope"] == 2 * plain.engine.cfg.num_layers
+    assert Counter(n.op for n in plain.engine.stages[0].graph.nodes)["rope"] == 2 * plain.engine.cfg.num_layers
     monkeypatch.setenv("SOMA_VERIFY", "1")
     verified = Runtime("cpu").load(directory, progress=False).logits(ids)
     with torch.no_grad():

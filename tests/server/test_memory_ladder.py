@@ -1,7 +1,8 @@
 """The memory ladder under --memory-budget: budgets set so that each rung is forced in turn while
 requests run. A model's KV cache is compressed under a running request (its pages converted where
 they lie: the request goes on to its end); models are unloaded only after their requests end
-(tests/server/test_registry.py); a new model's context is cut to what is left. Every rung is logged
+(tests/server/test_registry.py); a new model on a device runs its last layers on the host; a new
+model's context is cut to what is left. Every rung is logged
 and counted in /v1/metrics, /v1/memory and `soma-runtime memory`."""
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ import pytest
 from soma_runtime.api import Runtime
 from soma_runtime.architectures.decoder import cache_of
 from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.stages import stage_bytes
 from soma_runtime.errors import PromptTooLong
 from soma_runtime.quant import kv
 from soma_runtime.server.registry import ModelRegistry
+from tests.backends import BACKENDS
+from tests.fixtures.decoders import build_model
 from tests.server.conftest import ServerProcess
 
 
@@ -122,3 +126,24 @@ def test_a_server_under_its_budget_compresses_answers_and_reports_the_rung(footp
         assert "memory budget: compressing the KV cache of a" in server.output()
     finally:
         assert server.stop() == 0, server.output()
+
+
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+def test_a_model_over_the_device_budget_runs_its_last_layers_on_the_host(tmp_path):
+    """With no cache to compress (16-wide heads) and no model to unload, a new model on the device keeps
+    there the layers that fit, the rest on the host; its requests then run with the CPU's tokens."""
+    build_model("qwen2", str(tmp_path))
+    cpu = Runtime("cpu").load(str(tmp_path), progress=False)
+    engine = cpu.engine
+    device_part = stage_bytes(engine.cfg, engine.weights, engine.cache, range(1), engine.n_ctx)     # its first layer's
+    assert device_part < cpu.memory_bytes
+    reg = ModelRegistry(Runtime("cuda"), memory_budget=device_part + 1024)
+    try:
+        model = reg.load(str(tmp_path), "m").model
+        assert reg.degradations == {"offload_layers": 1} and model.engine.device_layers == 1
+        assert reg.used_bytes == device_part and reg.memory()["models"][0]["gpu_layers"] == 1
+        ids, inbox = cpu.tokenize("Hello world, this is"), queue.Queue()
+        reg.models["m"].scheduler.submit(model.request(ids, 6, temperature=0), inbox.put)
+        assert [t.id for t in drain(inbox)] == [t.id for t in cpu.generate(ids, max_tokens=6, temperature=0)]
+    finally:
+        reg.close()

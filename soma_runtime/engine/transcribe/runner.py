@@ -52,8 +52,8 @@ class WhisperRunner:
         self.cross_graph = build_cross(cfg, weights, self.io, activations)
         self.step_graph = build_step(cfg, weights, self.io, activations)
         fuse(self.cross_graph), fuse(self.step_graph)
-        self.pool = KVPool(self.io.cache, SELF_TOKENS, backend.zeros)
-        self.cross = KVPool(self.io.cross, cfg.max_source_positions * CROSS_WINDOWS, backend.zeros)
+        self.pool = KVPool(self.io.cache, SELF_TOKENS, lambda _: backend)
+        self.cross = KVPool(self.io.cross, cfg.max_source_positions * CROSS_WINDOWS, lambda _: backend)
         self.plans: dict[tuple, Plan] = {}
         self.placed: dict[str, object] = {}
         self.lock = threading.Lock()

@@ -1,0 +1,83 @@
+"""Where a decoder's layers run: all on one backend, or split across devices as llama.cpp's
+--n-gpu-layers splits them (the first layers, with the embedding, on the device; the rest, with the
+head, on the host). Each stage is a graph of its layers (DecoderIO says which) with its own plans and
+placed weights; a step runs the stages in order, the hidden rows passing from one to the next.
+Knows graphs, plans and backends; nothing of sequences or scheduling.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, PagedKV
+from soma_runtime.architectures.decoder import Weights, build_decoder
+from soma_runtime.backends.base import Backend
+from soma_runtime.errors import RequestError
+from soma_runtime.ir.passes import fuse
+from soma_runtime.ir.plan import Plan
+
+
+class Stage:
+    """A run of consecutive layers on one backend: its graph (fused once), its plans per (rows, logit rows),
+    its weights placed on the backend (shared by the plans) and its captured steps."""
+
+    def __init__(self, cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, backend: Backend,
+                 activations: str):
+        self.backend, self.io = backend, DecoderIO(cache, layers, cfg.hidden_size)
+        self.graph = build_decoder(cfg, weights, self.io, activations)
+        self.fusions = fuse(self.graph)
+        self.captures = backend.captures()           # steps captured and replayed, where the backend can
+        self.plans: dict[tuple[int, int], Plan] = {}
+        self.placed: dict[str, object] = {}
+
+    @property
+    def layers(self) -> range:
+        return self.io.layers
+
+    def plan(self, rows: int, logit_rows: int, pages) -> Plan:
+        """The plan of a step of `rows` rows, `logit_rows` of them wanted, over KV pages shaped as `pages`."""
+        key = (rows, logit_rows)
+        if key not in self.plans:
+            self.plans[key] = Plan(self.graph, self.backend, {"S": rows, "R": logit_rows, "P": pages.shape[0],
+                                                              "BLK": pages.shape[1]}, free=("T",), placed=self.placed)
+        return self.plans[key]
+
+    def run(self, step: DecoderStep, logit_rows: int, context: int) -> DecoderOutputs:
+        """One step of this stage's layers (`step.pages`: every layer's; `step.hidden`: the rows the stage
+        before gave, where this one does not start at the embedding)."""
+        rows = len(step.attention.positions)
+        plan = self.plan(rows, logit_rows, step.pages[2 * self.layers.start])
+        return self.io.read(self.captures.run(plan, self.io.feed(step), self.io.shared(), rows, context))
+
+    def layer_weights(self) -> list:
+        """Its layers' weights as the fused graph holds them (q/k/v stacked, ...)."""
+        return [w for name, w in self.graph.constants.items() if name.startswith("blk.")]
+
+
+def split(cfg: DecoderConfig, backend: Backend, device_layers: int | None) -> list[tuple[range, Backend]]:
+    """The layers each stage runs and where: all on `backend` (device_layers None, or every layer), or the
+    first `device_layers` there and the rest on its host (0: all on the host)."""
+    n = cfg.num_layers
+    if device_layers is None or device_layers >= n:
+        return [(range(n), backend)]
+    if type(device_layers) is not int or device_layers < 0:
+        raise RequestError(f"gpu_layers must be an integer >= 0, got {device_layers!r}")
+    host = backend.fallback
+    if host is None:
+        raise RequestError(f"gpu_layers: the {backend.name} backend runs on the host; there is no device to split from")
+    return [(range(n), host)] if device_layers == 0 else [(range(device_layers), backend), (range(device_layers, n), host)]
+
+
+def stage_bytes(cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, n_ctx: int) -> int:
+    """What a stage of `layers` holds: their weights (the final norm and head with the last layer, the
+    embedding and the rest with the first) and their KV cache for `n_ctx` tokens."""
+    def stage_of(name: str) -> int:
+        if name.startswith("blk."):
+            return int(name.split(".")[1])
+        return cfg.num_layers - 1 if name.startswith(("output.", "output_norm.")) else 0
+    held = sum(int(w.nbytes) for name, w in weights.tensors.items() if stage_of(name) in layers)
+    return held + cache.token_bytes(layers) * n_ctx
+
+
+def fusions(stages: list[Stage]) -> Counter:
+    return sum((Counter(s.fusions) for s in stages), Counter())
