@@ -2,8 +2,10 @@
 kinds alternating over rounds (median), greedy, so every kind writes the same tokens. Two prompts: a
 summary of a given text (input-grounded: prompt lookup finds what comes next in it) and free writing
 (little to look up: the adaptive draft length must back off). Reports acceptance rate, tokens per target
-step and the speed-up over plain. Run: python bench/engine.py [--threads 2] [--rounds 3] [--device cpu|cuda]
-[--model PATH] [--tokens 128]; JSON goes to bench/out/engine.json.
+step and the speed-up over plain. `--model random-1b`: a random-weight Llama-3.2-1B-shape target (built on
+the device; it repeats itself, so its acceptance shows what drafting costs and gives, not what a trained
+model accepts). Run: python bench/engine.py [--threads 2] [--rounds 3] [--device cpu|cuda]
+[--model PATH|random-1b] [--tokens 128]; JSON goes to bench/out/engine-DEVICE.json.
 """
 from __future__ import annotations
 
@@ -41,6 +43,18 @@ def measure(model, messages, draft, tokens: int) -> dict:
             "tokens_per_step": m["tokens_per_step"], "ids": ids}
 
 
+def random_1b(device: str) -> str:
+    import sys
+    import tempfile
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from llm_cuda import SHAPES
+
+    from tests.fixtures.decoders import random_llama
+    directory = tempfile.mkdtemp(prefix="engine-1b-")
+    random_llama(SHAPES["1b"], directory, device=device)
+    return directory
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -50,7 +64,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     from soma_runtime.api import Runtime
-    model = Runtime(args.device, threads=args.threads).load(args.model, progress=False)
+    model = Runtime(args.device, threads=args.threads).load(random_1b(args.device) if args.model == "random-1b" else args.model,
+                                                            progress=False)
     drafters = {d: model.drafter_of(None if d == "plain" else d) for d in DRAFTS}
     for messages in PROMPTS.values():                 # warm-up: plans compiled for every row count drafts use
         for drafter in drafters.values():

@@ -277,8 +277,7 @@ class Engine:
         self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
         self.placement = split(self.cfg, backend, device_layers)
         self.cache = cache_of(self.cfg, kv_dtype)
-        self.stages = self.build_stages()
-        self.pool = KVPool(self.cache, max(self.n_ctx, kv_tokens or KV_TOKENS), self.backend_of)
+        self.stages, self.pool = self.build_stages(), self.new_pool()
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.grammars = Grammars(tokenizer.hf.to_str(), cfg.vocab_size, sorted(self.stop_ids))
@@ -299,6 +298,9 @@ class Engine:
         return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations)
                 for layers, backend in self.placement]
 
+    def new_pool(self) -> KVPool:
+        return KVPool(self.cache, max(self.n_ctx, self.kv_tokens or KV_TOKENS), self.backend_of)
+
     def backend_of(self, layer: int) -> Backend:
         return next(backend for layers, backend in self.placement if layer in layers)
 
@@ -314,8 +316,7 @@ class Engine:
         with self.lock:
             assert not self.pool.in_use, "layers are offloaded before a model serves"
             self.placement = split(self.cfg, self.backend, device_layers)
-            self.stages, self.row_bytes = self.build_stages(), None
-            self.pool = KVPool(self.cache, max(self.n_ctx, self.kv_tokens or KV_TOKENS), self.backend_of)
+            self.stages, self.pool, self.row_bytes = self.build_stages(), self.new_pool(), None
 
     def memory_bytes(self, device_layers: int | None = None, n_ctx: int | None = None) -> int:
         """What the model holds where its first stage runs (its device): the weights and KV cache of the

@@ -19,7 +19,8 @@ LOOKUP_NGRAM = (3, 2)      # prompt lookup matches the last 3, then 2 tokens (on
 POOR_RATE = 0.25           # a stream whose drafts are accepted less often than this ...
 REST_STEPS = 16            # ... stops drafting for this many steps, then tries a single token; each poor
 LONGEST_REST = 256         # spell in a row doubles the rest, up to this
-IDLE_STEPS = 4             # a stream the drafter had nothing for this many steps in a row rests too (REST_STEPS)
+IDLE_STEPS = 4             # a stream the drafter had nothing for this many steps in a row rests too; after a
+                           # rest, one more empty step rests it again, each idle rest twice the last
 
 
 @dataclass
@@ -27,7 +28,8 @@ class DraftLength:
     """How many tokens to draft for one stream: one more after a step that kept them all, one fewer after
     a rejection; a stream whose running acceptance falls below POOR_RATE rests (plain steps) a while,
     longer each time until a draft is accepted again, and so does one the drafter keeps finding nothing for
-    (a resting stream's steps may run ahead on a GPU)."""
+    (a resting stream's steps may run ahead on a GPU; a step that looks for drafts may not, so free writing
+    that never matches must look ever more rarely to stay as fast as plain decoding)."""
     tokens: int = 4
     rate: float = 1.0             # running share of draft tokens accepted
     resting: int = 0
@@ -55,7 +57,8 @@ class DraftLength:
     def nothing_found(self) -> None:
         self.empty += 1
         if self.empty >= IDLE_STEPS:
-            self.resting, self.empty = REST_STEPS, 0
+            self.resting, self.empty = self.rest, IDLE_STEPS - 1
+            self.rest = min(LONGEST_REST, 2 * self.rest)
 
 
 class Drafter:

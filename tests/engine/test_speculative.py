@@ -204,4 +204,9 @@ def test_draft_length_grows_backs_off_and_rests_longer_each_poor_spell():
     for _ in range(IDLE_STEPS):                # nothing to draft, step after step: a rest too
         assert length.next() > 0
         length.nothing_found()
-    assert [length.next() for _ in range(REST_STEPS)] == [0] * REST_STEPS and length.next() > 0
+    for rest in (REST_STEPS, 2 * REST_STEPS, 4 * REST_STEPS):     # then one empty look each time, rests doubling
+        assert [length.next() for _ in range(rest)] == [0] * rest and length.next() > 0
+        length.nothing_found()
+    assert [length.next() for _ in range(8 * REST_STEPS)] == [0] * 8 * REST_STEPS and length.next() > 0
+    length.update(2, 2)                        # drafts found and kept: looking every step again, rests short
+    assert not length.resting and length.rest == REST_STEPS and length.empty == 0
