@@ -194,12 +194,16 @@ class ModelRegistry:
 
     def _offload_layers(self, model: Model) -> bool:
         """The third rung: a new text model on a device keeps there the most layers (at least one) that fit
-        the budget left, the rest run on the host."""
+        the budget left with its context, or failing that with the shortest context the last rung may cut
+        it to; the rest run on the host."""
         if not isinstance(model, TextModel) or model.backend.fallback is None:
             return False
         room, engine = self.budget - self.used_bytes, model.engine
-        fits = [k for k in range(1, engine.device_layers) if engine.memory_bytes(k) <= room]
-        if not fits:
+        for n_ctx in (engine.n_ctx, MIN_CONTEXT):
+            fits = [k for k in range(1, engine.device_layers) if engine.memory_bytes(k, n_ctx) <= room]
+            if fits:
+                break
+        else:
             return False
         self._degrade("offload_layers", "running %d of the %d layers of %s on the host", engine.cfg.num_layers - fits[-1],
                       engine.cfg.num_layers, model.id)

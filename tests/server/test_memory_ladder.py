@@ -12,7 +12,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import openai
 import pytest
 
 from soma_runtime.api import Runtime
@@ -67,8 +66,9 @@ def test_a_kv_cache_is_compressed_under_a_running_request(footprint):
 
 
 def test_a_new_models_context_is_cut_to_what_the_budget_leaves(footprint):
+    """On the host (on a device, offloading layers comes first: the test below)."""
     weights, cache = footprint
-    reg = ModelRegistry(Runtime(), memory_budget=weights + cache["tq3"] // 2)
+    reg = ModelRegistry(Runtime("cpu"), memory_budget=weights + cache["tq3"] // 2)
     try:
         model = reg.load(None, "small").model
         assert model.engine.kv_dtype == "tq3"
@@ -88,20 +88,22 @@ def test_recompressing_converts_the_pages_sequences_hold():
     engine = model.engine
     seq = Sequence()
     engine.forward([(seq, model.tokenize("The quick brown fox jumps over the lazy dog again and again"), 1)])
-    held, before = seq.pages, [np.array(p[seq.pages]) for p in engine.pool.pages]
+    fetch = engine.backend.fetch
+    held, before = seq.pages, [np.asarray(fetch(p))[seq.pages] for p in engine.pool.pages]
     engine.recompress("tq4")
     rotation = kv.rotation(engine.cfg.head_dim)
     for old, new in zip(before, engine.pool.pages):
-        assert np.array_equal(new[held], kv.encode("tq4", old.astype(np.float32) @ rotation))
-    tq4 = [np.array(p[held]) for p in engine.pool.pages]
+        assert np.array_equal(np.asarray(fetch(new))[held], kv.encode("tq4", old.astype(np.float32) @ rotation))
+    tq4 = [np.asarray(fetch(p))[held] for p in engine.pool.pages]
     engine.recompress("tq3")
     for old, new in zip(tq4, engine.pool.pages):
-        assert np.array_equal(new[held], kv.encode("tq3", kv.decode("tq4", old)))
+        assert np.array_equal(np.asarray(fetch(new))[held], kv.encode("tq3", kv.decode("tq4", old)))
     engine.forward([(seq, [1], 1)])                       # the sequence goes on in the new cache
     engine.pool.release(seq)
 
 
 def test_a_server_under_its_budget_compresses_answers_and_reports_the_rung(footprint):
+    import openai
     weights, cache = footprint
     budget_gib = (2 * weights + cache["f16"] + cache["tq4"] + 2**20) / 2**30
     server = ServerProcess("-m", "a=default", "-m", "b=default", "--memory-budget", f"{budget_gib:.6f}", "--max-batch", "4")
@@ -129,19 +131,23 @@ def test_a_server_under_its_budget_compresses_answers_and_reports_the_rung(footp
 
 
 @pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
-def test_a_model_over_the_device_budget_runs_its_last_layers_on_the_host(tmp_path):
+@pytest.mark.parametrize("context", [None, 400])
+def test_a_model_over_the_device_budget_runs_its_last_layers_on_the_host(context, tmp_path):
     """With no cache to compress (16-wide heads) and no model to unload, a new model on the device keeps
-    there the layers that fit, the rest on the host; its requests then run with the CPU's tokens."""
-    build_model("qwen2", str(tmp_path))
+    there the layers that fit, the rest on the host; where even one layer does not fit with its whole
+    context, its context is cut too. Its requests then run with the CPU's tokens."""
+    build_model("qwen2", str(tmp_path), max_position_embeddings=1024)
     cpu = Runtime("cpu").load(str(tmp_path), progress=False)
     engine = cpu.engine
-    device_part = stage_bytes(engine.cfg, engine.weights, engine.cache, range(1), engine.n_ctx)     # its first layer's
+    device_part = stage_bytes(engine.cfg, engine.weights, engine.cache, range(1), context or engine.n_ctx)   # its first layer's
     assert device_part < cpu.memory_bytes
     reg = ModelRegistry(Runtime("cuda"), memory_budget=device_part + 1024)
     try:
         model = reg.load(str(tmp_path), "m").model
-        assert reg.degradations == {"offload_layers": 1} and model.engine.device_layers == 1
-        assert reg.used_bytes == device_part and reg.memory()["models"][0]["gpu_layers"] == 1
+        cut = {"reduce_context": 1} if context else {}
+        assert reg.degradations == {"offload_layers": 1, **cut} and model.engine.device_layers == 1
+        assert (context or 1024) <= model.engine.n_ctx < (context or 1024) + 8 and reg.used_bytes <= device_part + 1024
+        assert reg.memory()["models"][0]["gpu_layers"] == 1
         ids, inbox = cpu.tokenize("Hello world, this is"), queue.Queue()
         reg.models["m"].scheduler.submit(model.request(ids, 6, temperature=0), inbox.put)
         assert [t.id for t in drain(inbox)] == [t.id for t in cpu.generate(ids, max_tokens=6, temperature=0)]
