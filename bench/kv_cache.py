@@ -2,10 +2,13 @@
 reference documentation, pydoc_data, the first `--tokens` tokens) with each cache kind, in one process,
 and llama.cpp's own q8_0/q4_0 caches (type_k/type_v, flash attention; it rotates quantized caches) over
 the same token ids as the peer; bytes per token for each. The f16 rows of both engines anchor the
-comparison. With --speed (a GPU): a random Llama-3.2-1B-shape model's decode step at 4k, 16k and 64k
-tokens of context, f16 vs tq4 and tq3 caches, the kinds alternating over rounds (median step time).
+comparison. q8 activations (the GGUF default, as llama.cpp) round each matmul's input, so a change far
+below a codec's error moves the perplexity by up to about 1%; --exact adds a pass with f32 activations,
+which ranks the kinds without that noise (each against its own f16). With --speed (a GPU): a random
+Llama-3.2-1B-shape model's decode step at 4k, 16k and 64k tokens of context, f16 vs tq4 and tq3 caches,
+the kinds alternating over rounds (median step time).
 Run: python bench/kv_cache.py [--tokens 3072] [--threads 2] [--device cpu|cuda] [--kinds f16,q8_0,...]
-[--speed]; JSON goes to bench/out/kv-cache-<device>.json (kv-speed-<device>.json with --speed).
+[--exact] [--speed]; JSON goes to bench/out/kv-cache-<device>.json (kv-speed-<device>.json with --speed).
 """
 from __future__ import annotations
 
@@ -34,12 +37,12 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
     return float(np.exp(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]])))
 
 
-def ours(path: str, ids: list[int], kinds, device: str, threads: int) -> dict:
+def ours(path: str, ids: list[int], kinds, device: str, threads: int, activations: str | None = None) -> dict:
     from soma_runtime.api import Runtime
     runtime = Runtime(device, threads=threads)
     results = {}
     for kind in kinds:
-        model = runtime.load(path, kv_dtype=kind, n_ctx=len(ids) + 16, progress=False)
+        model = runtime.load(path, kv_dtype=kind, n_ctx=len(ids) + 16, progress=False, activations=activations)
         start = time.perf_counter()
         ppl = perplexity(model.logits(ids), ids)
         results[kind] = {"perplexity": ppl, "bytes_per_token": model.engine.cache.token_bytes(),
@@ -124,6 +127,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--exact", action="store_true", help="also our kinds with f32 activations")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -139,10 +143,12 @@ def main() -> None:
     results = {"soma": ours(path, ids, args.kinds.split(","), args.device, args.threads)}
     if not args.no_llama:
         results["llama.cpp"] = llama(path, ids, args.threads)
-    base = results["soma"].get("f16", {}).get("perplexity")
-    if base:
-        for engine in results.values():
-            for r in engine.values():
+    if args.exact:
+        results["soma f32 activations"] = ours(path, ids, args.kinds.split(","), args.device, args.threads, "f32")
+    if "f16" in results["soma"]:
+        for engine, rs in results.items():
+            base = results["soma f32 activations" if engine == "soma f32 activations" else "soma"]["f16"]["perplexity"]
+            for r in rs.values():
                 r["vs_soma_f16"] = r["perplexity"] / base - 1
         print("vs our f16: " + ", ".join(f"{e}/{k} {r['vs_soma_f16']:+.2%}" for e, rs in results.items() for k, r in rs.items()))
     OUT.mkdir(exist_ok=True)

@@ -17,12 +17,15 @@ class PagedKV:
     """Self-attention keys and values in pages [P, block, kv_heads, head_dim], a pair a layer, kept across
     steps (engine/kv.py holds them): the cache of a decoder. `windows` gives each layer's sliding window
     (0: the layer sees its whole context); `dtype` is a kv_dtype spec (quant/kv.py): a float type, or
-    codecs whose pages hold each head's vector as bytes [P, block, kv_heads, row_bytes]."""
+    codecs whose pages hold each head's vector as bytes [P, block, kv_heads, row_bytes]. `centers`: each
+    layer's mean key [kv_heads, head_dim] (engine/calibration.py), which layers whose keys are coded
+    rotated store their keys about (`key_center`)."""
     layers: int
     kv_heads: int
     head_dim: int
     windows: tuple[int, ...]
     dtype: str
+    centers: tuple | None = field(default=None, compare=False)
 
     @property
     def window_sizes(self) -> list[int]:
@@ -42,6 +45,17 @@ class PagedKV:
         """Layer's key (which=0) or value (1) codec, "none" for a float cache."""
         kind = self.layout.kinds[layer][which]
         return kind if kind in kv.CODECS else "none"
+
+    @property
+    def wants_centers(self) -> bool:
+        """Whether some layer codes its keys rotated (quant/kv.py), and so about a center."""
+        return any(kv.rotated(k) for k, _ in self.layout.kinds)
+
+    def key_center(self, layer: int):
+        """The vector a layer's keys are stored less of, or None: its center where its keys are coded
+        rotated. Every key a query sees shifts by it, so the query's scores shift by one constant, which
+        softmax ignores, and the codes spend their levels on how keys differ rather than what they share."""
+        return self.centers[layer] if self.centers is not None and kv.rotated(self.layout.kinds[layer][0]) else None
 
     def page_shape(self, layer: int, which: int, pages, block) -> tuple[tuple, str]:
         """The shape and dtype of a layer's key (which=0) or value (1) pages."""

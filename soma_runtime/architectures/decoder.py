@@ -149,6 +149,9 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         k_codec, v_codec = io.cache.codec(i, 0), io.cache.codec(i, 1)
         if kv.rotated(k_codec):                # <qR, kR> = <q, k>: keys coded in the rotated basis
             q, k = g.matmul(q, kv_basis()), g.matmul(k, kv_basis())
+            center = io.cache.key_center(i)
+            if center is not None:             # about their center (PagedKV.key_center): softmax sees the same scores
+                k = g.sub(k, g.const(f"{p}.key_center", center @ kv.rotation(hd)))
         if kv.rotated(v_codec):
             v = g.matmul(v, kv_basis())
         k_pages = g.kv_append(k_pages, k, att.slots, **coded(codec=k_codec))

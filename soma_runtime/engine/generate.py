@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.contract import DecoderStep
+from soma_runtime.architectures.contract import DecoderStep, PagedKV
 from soma_runtime.architectures.decoder import Weights, cache_of, sample_width
 from soma_runtime.backends.base import Backend, Precision
+from soma_runtime.engine import calibration
 from soma_runtime.engine.grammar import Constraint, Grammars
 from soma_runtime.engine.kv import ROLLBACK, KVPool, Sequence
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
@@ -268,7 +269,7 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
-                 device_layers: int | None = None):
+                 device_layers: int | None = None, key_centers: tuple | None = None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
         self.sliding = False          # sequences may run past the context, within every layer's window (slide)
@@ -276,7 +277,8 @@ class Engine:
             raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
         self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
         self.placement = split(self.cfg, backend, device_layers)
-        self.cache = cache_of(self.cfg, kv_dtype)
+        self.key_centers = key_centers
+        self.cache = self.centered(cache_of(self.cfg, kv_dtype))
         self.stages, self.pool = self.build_stages(), self.new_pool()
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
@@ -288,7 +290,7 @@ class Engine:
         """The KV cache re-encoded in another kind (a spec, quant/kv.py), between steps: every sequence's
         pages and the prefix cache's converted, so running requests go on where they were in a cache
         that takes less memory (the first rung of the server's degradation ladder)."""
-        cache = cache_of(self.cfg, kv_dtype)
+        cache = self.centered(cache_of(self.cfg, kv_dtype))
         with self.lock:
             self.pool.transcode(self.cache, cache)
             self.kv_dtype, self.cache = kv_dtype, cache
@@ -298,8 +300,25 @@ class Engine:
         return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations)
                 for layers, backend in self.placement]
 
+    def centered(self, cache: PagedKV) -> PagedKV:
+        """`cache` with this model's key centers where its keys are coded rotated (PagedKV.key_center),
+        measured on first need: each layer's mean key over calibration.TEXT, run on the host (nothing placed
+        on a device) with a float cache. Not where scores are soft-capped: a shift of every score is no
+        longer ignored there."""
+        if not cache.wants_centers or self.cfg.attn_softcap:
+            return cache
+        if self.key_centers is None:
+            tokens = self.tokenizer.encode(calibration.TEXT)[:self.n_ctx - 1]
+            probe = Engine(self.cfg, self.weights, self.tokenizer, self.backend.fallback or self.backend, self.n_ctx, "f32",
+                           self.activations, len(tokens))
+            seq = Sequence()
+            probe.forward([(seq, tokens, 1)])
+            self.key_centers = calibration.mean_keys(probe.pool, seq, self.cfg.num_layers)
+        return replace(cache, centers=self.key_centers)
+
     def new_pool(self) -> KVPool:
-        return KVPool(self.cache, max(self.n_ctx, self.kv_tokens or KV_TOKENS), self.backend_of)
+        """The KV pool: `kv_tokens` tokens where given, else room for many sequences of the context."""
+        return KVPool(self.cache, self.kv_tokens or max(self.n_ctx, KV_TOKENS), self.backend_of)
 
     def backend_of(self, layer: int) -> Backend:
         return next(backend for layers, backend in self.placement if layer in layers)
@@ -347,8 +366,9 @@ class Engine:
         if type(n) is not int or not 1 <= n < self.cfg.num_layers:
             raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
+        centers = None if self.key_centers is None else self.key_centers[:n]
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
-                       self.kv_tokens, self.device_layers)
+                       self.kv_tokens, self.device_layers, centers)
         for mine, theirs in zip(draft.stages, self.stages):
             mine.placed = theirs.placed
         draft.sliding = self.sliding

@@ -107,7 +107,9 @@ class KVPool:
                 new = backend.zeros(*target.page_shape(layer, which, self.num_pages, self.block))
                 if held:
                     kinds = source.layout.kinds[layer][which], target.layout.kinds[layer][which]
-                    new[held] = backend.place(kv.transcode(np.asarray(backend.fetch(old[held])), *kinds, target.head_dim))
+                    centers = (None, None) if which else (source.key_center(layer), target.key_center(layer))
+                    values = kv.transcode(np.asarray(backend.fetch(old[held])), *kinds, target.head_dim, centers)
+                    new[held] = backend.place(values)
                 pages[layer] = new
 
     def keep(self, pages: list, layers: range | None = None) -> None:

@@ -7,7 +7,7 @@ block (D must be a multiple of 32):
                Walsh-Hadamard transform with random signs, so every coordinate is near-Gaussian), then
                each coordinate is coded at 4/3/2 bits by the Lloyd-Max quantizer of that distribution
                over the block's largest magnitude, and the block keeps one f16 scale, the least-squares
-               one for its codes.
+               one for its codes. Keys are rotated less their layer's center (PagedKV.key_center).
                Block: d f16, then the codes: tq4 16 B of nibbles (el j low nibble of byte j%16, el
                j+16 high), tq3 8 B of low 2 bits (el j at byte j%8, bits 2*(j//8)) and 4 B of high bits
                (el j at byte j//8, bit j%8), tq2 8 B as tq3's low bits.
@@ -286,14 +286,21 @@ def rotated(kind: str) -> bool:
     return kind in CODECS and CODECS[kind].rotated
 
 
-def transcode(pages: np.ndarray, source: str, target: str, head_dim: int) -> np.ndarray:
-    """Cached vectors [..., last] of kind `source` as kind `target` (a float type or a codec), through their
-    f32 values in the model's basis: a codec's rotated values turned back first, a rotated codec's
-    turned before it codes them."""
+def transcode(pages: np.ndarray, source: str, target: str, head_dim: int, centers=(None, None)) -> np.ndarray:
+    """Cached vectors [..., heads, last] of kind `source` as kind `target` (a float type or a codec). A rotated
+    codec holds (x - c) R: each vector x less its center c (`centers`: the source's and the target's,
+    [heads, head_dim] or None), turned into the rotated basis R; values pass between bases as they must,
+    and from one rotated kind to another only their centers' difference is added."""
     values = decode(source, pages) if source in CODECS else pages.astype(np.float32)
-    if rotated(source) != rotated(target):
+    source_center, target_center = (np.zeros(1, np.float32) if c is None else c for c in centers)
+    if rotated(source) or rotated(target):
         basis = rotation(head_dim)
-        values = values @ (basis if rotated(target) else basis.T)
+        if not rotated(source):
+            values = (values - target_center) @ basis
+        elif not rotated(target):
+            values = values @ basis.T + source_center
+        elif centers[0] is not centers[1]:
+            values = values + (source_center - target_center) @ basis
     return encode(target, values) if target in CODECS else values.astype(dtype(target).numpy)
 
 

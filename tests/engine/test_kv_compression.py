@@ -13,7 +13,10 @@ import torch
 
 from soma_runtime.api import Runtime
 from soma_runtime.backends import run_op
+from soma_runtime.engine import calibration
 from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate import Engine
+from soma_runtime.engine.kv import Sequence
 from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv
 from tests.backends import BACKENDS
@@ -233,3 +236,57 @@ def test_a_bad_spec_or_head_size_is_a_clear_error(tmp_path):
     build_model("llama", str(tmp_path))                   # heads 16 wide
     with pytest.raises(RequestError, match="multiple of 32"):
         runtime.load(str(tmp_path), kv_dtype="tq4", progress=False)
+
+
+def stored_keys(engine, seq, layer):
+    """A sequence's keys as a layer's pages hold them, in the model's basis (decoded, turned back)."""
+    pages = np.asarray(engine.pool.k[layer][seq.pages])
+    kind = engine.cache.layout.kinds[layer][0]
+    keys = kv.decode(kind, pages) @ kv.rotation(engine.cfg.head_dim).T if kind in kv.CODECS else pages
+    return keys.reshape(-1, *keys.shape[2:])[:seq.length]
+
+
+def run_prompt(engine, tokens):
+    seq = Sequence()
+    engine.forward([(seq, tokens, 1)])
+    return seq
+
+
+@pytest.mark.parametrize("how", ["loaded", "recompressed"])
+def test_rotated_caches_store_keys_less_their_center_the_mean_key_of_a_fixed_text(tmp_path, how):
+    """The center of each layer is its mean key over calibration.TEXT, as a float cache holds them; a tq
+    cache (loaded so, or converted from f16 while a sequence runs) stores keys less it, the codes closer
+    to the keys than uncentered ones, and a self-speculative draft keeps the target's centers."""
+    hf, _ = build_model("qwen2", str(tmp_path), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    with torch.no_grad():                        # keys offset, as trained models' are in a few channels
+        for layer in hf.model.layers:
+            layer.self_attn.k_proj.bias[16:] += 3.0
+    hf.save_pretrained(str(tmp_path))
+    runtime = Runtime("cpu")
+    exact = runtime.load(str(tmp_path), kv_dtype="f32", progress=False).engine
+    model = runtime.load(str(tmp_path), kv_dtype="f16" if how == "recompressed" else "tq4", progress=False)
+    engine = model.engine
+    calibration_keys = run_prompt(exact, exact.tokenizer.encode(calibration.TEXT)[:exact.n_ctx - 1])
+    tokens = model.tokenize(PROMPT * 2)
+    seq = run_prompt(engine, tokens)
+    if how == "recompressed":
+        assert engine.cache.centers is None, "a float cache needs none"
+        engine.recompress("tq4")
+    uncentered = Engine(engine.cfg, engine.weights, engine.tokenizer, engine.backend, engine.n_ctx, "tq4", engine.activations,
+                        key_centers=tuple(np.zeros_like(c) for c in engine.key_centers))
+    plain, reference = run_prompt(uncentered, tokens), run_prompt(exact, tokens)
+    for layer in range(engine.cfg.num_layers):
+        center = engine.cache.key_center(layer)
+        np.testing.assert_allclose(center, stored_keys(exact, calibration_keys, layer).mean(axis=0), rtol=1e-5, atol=1e-5)
+        keys = stored_keys(exact, reference, layer)
+        error = np.sum((stored_keys(engine, seq, layer) + center - keys) ** 2)
+        assert error < 0.6 * np.sum((stored_keys(uncentered, plain, layer) - keys) ** 2)
+    draft = engine.first_layers(1)
+    assert draft.cache.key_center(0) is engine.cache.key_center(0)
+
+
+def test_soft_capped_scores_keep_keys_uncentered(tmp_path):
+    """Gemma 2 caps its scores (tanh): a shift of every score would change its softmax, so no center."""
+    build_model("gemma2", str(tmp_path), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = Runtime("cpu").load(str(tmp_path), kv_dtype="tq4", progress=False)
+    assert model.engine.cfg.attn_softcap and model.engine.cache.centers is None
