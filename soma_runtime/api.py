@@ -28,7 +28,8 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from soma_runtime import loaders, schedule
+from soma_runtime import loaders, parallel, schedule
+from soma_runtime.architectures.shard import check_split
 from soma_runtime.audio.features import SAMPLE_RATE
 from soma_runtime.audio.io import load_audio
 from soma_runtime.backends.base import Backend, Precision
@@ -95,6 +96,9 @@ class Model:
         """What the model may come to hold: its weights (and a generator's full context of KV cache)."""
         return self.weight_bytes()
 
+    def close(self) -> None:
+        """Let go of what outlives a reference to the model (processes); most models hold none."""
+
     def weight_bytes(self) -> int:
         return sum(int(w.nbytes) for w in self.loaded.weights.tensors.values()) if self.loaded.weights else 0
 
@@ -132,14 +136,38 @@ class TextModel(Model):
             log.warning("%s", self.template_error)
         self.drafter: Drafter | None = None
         self.scheduler = Scheduler(engine, LIBRARY_BATCH, engine.n_ctx, thread=False)
+        self.followers: parallel.Followers | None = None     # the other tensor-parallel ranks, where split
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the model is of no use after)."""
+        if self.followers is not None:
+            self.followers.stop()
+            self.followers = None
 
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
-             bar, autotune: bool, gpu_layers: int | None = None) -> TextModel:
-        """`gpu_layers`: on a device backend, only the first this many layers run there, the rest on the host."""
+             bar, autotune: bool, gpu_layers: int | None = None, tensor_parallel: int = 1) -> TextModel:
+        """`gpu_layers`: on a device backend, only the first this many layers run there, the rest on the host.
+        `tensor_parallel`: split over this many processes (each a GPU of its own on cuda; parallel.py)."""
         bar.set_postfix_str("graph")
-        engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
-                        precision.kv_dtype, precision.activations, device_layers=gpu_layers)
+        followers = None
+        if tensor_parallel != 1:
+            if gpu_layers is not None:
+                raise RequestError("gpu_layers and tensor_parallel do not go together: each rank runs its share whole")
+            check_split(loaded.config, loaded.weights.source, tensor_parallel)
+            followers = parallel.Followers(tensor_parallel, {"source": loaded.path, "backend": backend.name, "n_ctx": n_ctx,
+                                                             "kv_dtype": precision.kv_dtype, "activations": precision.activations,
+                                                             "threads": schedule.threads()})
+            try:
+                engine = parallel.sharded_engine(loaded, backend, precision, n_ctx)
+            except BaseException:
+                followers.abandon()
+                raise
+            followers.confirm()
+            engine.leading = True
+        else:
+            engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
+                            precision.kv_dtype, precision.activations, device_layers=gpu_layers)
         bar.update()
         bar.set_postfix_str("kernels")
         engine.plan(1)                        # compile the decode plan (numba caches on disk)
@@ -147,7 +175,9 @@ class TextModel(Model):
         bar.set_postfix_str("autotune")
         engine.prepare(precision, autotune)
         bar.update()
-        return cls(model_id, loaded, backend, engine)
+        model = cls(model_id, loaded, backend, engine)
+        model.followers = followers
+        return model
 
     def serve(self, max_batch: int, step_tokens: int) -> Scheduler:
         """Run the model's scheduling loop on a thread of its own (a server's): requests from any thread
@@ -214,7 +244,7 @@ class TextModel(Model):
         or None: already at the last, another spec, or heads the codecs cannot hold."""
         current = self.engine.kv_dtype
         following = "tq4" if current in kv.FLOAT_KINDS else "tq3" if current == "tq4" else None
-        if following is None or self.engine.cfg.head_dim % kv.BLOCK:
+        if following is None or self.engine.cfg.head_dim % kv.BLOCK or self.engine.shard is not None:
             return None
         return following
 
@@ -705,7 +735,7 @@ class Runtime:
     def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
              autotune: bool | None = None, model_id: str | None = None, draft=None, overflow: str | None = None,
-             gpu_layers: int | None = None) -> Model:
+             gpu_layers: int | None = None, tensor_parallel: int = 1) -> Model:
         """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
         class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
         run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
@@ -719,7 +749,8 @@ class Runtime:
         speculative decoding for a text model (see `speculate`); `overflow`, what it does with a prompt beyond
         its context (TextModel: "error", "truncate" or "slide"). `gpu_layers` splits a decoder on a device as
         llama.cpp's --n-gpu-layers does: its first layers run there, the rest on the host (other models
-        run whole)."""
+        run whole). `tensor_parallel=N` splits a decoder's heads and MLP over N processes (parallel.py): N
+        GPUs on cuda, N host processes of this runtime's threads each on cpu; `unload` stops them."""
         check_load_options(n_ctx, kv_dtype, activations)
         if overflow is not None and overflow not in OVERFLOWS:
             raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
@@ -737,6 +768,10 @@ class Runtime:
             precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
             split = {"gpu_layers": gpu_layers} if gpu_layers is not None and loaded.task == "generate" else {}
+            if tensor_parallel != 1:
+                if loaded.task != "generate":
+                    raise RequestError(f"tensor_parallel splits text generators; {loaded.path} is a {loaded.task} model")
+                split["tensor_parallel"] = tensor_parallel
             model = TASKS[loaded.task].open(model_id, loaded, backend, precision, n_ctx, bar, autotune, **split)
         if overflow is not None and isinstance(model, TextModel):
             model.overflow = overflow
@@ -762,7 +797,7 @@ class Runtime:
     def unload(self, model_id: str) -> None:
         if model_id not in self.models:
             raise RequestError(f"no loaded model {model_id!r}; loaded: {', '.join(self.models) or 'none'}")
-        del self.models[model_id]
+        self.models.pop(model_id).close()
 
     def list_models(self) -> list[dict]:
         return [m.info() for m in self.models.values()]

@@ -27,3 +27,7 @@ class RequestError(SomaError):
 
 class PromptTooLong(RequestError):
     """A prompt that does not fit the model's context."""
+
+
+class ParallelError(SomaError):
+    """A tensor-parallel group that cannot form, a model that cannot be split over it, or a rank gone."""

@@ -105,3 +105,8 @@ def fastest(variants: dict[str, Callable[[], object]], repeats: int = 3) -> tupl
             best = min(best, time.perf_counter() - start)
         times[name] = best
     return min(times, key=times.get), times
+
+
+def threads() -> int | None:
+    """The CPU's thread count as set (None: its default)."""
+    return get("cpu").threads

@@ -35,10 +35,12 @@ class Weights:
         return self.tensors[name]
 
 
-def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """The shape every decoder tensor must have, from the config (GGUF-style names, [out, in])."""
+def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The shape every decoder tensor must have, from the config (GGUF-style names, [out, in]); the head
+    has `head_rows` rows (default: the vocabulary; a tensor-parallel rank's share of it)."""
     D, H, KV, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    shapes = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,), "output.weight": (cfg.vocab_size, D)}
+    head_rows = cfg.vocab_size if head_rows is None else head_rows
+    shapes = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,), "output.weight": (head_rows, D)}
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         shapes.update({f"{p}.attn_norm.weight": (D,), f"{p}.attn_q.weight": (H * hd, D), f"{p}.attn_k.weight": (KV * hd, D),
@@ -51,9 +53,9 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_shapes(cfg: DecoderConfig, weights: Weights) -> None:
+def check_shapes(cfg: DecoderConfig, weights: Weights, head_rows: int | None = None) -> None:
     """A tensor whose shape disagrees with the config is a corrupt or mismatched file: say which."""
-    for name, want in expected_shapes(cfg).items():
+    for name, want in expected_shapes(cfg, head_rows).items():
         if name not in weights:
             continue
         got = tuple(weights[name].shape)
@@ -81,11 +83,13 @@ def cache_of(cfg: DecoderConfig, kv_dtype: str) -> PagedKV:
     return cache
 
 
-def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activations: str = "f32") -> Graph:
+def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activations: str = "f32", shard=None) -> Graph:
     """The model as plain math; the fuse pass (ir/passes/fuse.py) makes it the graph the kernels run.
     `io` declares the inputs (its cache's dtype is the KV cache's precision); `activations="q8"` lets
-    matmuls with block-quantized weights quantize their inputs as llama.cpp does (see the matmul op)."""
-    check_shapes(cfg, weights)
+    matmuls with block-quantized weights quantize their inputs as llama.cpp does (see the matmul op).
+    With a `shard` (shard.py), `cfg` and `weights` are one tensor-parallel rank's: the attention output
+    and MLP down products are summed over the ranks, each rank's vocabulary rows of the logits joined."""
+    check_shapes(cfg, weights, None if shard is None else len(shard.vocab))
     g = GraphBuilder()
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     step = io.declare(g)
@@ -104,8 +108,10 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             made[name, f32] = g.const(name, as_f32(weights[name]) if f32 else weights[name])
         return made[name, f32]
 
-    def linear(x, name):
+    def linear(x, name, summed=False):
         y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations=activations)
+        if summed and shard is not None:         # a row-parallel product: each rank holds a part of the sum
+            y = g.all_reduce(y)
         return g.add(y, const(f"{name}.bias", f32=True)) if f"{name}.bias" in weights else y
 
     def norm(x, name):
@@ -161,13 +167,16 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
                                  softcap=cfg.attn_softcap, **coded(k_codec=k_codec, v_codec=v_codec))
         if kv.rotated(v_codec):             # sum p vR = (sum p v) R: back from the values' rotated basis
             attn = g.matmul(attn, kv_basis(), transpose_b=True)
-        x = g.add(x, block_output(linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output"), f"{p}.post_attention_norm"))
-        x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down"), f"{p}.post_ffw_norm"))
+        attn = linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", True)
+        x = g.add(x, block_output(attn, f"{p}.post_attention_norm"))
+        x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down", True), f"{p}.post_ffw_norm"))
     if not io.last:
         return io.outputs(g, pages_out, hidden=x)
     rows = g.embedding(x, step.logit_rows)            # the rows that sample a token: the head reads only those
     head = "token_embd" if cfg.tie_embeddings or "output.weight" not in weights else "output"
     logits = linear(norm(rows, "output_norm"), head)
+    if shard is not None:                             # this rank's vocabulary rows, in place among the others'
+        logits = g.all_reduce(g.pad(logits, pads=((0, 0), (shard.vocab.start, cfg.vocab_size - shard.vocab.stop))))
     if cfg.final_softcap:
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),

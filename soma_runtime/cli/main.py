@@ -71,6 +71,9 @@ def add_generation_args(p) -> None:
     p.add_argument("--gpu-layers", type=int, default=None, metavar="N",
                    help="on a GPU, run only the model's first N layers there and the rest on the host (llama.cpp's "
                         "--n-gpu-layers; default: all on the GPU)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model's attention heads and MLP over N processes: N GPUs (NCCL) on cuda, N host "
+                        "processes (gloo) on cpu; the runtime starts, supervises and stops them (default: 1, none)")
     p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")
@@ -83,12 +86,10 @@ def add_sha256_arg(p) -> None:
 
 def load_model(args):
     from soma_runtime.api import Runtime
-    return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256,
-                                                                                 activations=getattr(args, "activations", None),
-                                                                                 draft=getattr(args, "draft", None),
-                                                                                 overflow=getattr(args, "overflow", None),
-                                                                                 kv_dtype=getattr(args, "kv_cache", None),
-                                                                                 gpu_layers=getattr(args, "gpu_layers", None))
+    options = {name: getattr(args, name, None) for name in ("activations", "draft", "overflow", "gpu_layers")}
+    return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(
+        args.model, n_ctx=args.ctx, sha256=args.sha256, kv_dtype=getattr(args, "kv_cache", None),
+        tensor_parallel=getattr(args, "tensor_parallel", 1), **options)
 
 
 def read_prompt(text: str) -> str:
@@ -248,7 +249,7 @@ def cmd_serve(args) -> int:
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
-          args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers)
+          args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers, tensor_parallel=args.tensor_parallel)
     return 0
 
 

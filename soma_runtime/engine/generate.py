@@ -21,6 +21,7 @@ import numpy as np
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderStep, PagedKV
 from soma_runtime.architectures.decoder import Weights, cache_of, sample_width
+from soma_runtime.backends import collective
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine import calibration
 from soma_runtime.engine.grammar import Constraint, Grammars
@@ -29,7 +30,7 @@ from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.speculate import DraftLength
 from soma_runtime.engine.stages import Stage, fusions, split, stage_bytes
 from soma_runtime.engine.stops import StopMatcher, check_stops
-from soma_runtime.errors import PromptTooLong, RequestError
+from soma_runtime.errors import ParallelError, PromptTooLong, RequestError
 from soma_runtime.ir.passes import plan_memory
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.sampling import log_softmax
@@ -269,13 +270,16 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
-                 device_layers: int | None = None, key_centers: tuple | None = None):
+                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
         self.sliding = False          # sequences may run past the context, within every layer's window (slide)
         if self.n_ctx < 2:
             raise RequestError(f"a context of {self.n_ctx} tokens leaves no room for a prompt and a token")
         self.weights, self.kv_dtype, self.activations, self.kv_tokens = weights, kv_dtype, activations, kv_tokens
+        self.shard, self.leading = shard, False     # a tensor-parallel rank's (parallel.py); rank 0 leads the others
+        if shard is not None and device_layers is not None:
+            raise ParallelError("a model split over tensor-parallel ranks runs whole on each rank's device (no gpu_layers)")
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
         self.cache = self.centered(cache_of(self.cfg, kv_dtype))
@@ -284,12 +288,14 @@ class Engine:
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         self.grammars = Grammars(tokenizer.hf.to_str(), cfg.vocab_size, sorted(self.stop_ids))
         self.metrics = Metrics()
+        self.choices = None                   # the last step's tokens chosen on the model (a device value there)
         self.lock = threading.Lock()          # one forward at a time: plans own their arenas
 
     def recompress(self, kv_dtype: str) -> None:
         """The KV cache re-encoded in another kind (a spec, quant/kv.py), between steps: every sequence's
         pages and the prefix cache's converted, so running requests go on where they were in a cache
         that takes less memory (the first rung of the server's degradation ladder)."""
+        self.whole("a KV cache recompressed")
         cache = self.centered(cache_of(self.cfg, kv_dtype))
         with self.lock:
             self.pool.transcode(self.cache, cache)
@@ -297,7 +303,7 @@ class Engine:
             self.stages, self.row_bytes = self.build_stages(), None
 
     def build_stages(self) -> list[Stage]:
-        return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations)
+        return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations, self.shard)
                 for layers, backend in self.placement]
 
     def centered(self, cache: PagedKV) -> PagedKV:
@@ -310,7 +316,7 @@ class Engine:
         if self.key_centers is None:
             tokens = self.tokenizer.encode(calibration.TEXT)[:self.n_ctx - 1]
             probe = Engine(self.cfg, self.weights, self.tokenizer, self.backend.fallback or self.backend, self.n_ctx, "f32",
-                           self.activations, len(tokens))
+                           self.activations, len(tokens), shard=self.shard)
             seq = Sequence()
             probe.forward([(seq, tokens, 1)])
             self.key_centers = calibration.mean_keys(probe.pool, seq, self.cfg.num_layers)
@@ -332,6 +338,7 @@ class Engine:
         """Keep only the first `device_layers` layers on the device, the rest on the host, before any request
         runs (the server's ladder, for a model that does not fit its budget); the device's copies of the
         others go with the old stages."""
+        self.whole("layers offloaded")
         with self.lock:
             assert not self.pool.in_use, "layers are offloaded before a model serves"
             self.placement = split(self.cfg, self.backend, device_layers)
@@ -363,6 +370,7 @@ class Engine:
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
         draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
+        self.whole("a self-speculative draft")
         if type(n) is not int or not 1 <= n < self.cfg.num_layers:
             raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
@@ -427,14 +435,10 @@ class Engine:
             ids = np.asarray([t for _, tokens, _ in batch for t in tokens], np.int64)
         logits_wanted = sampling is None                     # else only the tokens chosen on the model come back
         rows_params = greedy_rows(len(logit_rows)) if logits_wanted else np.asarray(sampling, np.float32)
-        with self.lock:                      # the pages, plans and graphs of one cache (recompress swaps them)
-            step = DecoderStep(ids, attention, logit_rows, rows_params, self.pool.pages)
-            out, last = None, None
-            for stage in self.stages:
-                if out is not None:          # a split model: the rows its device part gave go on on the host
-                    step.hidden = stage.backend.place(last.fetch(out.hidden))
-                out, last = stage.run(step, len(logit_rows), len(attention.ctx_slots)), stage.backend
-                self.pool.keep(out.pages, stage.layers)
+        if self.leading:                     # the other ranks run the same step on their shards
+            collective.shared((None if ids is self.choices else np.asarray(self.stages[0].backend.fetch(ids)), attention,
+                               logit_rows, rows_params))
+        out, last = self.run_stages(DecoderStep(ids, attention, logit_rows, rows_params))
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
         ends = np.cumsum([want for _, _, want in batch])[:-1]
@@ -449,6 +453,33 @@ class Engine:
                 chosen[row] = logits[j]
             return [chosen[a:b] for a, b in zip([0, *ends], [*ends, len(chosen)])]
         return Launched(out.choices, wait)
+
+    def run_stages(self, step: DecoderStep):
+        """Run one step's rows through every stage over the pool's pages, keeping the pages each returns;
+        the last stage's outputs and backend. Its choices stay on the model (`choices`): a next step may
+        run them."""
+        with self.lock:                      # the pages, plans and graphs of one cache (recompress swaps them)
+            step.pages = self.pool.pages
+            out, last = None, None
+            for stage in self.stages:
+                if out is not None:          # a split model: the rows its device part gave go on on the host
+                    step.hidden = stage.backend.place(last.fetch(out.hidden))
+                out, last = stage.run(step, len(step.logit_rows), len(step.attention.ctx_slots)), stage.backend
+                self.pool.keep(out.pages, stage.layers)
+            self.choices = out.choices
+        return out, last
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run the steps rank 0 leads, on this rank's shard and pages,
+        until it says stop (its results are rank 0's: the logits are summed over the group)."""
+        while (shared := collective.shared()) is not None:
+            ids, attention, logit_rows, rows_params = shared
+            self.run_stages(DecoderStep(self.choices if ids is None else ids, attention, logit_rows, rows_params))
+
+    def whole(self, what: str) -> None:
+        """ParallelError where this engine is one tensor-parallel rank's: `what` needs the whole model."""
+        if self.shard is not None:
+            raise ParallelError(f"{what}: not for a model split over tensor-parallel ranks")
 
     def launch_next(self, streams: list[Stream], launched: Launched) -> Launched:
         """The step after `launched` for `streams` (all sampled on the model), queued before its tokens are

@@ -19,12 +19,13 @@ from soma_runtime.ir.plan import Plan
 
 class Stage:
     """A run of consecutive layers on one backend: its graph (fused once), its plans per (rows, logit rows),
-    its weights placed on the backend (shared by the plans) and its captured steps."""
+    its weights placed on the backend (shared by the plans) and its captured steps. With a `shard`, the
+    layers of one tensor-parallel rank (architectures/shard.py)."""
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, backend: Backend,
-                 activations: str):
+                 activations: str, shard=None):
         self.backend, self.io = backend, DecoderIO(cache, layers, cfg.hidden_size)
-        self.graph = build_decoder(cfg, weights, self.io, activations)
+        self.graph = build_decoder(cfg, weights, self.io, activations, shard)
         self.fusions = fuse(self.graph)
         self.captures = backend.captures()           # steps captured and replayed, where the backend can
         self.plans: dict[tuple[int, int], Plan] = {}

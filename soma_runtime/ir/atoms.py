@@ -11,13 +11,15 @@ reference backend: slow, obvious and right. Modes are a closed set:
           tanh erf floor round pow              even), and pow(x, y)
   read    take take_along reshape expand        indexed lookup and views: take = index along an
           broadcast transpose permute slice     axis (embedding), take_along = torch.gather,
-          cast dequant iota arange fill         expand = a new axis of size 1, broadcast = to a
+          cast dequant iota arange fill ranks   expand = a new axis of size 1, broadcast = to a
                                                 shape, cast to a KV codec (quant/kv.py) encodes
                                                 vectors as its bytes, dequant = decode quantized
                                                 blocks (of a QTensor, or a codec's bytes), iota =
                                                 positions 0..n-1 along an axis, arange = 0..v-1
                                                 for a value v (a size known only at run time),
-                                                fill = a constant tensor
+                                                fill = a constant tensor, ranks = the value at
+                                                every rank of this process's tensor-parallel group,
+                                                stacked on a new first axis
   write   place scatter                         store src into a copy of dst: place at a
                                                 (strided) offset along an axis, scatter at indices
   reduce  sum max min mean prod argmax topk     collapse axes (topk: indices of the k largest)
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from soma_runtime.backends import collective
 from soma_runtime.dtypes import DTYPES, QTensor, dequantize, descending, highest, lowest
 from soma_runtime.quant import kv
 
@@ -42,7 +45,7 @@ ATOMS: dict[str, tuple[str, ...]] = {
     "cmp": ("max", "min", "lt", "le", "eq", "select"),
     "exp": ("exp", "log", "sqrt", "rsqrt", "recip", "sin", "cos", "tanh", "erf", "floor", "round", "pow"),
     "read": ("take", "take_along", "reshape", "expand", "broadcast", "transpose", "permute", "slice", "cast",
-             "dequant", "iota", "arange", "fill"),
+             "dequant", "iota", "arange", "fill", "ranks"),
     "write": ("place", "scatter"),
     "reduce": ("sum", "max", "min", "mean", "prod", "argmax", "topk"),
     "slide": ("window",),
@@ -175,6 +178,8 @@ def _read(mode, args, p, struct):
         return np.arange(max(0, int(np.ceil(x))), dtype=np.int64)
     if mode == "fill":
         return np.full(p["shape"], p["value"], dtype=np.float64)
+    if mode == "ranks":
+        return collective.stacked(x)
     raise AssertionError(mode)
 
 

@@ -23,12 +23,12 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
           threads: int | None = None, max_queue: int = 256, backend: str = "auto", sha256: list[str] = (),
           policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
           max_connections: int = 1024, draft: str | None = None, overflow: str | None = None,
-          kv_dtype: str | None = None, gpu_layers: int | None = None) -> None:
+          kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1) -> None:
     """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
     SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from. `draft`: speculative
     decoding for the text models (Runtime.speculate); `overflow`: what they do with prompts beyond their
     context (TextModel); `kv_dtype`: their KV cache's type, `gpu_layers`: how many of their layers run on the
-    device (Runtime.load)."""
+    device, `tensor_parallel`: over how many processes (GPUs) each is split (Runtime.load)."""
     import functools
 
     import uvicorn
@@ -40,7 +40,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
 
     policy = policy or Policy()
     registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx, draft,
-                            overflow, kv_dtype, gpu_layers)
+                            overflow, kv_dtype, gpu_layers, tensor_parallel)
     sources = models or ["default"]
     if len(sha256) > len(sources):
         raise RequestError(f"{len(sha256)} --sha256 values for {len(sources)} models")

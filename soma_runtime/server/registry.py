@@ -63,6 +63,7 @@ class Served:
         def drain():
             if self.scheduler is not None:
                 self.scheduler.close()
+            self.model.close()
             done(self)
             self.drained.set()
             gc.collect()                    # the model's cycles (plans, graphs) go now, not at some later collection
@@ -84,12 +85,14 @@ def default_id(source: str | None) -> str:
 class ModelRegistry:
     def __init__(self, runtime: Runtime | None = None, memory_budget: int | None = None, max_batch: int = 16,
                  step_tokens: int = 256, n_ctx: int | None = None, draft: str | None = None, overflow: str | None = None,
-                 kv_dtype: str | None = None, gpu_layers: int | None = None):
+                 kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1):
         """`draft`: speculative decoding for every text model loaded (Runtime.speculate); `overflow`: what
         they do with prompts beyond their context (TextModel); `kv_dtype`: their KV cache's type;
-        `gpu_layers`: how many of their layers run on the device (Runtime.load)."""
+        `gpu_layers`: how many of their layers run on the device; `tensor_parallel`: over how many ranks
+        each text model is split (Runtime.load)."""
         self.runtime = runtime or Runtime()
         self.draft, self.overflow, self.kv_dtype, self.gpu_layers = draft, overflow, kv_dtype, gpu_layers
+        self.tensor_parallel = tensor_parallel
         self.budget = memory_budget or default_budget()
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
@@ -124,12 +127,14 @@ class ModelRegistry:
             old = self.models.get(model_id)
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
                                       overflow=self.overflow, kv_dtype=self.kv_dtype,
-                                      gpu_layers=self.gpu_layers)
+                                      gpu_layers=self.gpu_layers,
+                                      tensor_parallel=1 if isinstance(source, Graph) else self.tensor_parallel)
             try:
                 self._make_room(model, priority, keep=model_id)
                 size = model.memory_bytes
             except BaseException:                   # not served: the runtime lets it go (and keeps the one it replaced)
                 self.runtime.models.pop(model_id, None)
+                model.close()
                 if old is not None:
                     self.runtime.models[model_id] = old.model
                 raise
@@ -196,7 +201,7 @@ class ModelRegistry:
         """The third rung: a new text model on a device keeps there the most layers (at least one) that fit
         the budget left with its context, or failing that with the shortest context the last rung may cut
         it to; the rest run on the host."""
-        if not isinstance(model, TextModel) or model.backend.fallback is None:
+        if not isinstance(model, TextModel) or model.backend.fallback is None or model.engine.shard is not None:
             return False
         room, engine = self.budget - self.used_bytes, model.engine
         for n_ctx in (engine.n_ctx, MIN_CONTEXT):
@@ -263,3 +268,4 @@ class ModelRegistry:
             for served in self.models.values():
                 if served.scheduler is not None:
                     served.scheduler.close(drain=False, timeout=10)
+                served.model.close()

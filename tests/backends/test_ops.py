@@ -545,7 +545,7 @@ def to_torch(x):
 
 def test_every_op_has_cases():
     from soma_runtime.ir.ops import OPS
-    assert set(OPS) == {c.values[0] for c in CASES}
+    assert set(OPS) - {"all_reduce"} == {c.values[0] for c in CASES}     # all_reduce's need ranks: test_collective.py
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

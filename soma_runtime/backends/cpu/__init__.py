@@ -11,7 +11,7 @@ import sys
 import numba
 
 from soma_runtime.backends.base import Backend, Precision
-from soma_runtime.backends.cpu import amx, attention, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
+from soma_runtime.backends.cpu import amx, attention, collective, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
 
 
 def prefer_tbb() -> None:
