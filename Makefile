@@ -28,9 +28,11 @@ setup: $(VENV)/.test
 run: $(VENV)/.runtime
 	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --seed 42 --max-tokens 128
 
+# two processes (pytest-xdist); the compile check of every Triton launch after them all, from their records
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	export SOMA_TEST_LAUNCHES=$$(mktemp -d) && $(PY) -m pytest -n 2 --deselect tests/cuda/test_sm90.py \
+		&& $(PY) -m pytest tests/cuda/test_sm90.py
 
 bench: $(VENV)/.test
 	$(PY) bench/ops.py

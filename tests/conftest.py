@@ -5,6 +5,7 @@ the CLI test exercise tuning itself). Without a GPU, the CUDA backend's Triton k
 Triton's interpreter, so the cross-backend op test checks them everywhere."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -38,6 +39,16 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """The compile check of every launch runs after the tests that launch them."""
     items.sort(key=lambda item: "test_sm90" in item.nodeid)
+
+
+def pytest_sessionfinish(session):
+    """Where the tests run in several processes (`make test`: pytest-xdist), each leaves its launches in
+    SOMA_TEST_LAUNCHES for the compile check, which then runs after them all (tests/cuda/test_sm90.py)."""
+    from tests.cuda.sm90 import LAUNCHES
+    folder = os.environ.get("SOMA_TEST_LAUNCHES")
+    if folder and LAUNCHES:
+        with open(os.path.join(folder, f"launches-{os.getpid()}.json"), "w") as f:
+            json.dump(sorted(LAUNCHES), f)
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_queued_greedy_steps_end_where_single_steps_do(tmp_path):
     """On cuda a greedy stream queues each step before it reads the last token: it must still end
     where the CPU's one-step-at-a-time loop ends (max_tokens, the context's end, a stop string) and
     give the same tokens and text, returning every cache page."""
-    build_model("llama", str(tmp_path))
+    build_model("llama", str(tmp_path), num_hidden_layers=1)         # one layer: the loop, not the layers, is tested
     for limits in ({"max_tokens": 5}, {"max_tokens": 40, "n_ctx": 24}):
         n_ctx = limits.pop("n_ctx", None)
         cpu, cuda = (Runtime(b).load(str(tmp_path), n_ctx=n_ctx, progress=False) for b in ("cpu", "cuda"))
@@ -123,7 +123,7 @@ def test_queued_greedy_steps_end_where_single_steps_do(tmp_path):
 def test_sampled_streams_choose_on_the_device_as_the_cpu_does(tmp_path, monkeypatch):
     """Seeded sampling (temperature, top-k, top-p, min-p) runs on the device: the same tokens as the
     CPU's, and nothing but token ids comes back per step."""
-    build_model("llama", str(tmp_path))
+    build_model("llama", str(tmp_path), num_hidden_layers=1)         # one layer: the loop, not the layers, is tested
     cpu, cuda = Runtime("cpu").load(str(tmp_path), progress=False), Runtime("cuda").load(str(tmp_path), progress=False)
     ids = cpu.tokenize(PROMPT)
     fetched, fetch_soon = [], cuda.engine.backend.fetch_soon
