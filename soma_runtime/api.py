@@ -408,6 +408,7 @@ class TextModel(Model):
                 "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                 "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
                 "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations, "gpu_layers": self.engine.device_layers,
+                "tensor_parallel": 1 if self.engine.shard is None else self.engine.shard.ranks,
                 "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions)}
 
 

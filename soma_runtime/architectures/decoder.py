@@ -94,12 +94,12 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     step = io.declare(g)
     att = step.attention                # causal attention, windowed or not, sees a contiguous span of its context
-    made = {}
+    made, rotation = {}, kv.rotation(hd)       # the basis the tq KV codecs code vectors in (quant/kv.py)
 
     def kv_basis():
-        """The rotation the tq KV codecs code vectors in (quant/kv.py), one for the model."""
+        """The rotation as a graph constant, one for the model."""
         if "kv_rotation" not in made:
-            made["kv_rotation"] = g.const("kv_rotation", kv.rotation(hd))
+            made["kv_rotation"] = g.const("kv_rotation", rotation)
         return made["kv_rotation"]
 
     def const(name, f32=False):
@@ -157,7 +157,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             q, k = g.matmul(q, kv_basis()), g.matmul(k, kv_basis())
             center = io.cache.key_center(i)
             if center is not None:             # about their center (PagedKV.key_center): softmax sees the same scores
-                k = g.sub(k, g.const(f"{p}.key_center", center @ kv.rotation(hd)))
+                k = g.sub(k, g.const(f"{p}.key_center", center @ rotation))
         if kv.rotated(v_codec):
             v = g.matmul(v, kv_basis())
         k_pages = g.kv_append(k_pages, k, att.slots, **coded(codec=k_codec))

@@ -50,6 +50,7 @@ def test_ranks_compute_the_logits_and_tokens_of_one_process(runtime, families, f
     directory, whole = families[family]
     model = runtime.load(directory, tensor_parallel=ranks, **EXACT)
     assert model.engine.cfg.num_heads == 8 // ranks and model.engine.pool.k[0].shape[2] == 4 // ranks
+    assert model.info()["tensor_parallel"] == ranks and model.info()["heads"] == 8
     want = whole.logits(PROMPT)
     np.testing.assert_allclose(model.logits(PROMPT), want, rtol=0, atol=1e-5 * max(1.0, float(np.abs(want).max())))
     assert [t.id for t in model.generate(PROMPT, **GREEDY)] == [t.id for t in whole.generate(PROMPT, **GREEDY)]
