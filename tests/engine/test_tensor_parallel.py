@@ -117,3 +117,14 @@ def test_a_server_splits_its_text_models_and_stops_the_ranks_with_them(runtime, 
     registry.unload("split")
     served.drained.wait(30)
     assert [p.returncode for p in processes] == [0]
+
+
+def test_a_compressed_cache_on_ranks_keeps_each_heads_center_and_the_logits(runtime, tmp_path):
+    build_model("qwen2", str(tmp_path), num_attention_heads=8, num_key_value_heads=4, head_dim=32, hidden_size=128)
+    coded = {**EXACT, "kv_dtype": "tq4"}
+    whole = runtime.load(str(tmp_path), **coded)
+    model = runtime.load(str(tmp_path), tensor_parallel=2, **coded)
+    np.testing.assert_allclose(model.engine.key_centers[0], whole.engine.key_centers[0][:2], atol=1e-5)   # rank 0's heads
+    want = whole.logits(PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, rtol=0, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+    stopped(runtime, model)
