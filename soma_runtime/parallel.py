@@ -26,7 +26,7 @@ from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.generate import Engine
 from soma_runtime.errors import ParallelError
 
-JOIN_TIMEOUT_S = 120.0         # how long the ranks wait for each other (a follower imports, maps and compiles)
+JOIN_TIMEOUT_S = 120.0         # how long ranks wait for each other in a collective (a follower imports, maps, compiles)
 STOP_TIMEOUT_S = 30.0
 
 
@@ -68,7 +68,8 @@ class Followers:
         address = f"127.0.0.1:{free_port()}"
         self.logs = [tempfile.TemporaryFile() for _ in range(1, ranks)]     # noqa: SIM115  (closed by stop)
         self.processes = [subprocess.Popen([sys.executable, "-m", "soma_runtime.parallel",
-                                            json.dumps({**spec, "rank": r, "ranks": ranks, "address": address})],
+                                            json.dumps({**spec, "rank": r, "ranks": ranks, "address": address,
+                                                        "timeout_s": JOIN_TIMEOUT_S})],
                                            stdout=log, stderr=subprocess.STDOUT) for r, log in zip(range(1, ranks), self.logs)]
         try:
             collective.join(0, ranks, address, self.device, JOIN_TIMEOUT_S)
@@ -134,7 +135,7 @@ def follow(spec: dict) -> None:
     leave when told."""
     schedule.use_threads(spec["threads"])
     device = spec["backend"] == "cuda"
-    collective.join(spec["rank"], spec["ranks"], spec["address"], device, JOIN_TIMEOUT_S)
+    collective.join(spec["rank"], spec["ranks"], spec["address"], device, spec["timeout_s"])
     try:
         self_test(device)
         try:

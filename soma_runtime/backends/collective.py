@@ -1,6 +1,6 @@
 """The tensor-parallel group this process belongs to, over torch.distributed: gloo between host
-processes, NCCL between GPUs (one process a GPU), and a gloo side group for the host values the
-ranks exchange beside the steps' tensors. One group a process; every rank runs the same graph
+processes, NCCL between GPUs (one process a GPU), and a gloo side group, without a deadline, for the
+host values the ranks exchange beside the steps' tensors. One group a process; every rank runs the same graph
 shapes in the same order, so the collectives meet. Knows processes and tensors, nothing of models.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Group:
 
 
 _group: Group | None = None
-_host = None                # the gloo group for host values (the NCCL group's side channel)
+_host = None                # the gloo group for host values: rank 0's steps, which the others await however long
+IDLE = datetime.timedelta(days=365)      # (a server may idle; a rank that dies closes its connections at once)
 
 
 def _torch_distributed():
@@ -48,7 +49,7 @@ def join(rank: int, size: int, address: str, device: bool = False, timeout_s: fl
     try:
         dist.init_process_group("nccl" if device else "gloo", init_method=f"tcp://{address}", rank=rank, world_size=size,
                                 timeout=timeout, **({"device_id": torch.device("cuda", rank)} if device else {}))
-        _host = dist.new_group(backend="gloo", timeout=timeout) if device else dist.group.WORLD
+        _host = dist.new_group(backend="gloo", timeout=IDLE)
     except (RuntimeError, ValueError) as e:
         raise ParallelError(f"rank {rank} of {size} could not join the group at {address}: {e}") from None
     _group = Group(rank, size, device)

@@ -5,9 +5,12 @@ boundaries, 3 ranks); batched streams; the ranks stop with the model, or fail th
 error when one dies; what cannot be split says why before any process starts."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from soma_runtime import parallel
 from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import ParallelError, RequestError
@@ -80,6 +83,16 @@ def test_smollm2_on_three_ranks_splits_its_quantized_blocks_and_answers_alike(ru
     assert [t.id for t in model.generate(ids, **GREEDY)] == [t.id for t in whole.generate(ids, **GREEDY)]
     stopped(runtime, model)
     runtime.unload(whole.id)
+
+
+def test_ranks_wait_for_the_next_step_past_their_collectives_deadline(runtime, families, monkeypatch):
+    """An idle server's ranks await rank 0's next step however long (only a step's collectives have a deadline)."""
+    monkeypatch.setattr(parallel, "JOIN_TIMEOUT_S", 3.0)
+    directory, whole = families["llama"]
+    model = runtime.load(directory, tensor_parallel=2, **EXACT)
+    time.sleep(5)
+    assert [t.id for t in model.generate(PROMPT, **GREEDY)] == [t.id for t in whole.generate(PROMPT, **GREEDY)]
+    assert stopped(runtime, model) == [0]
 
 
 def test_a_rank_that_dies_fails_the_next_step_with_a_typed_error(runtime, families):
