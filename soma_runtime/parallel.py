@@ -92,7 +92,7 @@ class Followers:
         self.stop(kill=True)
 
     def report(self) -> str:
-        """What the followers that failed printed last."""
+        """What the followers that failed printed last (their logs are temporary files, gone with this object)."""
         lines = []
         for r, (process, log) in enumerate(zip(self.processes, self.logs), 1):
             if process.poll() not in (None, 0):
@@ -115,8 +115,6 @@ class Followers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for log in self.logs:
-            log.close()
 
 
 def device_count() -> int:

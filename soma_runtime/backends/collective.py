@@ -51,6 +51,8 @@ def join(rank: int, size: int, address: str, device: bool = False, timeout_s: fl
                                 timeout=timeout, **({"device_id": torch.device("cuda", rank)} if device else {}))
         _host = dist.new_group(backend="gloo", timeout=IDLE)
     except (RuntimeError, ValueError) as e:
+        if dist.is_initialized():                # a half-formed group must not stand in the next one's way
+            dist.destroy_process_group()
         raise ParallelError(f"rank {rank} of {size} could not join the group at {address}: {e}") from None
     _group = Group(rank, size, device)
     return _group
