@@ -66,7 +66,7 @@ class Followers:
         if self.device and ranks > (count := device_count()):
             raise ParallelError(f"tensor parallel over {ranks} GPUs: this machine has {count}")
         address = f"127.0.0.1:{free_port()}"
-        self.logs = [tempfile.TemporaryFile() for _ in range(1, ranks)]     # noqa: SIM115  (closed by stop)
+        self.logs = [tempfile.TemporaryFile() for _ in range(1, ranks)]     # noqa: SIM115  (closed when collected)
         self.processes = [subprocess.Popen([sys.executable, "-m", "soma_runtime.parallel",
                                             json.dumps({**spec, "rank": r, "ranks": ranks, "address": address,
                                                         "timeout_s": JOIN_TIMEOUT_S})],

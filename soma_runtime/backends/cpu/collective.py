@@ -13,7 +13,7 @@ from soma_runtime.ir.jets import jet
 def all_reduce(x, out=None):
     import torch
     total = np.array(x, copy=True) if out is None else out
-    if total is not x:
-        total[...] = x
+    if out is not None and out is not x:
+        out[...] = x
     collective.summed_(torch.from_numpy(total))
     return total
