@@ -146,9 +146,11 @@ class TextModel(Model):
 
     @classmethod
     def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
-             bar, autotune: bool, gpu_layers: int | None = None, tensor_parallel: int = 1) -> TextModel:
+             bar, autotune: bool, gpu_layers: int | None = None, tensor_parallel: int = 1,
+             kv_tokens: int | None = None) -> TextModel:
         """`gpu_layers`: on a device backend, only the first this many layers run there, the rest on the host.
-        `tensor_parallel`: split over this many processes (each a GPU of its own on cuda; parallel.py)."""
+        `tensor_parallel`: split over this many processes (each a GPU of its own on cuda; parallel.py).
+        `kv_tokens`: the tokens its KV pool holds for all sequences together (Engine.pool_tokens)."""
         bar.set_postfix_str("graph")
         followers = None
         if tensor_parallel != 1:
@@ -157,9 +159,9 @@ class TextModel(Model):
             check_split(loaded.config, loaded.weights.source, tensor_parallel)
             followers = parallel.Followers(tensor_parallel, {"source": loaded.path, "backend": backend.name, "n_ctx": n_ctx,
                                                              "kv_dtype": precision.kv_dtype, "activations": precision.activations,
-                                                             "threads": schedule.threads()})
+                                                             "kv_tokens": kv_tokens, "threads": schedule.threads()})
             try:
-                engine = parallel.sharded_engine(loaded, backend, precision, n_ctx)
+                engine = parallel.sharded_engine(loaded, backend, precision, n_ctx, kv_tokens)
             except BaseException:
                 followers.abandon()
                 raise
@@ -167,7 +169,7 @@ class TextModel(Model):
             engine.leading = True
         else:
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
-                            precision.kv_dtype, precision.activations, device_layers=gpu_layers)
+                            precision.kv_dtype, precision.activations, kv_tokens, device_layers=gpu_layers)
         bar.update()
         bar.set_postfix_str("kernels")
         engine.plan(1)                        # compile the decode plan (numba caches on disk)
@@ -254,7 +256,7 @@ class TextModel(Model):
 
     def limit_context(self, n_ctx: int) -> None:
         """A shorter context for requests admitted from now on (the memory ladder's last rung)."""
-        self.engine.n_ctx = min(self.engine.n_ctx, n_ctx)
+        self.engine.limit_context(n_ctx)
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
                 ignore_eos: bool = False, constraint: Constraint | None = None, **params) -> GenerationRequest:
@@ -709,9 +711,10 @@ class Pipeline:
 ACTIVATIONS = ("f32", "bf16", "q8")
 
 
-def check_load_options(n_ctx, kv_dtype, activations) -> None:
-    if n_ctx is not None and (type(n_ctx) is not int or n_ctx < 1):
-        raise RequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+def check_load_options(n_ctx, kv_dtype, activations, kv_tokens) -> None:
+    for name, value in (("n_ctx", n_ctx), ("kv_tokens", kv_tokens)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise RequestError(f"{name} must be a positive integer, got {value!r}")
     if activations is not None and activations not in ACTIVATIONS:
         raise RequestError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if kv_dtype is not None:
@@ -736,7 +739,7 @@ class Runtime:
     def load(self, source: str | Graph | None = None, n_ctx: int | None = None, sha256: str | None = None,
              kv_dtype: str | None = None, activations: str | None = None, progress: bool | None = None,
              autotune: bool | None = None, model_id: str | None = None, draft=None, overflow: str | None = None,
-             gpu_layers: int | None = None, tensor_parallel: int = 1) -> Model:
+             gpu_layers: int | None = None, tensor_parallel: int = 1, kv_tokens: int | None = None) -> Model:
         """Load a model (a path, a bundled name, or a Graph built in code); it is run by its task's Model
         class. Precision follows each format's reference engine unless set (Backend.defaults): GGUF models
         run like llama.cpp (f16 KV cache, q8 activations into quantized matmuls), HF/soma directories like
@@ -751,8 +754,10 @@ class Runtime:
         its context (TextModel: "error", "truncate" or "slide"). `gpu_layers` splits a decoder on a device as
         llama.cpp's --n-gpu-layers does: its first layers run there, the rest on the host (other models
         run whole). `tensor_parallel=N` splits a decoder's heads and MLP over N processes (parallel.py): N
-        GPUs on cuda, N host processes of this runtime's threads each on cpu; `unload` stops them."""
-        check_load_options(n_ctx, kv_dtype, activations)
+        GPUs on cuda, N host processes of this runtime's threads each on cpu; `unload` stops them.
+        `kv_tokens`: the tokens a text model's KV pool holds for all its sequences together, at least one
+        sequence's (default: room for many, at least 32768)."""
+        check_load_options(n_ctx, kv_dtype, activations, kv_tokens)
         if overflow is not None and overflow not in OVERFLOWS:
             raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
         if autotune is None:
@@ -769,6 +774,8 @@ class Runtime:
             precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)
             model_id = model_id or f"{os.path.basename(os.path.normpath(loaded.path))}-{next(self._ids)}"
             split = {"gpu_layers": gpu_layers} if gpu_layers is not None and loaded.task == "generate" else {}
+            if kv_tokens is not None and loaded.task == "generate":
+                split["kv_tokens"] = kv_tokens
             if tensor_parallel != 1:
                 if loaded.task != "generate":
                     raise RequestError(f"tensor_parallel splits text generators; {loaded.path} is a {loaded.task} model")

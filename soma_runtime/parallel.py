@@ -30,11 +30,13 @@ JOIN_TIMEOUT_S = 120.0         # how long ranks wait for each other in a collect
 STOP_TIMEOUT_S = 30.0
 
 
-def sharded_engine(loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None) -> Engine:
+def sharded_engine(loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
+                   kv_tokens: int | None = None) -> Engine:
     """This rank's engine of `loaded`, built the same way on every rank (collectives meet in order)."""
     group = collective.current()
     cfg, weights, part = shard(loaded.config, loaded.weights, group.rank, group.size)
-    return Engine(cfg, weights, loaded.tokenizer, backend, n_ctx, precision.kv_dtype, precision.activations, shard=part)
+    return Engine(cfg, weights, loaded.tokenizer, backend, n_ctx, precision.kv_dtype, precision.activations, kv_tokens,
+                  shard=part)
 
 
 def self_test(device: bool) -> None:
@@ -139,7 +141,8 @@ def follow(spec: dict) -> None:
         try:
             loaded = loaders.load(spec["source"])
             engine = sharded_engine(loaded, schedule.backend_for("generate", spec["backend"]),
-                                    Precision(spec["kv_dtype"], spec["activations"]), spec["n_ctx"])
+                                    Precision(spec["kv_dtype"], spec["activations"]), spec["n_ctx"],
+                                    spec["kv_tokens"])
         except Exception:
             ready(False)
             raise

@@ -25,7 +25,7 @@ from soma_runtime.backends import collective
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine import calibration
 from soma_runtime.engine.grammar import Constraint, Grammars
-from soma_runtime.engine.kv import ROLLBACK, KVPool, Sequence
+from soma_runtime.engine.kv import BLOCK, ROLLBACK, KVPool, Sequence, pool_slots
 from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.speculate import DraftLength
 from soma_runtime.engine.stages import Stage, fusions, split, stage_bytes
@@ -323,8 +323,23 @@ class Engine:
         return replace(cache, centers=self.key_centers)
 
     def new_pool(self) -> KVPool:
-        """The KV pool: `kv_tokens` tokens where given, else room for many sequences of the context."""
-        return KVPool(self.cache, self.kv_tokens or max(self.n_ctx, KV_TOKENS), self.backend_of)
+        return KVPool(self.cache, self.pool_tokens(), self.backend_of)
+
+    def pool_tokens(self, n_ctx: int | None = None) -> int:
+        """The tokens the KV pool holds for a context of `n_ctx` (default: as it runs): `kv_tokens` where
+        given, but at least what one sequence may hold (its context, and where layers slide, what their
+        windows keep); else room for many sequences of the context."""
+        n_ctx = self.n_ctx if n_ctx is None else n_ctx
+        one = n_ctx + (self.cache.horizon + ROLLBACK + BLOCK if self.cache.horizon else 0)
+        return max(self.kv_tokens, one) if self.kv_tokens else max(n_ctx, KV_TOKENS)
+
+    def limit_context(self, n_ctx: int) -> None:
+        """A shorter context for requests admitted from now on; a model that serves none yet also gets the
+        smaller KV pool that context needs (the memory ladder's last rung)."""
+        self.n_ctx = min(self.n_ctx, n_ctx)
+        with self.lock:
+            if not self.pool.in_use and self.pool.pages_for(self.pool_tokens()) + 1 < self.pool.num_pages:
+                self.stages, self.pool, self.row_bytes = self.build_stages(), self.new_pool(), None
 
     def backend_of(self, layer: int) -> Backend:
         return next(backend for layers, backend in self.placement if layer in layers)
@@ -346,10 +361,10 @@ class Engine:
 
     def memory_bytes(self, device_layers: int | None = None, n_ctx: int | None = None) -> int:
         """What the model holds where its first stage runs (its device): the weights and KV cache of the
-        layers there, with `device_layers` of them on the device and a context of `n_ctx` tokens (default:
-        as it runs)."""
+        layers there (its KV pool's slots: pool_tokens), with `device_layers` of them on the device and a context of
+        `n_ctx` tokens (default: as it runs)."""
         layers = split(self.cfg, self.backend, self.device_layers if device_layers is None else device_layers)[0][0]
-        return stage_bytes(self.cfg, self.weights, self.cache, layers, self.n_ctx if n_ctx is None else n_ctx)
+        return stage_bytes(self.cfg, self.weights, self.cache, layers, pool_slots(self.pool_tokens(n_ctx)))
 
     @property
     def asynchronous(self) -> bool:

@@ -25,6 +25,7 @@ from soma_runtime.quant import kv
 
 BUCKET = 128        # a sequence's segment of a step's context is a multiple of this many slots
 ROLLBACK = 16       # tokens a sequence may be rolled back (rejected drafts); pages behind its window stay this long
+BLOCK = 16          # tokens a page
 
 
 @dataclass
@@ -44,13 +45,18 @@ def prefix_hashes(tokens: list[int], block: int) -> list[int]:
     return hashes
 
 
+def pool_slots(tokens: int, block: int = BLOCK) -> int:
+    """The token slots a pool for `tokens` tokens allocates: whole pages, and page 0, which stays empty."""
+    return (-(-tokens // block) + 1) * block
+
+
 class KVPool:
-    def __init__(self, cache: PagedKV, max_tokens: int, backend_of: Callable, block: int = 16):
+    def __init__(self, cache: PagedKV, max_tokens: int, backend_of: Callable, block: int = BLOCK):
         """The pages of a model's `cache` for `max_tokens` tokens, each layer's where `backend_of(layer)`
         computes it (on the host: memory mapped lazily, so they grow with the tokens actually cached).
         A compressed layer's pages hold bytes (PagedKV.page_shape)."""
         self.block, self.horizon, self.backend_of = block, cache.horizon, backend_of
-        self.num_pages = -(-max_tokens // block) + 1
+        self.num_pages = pool_slots(max_tokens, block) // block
         self.k, self.v = ([backend_of(i).zeros(*cache.page_shape(i, which, self.num_pages, block)) for i in range(cache.layers)]
                           for which in (0, 1))
         self.free = list(range(self.num_pages - 1, 0, -1))

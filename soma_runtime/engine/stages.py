@@ -69,15 +69,15 @@ def split(cfg: DecoderConfig, backend: Backend, device_layers: int | None) -> li
     return [(range(n), host)] if device_layers == 0 else [(range(device_layers), backend), (range(device_layers, n), host)]
 
 
-def stage_bytes(cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, n_ctx: int) -> int:
+def stage_bytes(cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, slots: int) -> int:
     """What a stage of `layers` holds: their weights (the final norm and head with the last layer, the
-    embedding and the rest with the first) and their KV cache for `n_ctx` tokens."""
+    embedding and the rest with the first) and their KV pages of `slots` tokens."""
     def stage_of(name: str) -> int:
         if name.startswith("blk."):
             return int(name.split(".")[1])
         return cfg.num_layers - 1 if name.startswith(("output.", "output_norm.")) else 0
     held = sum(int(w.nbytes) for name, w in weights.tensors.items() if stage_of(name) in layers)
-    return held + cache.token_bytes(layers) * n_ctx
+    return held + cache.token_bytes(layers) * slots
 
 
 def fusions(stages: list[Stage]) -> Counter:

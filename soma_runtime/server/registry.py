@@ -94,6 +94,8 @@ class ModelRegistry:
         self.draft, self.overflow, self.kv_dtype, self.gpu_layers = draft, overflow, kv_dtype, gpu_layers
         self.tensor_parallel = tensor_parallel
         self.budget = memory_budget or default_budget()
+        self.kv_tokens = 1 if memory_budget else None     # under a set budget a KV pool holds one sequence's most, so
+        #                                                   what the budget counts is what is allocated (llama.cpp's -c)
         self.max_batch, self.step_tokens, self.n_ctx = max_batch, step_tokens, n_ctx
         self.models: dict[str, Served] = {}
         self.retiring: list[Served] = []             # unloaded or swapped out, finishing their requests
@@ -127,7 +129,7 @@ class ModelRegistry:
             old = self.models.get(model_id)
             model = self.runtime.load(source, n_ctx=self.n_ctx, sha256=sha256, progress=False, model_id=model_id,
                                       overflow=self.overflow, kv_dtype=self.kv_dtype,
-                                      gpu_layers=self.gpu_layers,
+                                      gpu_layers=self.gpu_layers, kv_tokens=self.kv_tokens,
                                       tensor_parallel=1 if isinstance(source, Graph) else self.tensor_parallel)
             try:
                 self._make_room(model, priority, keep=model_id)
@@ -189,7 +191,7 @@ class ModelRegistry:
         text = [(m, s) for m, s in held if isinstance(m, TextModel) and m.smaller_kv_kind() is not None]
         if not text:
             return False
-        model, served = max(text, key=lambda pair: pair[0].kv_bytes_per_token * pair[0].engine.n_ctx)
+        model, served = max(text, key=lambda pair: pair[0].kv_bytes_per_token * pair[0].engine.pool_tokens())
         kind = model.smaller_kv_kind()
         self._degrade("compress_kv", "compressing the KV cache of %s: %s -> %s", model.id, model.engine.kv_dtype, kind)
         model.recompress(kind)
@@ -219,11 +221,14 @@ class ModelRegistry:
         """The last rung: a new text model's context cut to what the budget leaves it (at least MIN_CONTEXT)."""
         if not isinstance(model, TextModel):
             return False
-        fixed = model.engine.memory_bytes(n_ctx=0)            # its weights where it runs; then each token's KV
-        n_ctx = (self.budget - self.used_bytes - fixed) // max(1, model.engine.memory_bytes(n_ctx=1) - fixed)
-        if n_ctx < MIN_CONTEXT or n_ctx >= model.engine.n_ctx:
+        engine, room = model.engine, self.budget - self.used_bytes
+        if MIN_CONTEXT >= engine.n_ctx or engine.memory_bytes(n_ctx=MIN_CONTEXT) > room:
             return False
-        self._degrade("reduce_context", "cutting the context of %s: %d -> %d tokens", model.id, model.engine.n_ctx, n_ctx)
+        n_ctx, over = MIN_CONTEXT, engine.n_ctx             # the longest context that fits: n_ctx fits, over does not
+        while over - n_ctx > 1:
+            middle = (n_ctx + over) // 2
+            n_ctx, over = (middle, over) if engine.memory_bytes(n_ctx=middle) <= room else (n_ctx, middle)
+        self._degrade("reduce_context", "cutting the context of %s: %d -> %d tokens", model.id, engine.n_ctx, n_ctx)
         model.limit_context(int(n_ctx))
         return True
 
@@ -232,11 +237,12 @@ class ModelRegistry:
         log.warning("memory budget: " + message, *args)
 
     def memory(self) -> dict:
-        """The budget, what each model holds (its KV cache's kind and context) and the ladder's rungs taken."""
+        """The budget, what each model holds (its KV cache's kind, context and pool) and the ladder's rungs taken."""
         with self.lock:
             models = [{"id": s.id, "priority": s.priority, "bytes": s.bytes, "task": s.model.task,
                        **({"kv_cache": s.model.engine.kv_dtype, "kv_bytes_per_token": s.model.kv_bytes_per_token,
-                           "context": s.model.engine.n_ctx, "gpu_layers": s.model.engine.device_layers}
+                           "context": s.model.engine.n_ctx, "kv_tokens": s.model.engine.pool_tokens(),
+                           "gpu_layers": s.model.engine.device_layers}
                           if isinstance(s.model, TextModel) else {})}
                       for s in self.models.values()]
             return {"budget_bytes": self.budget, "used_bytes": self.used_bytes, "models": models,

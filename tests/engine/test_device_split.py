@@ -68,13 +68,19 @@ def test_offloading_layers_moves_their_weights_and_cache_to_the_host(tiny):
     model = Runtime("cuda").load(directory, progress=False)
     engine = model.engine
     whole = model.memory_bytes
-    assert engine.device_layers == 2 and whole == model.weight_bytes() + model.kv_bytes_per_token * engine.n_ctx
+    assert engine.device_layers == 2 and whole == model.weight_bytes() + pool_bytes(engine, range(2))
     model.offload(1)
     assert engine.device_layers == 1 and model.memory_bytes == engine.memory_bytes(1) < whole
+    assert model.memory_bytes - pool_bytes(engine, range(1)) < model.weight_bytes()
     assert isinstance(engine.pool.k[1], np.ndarray) and not isinstance(engine.pool.k[0], np.ndarray)
     ids = cpu.tokenize(PROMPTS[1])
     assert [t.id for t in model.generate(ids, max_tokens=6, temperature=0)] == \
         [t.id for t in cpu.generate(ids, max_tokens=6, temperature=0)]
+
+
+def pool_bytes(engine, layers: range) -> int:
+    """The bytes of the KV pages `layers` hold, as allocated."""
+    return sum(int(pages[i].nbytes) for pages in (engine.pool.k, engine.pool.v) for i in layers)
 
 
 def test_gpu_layers_needs_a_device_and_a_decoder(tiny):

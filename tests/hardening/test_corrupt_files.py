@@ -254,10 +254,11 @@ def test_invalid_sampling_defaults_are_a_load_error(tiny_dir, tmp_path):
         Runtime().load(bad, progress=False)
 
 
-@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, True])
-def test_a_context_length_that_is_not_positive_is_refused(tiny_dir, n_ctx):
-    with pytest.raises(RequestError, match="n_ctx"):
-        Runtime().load(tiny_dir, n_ctx=n_ctx, progress=False)
+@pytest.mark.parametrize("option", ["n_ctx", "kv_tokens"])
+@pytest.mark.parametrize("value", [0, -5, 2.5, True])
+def test_a_context_or_pool_length_that_is_not_positive_is_refused(tiny_dir, option, value):
+    with pytest.raises(RequestError, match=option):
+        Runtime().load(tiny_dir, progress=False, **{option: value})
 
 
 @pytest.mark.parametrize("ctx", ["0", "-5", "many"])

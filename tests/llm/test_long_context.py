@@ -137,19 +137,21 @@ def hf_logprobs(hf_model, ids: list[int]) -> np.ndarray:
         return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1).numpy()
 
 
-def test_a_sliding_window_model_runs_past_its_context_as_transformers_does(sliding):
+@pytest.mark.parametrize("kv_tokens, pages", [(200, 14), (1, 7)])
+def test_a_sliding_window_model_runs_past_its_context_as_transformers_does(sliding, kv_tokens, pages):
     """A prompt and a reply four times the context: each token sees its window, as transformers'
     sliding-window attention has it over the whole sequence; a pool smaller than the sequence runs it,
-    since the pages behind the window are let go."""
+    since the pages behind the window are let go: even the smallest pool (kv_tokens=1: what one sequence
+    holds, its context 32, window 24, rollback and a page 16 each: 6 pages, and the empty one)."""
     hf_model, model = sliding
     ids = np.random.default_rng(3).integers(3, 300, 100).tolist()
     want = hf_logprobs(hf_model, ids)
     got = torch.log_softmax(torch.from_numpy(model.logits(ids)), -1).numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)                   # one forward, 100 rows
-    small = Engine(model.loaded.config, model.loaded.weights, model.tokenizer, model.backend, 32, "f32", kv_tokens=96)
+    small = Engine(model.loaded.config, model.loaded.weights, model.tokenizer, model.backend, 32, "f32", kv_tokens=kv_tokens)
     small.sliding = True
     got = list(Scheduler(small, thread=False).run(model.request(ids, 40, temperature=0, ignore_eos=True, logprobs=0)))
-    assert len(got) == 40 and small.pool.num_pages == 7 and small.pool.in_use == 0
+    assert len(got) == 40 and small.pool.num_pages == pages and small.pool.in_use == 0
     tokens = [t.id for t in got]
     want = hf_logprobs(hf_model, ids + tokens)[len(ids) - 1: -1]
     assert tokens == want.argmax(-1).tolist()

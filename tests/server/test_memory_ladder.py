@@ -16,7 +16,7 @@ import pytest
 
 from soma_runtime.api import Runtime
 from soma_runtime.architectures.decoder import cache_of
-from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.kv import Sequence, pool_slots
 from soma_runtime.engine.stages import stage_bytes
 from soma_runtime.errors import PromptTooLong
 from soma_runtime.quant import kv
@@ -28,10 +28,15 @@ from tests.server.conftest import ServerProcess
 
 @pytest.fixture(scope="module")
 def footprint():
-    """The bundled model's weights and its full context's KV bytes in each kind."""
+    """The bundled model's weights and the KV bytes of a pool of its full context in each kind."""
     model = Runtime().load("default", progress=False)
-    engine = model.engine
-    return model.weight_bytes(), {kind: cache_of(engine.cfg, kind).token_bytes() * engine.n_ctx for kind in ("f16", "tq4", "tq3")}
+    slots = pool_slots(model.engine.n_ctx)
+    return model.weight_bytes(), {kind: cache_of(model.engine.cfg, kind).token_bytes() * slots for kind in ("f16", "tq4", "tq3")}
+
+
+def pool_bytes(engine) -> int:
+    """The bytes of the KV pages a model holds, as allocated."""
+    return sum(int(pages.nbytes) for pages in (*engine.pool.k, *engine.pool.v))
 
 
 def drain(inbox: queue.Queue) -> list:
@@ -56,7 +61,7 @@ def test_a_kv_cache_is_compressed_under_a_running_request(footprint):
         assert not any(isinstance(t, Exception) for t in tokens) and len(tokens) == 96
         assert model.engine.kv_dtype == "tq4" and reg.models["b"].model.engine.kv_dtype == "f16"
         assert reg.degradations == {"compress_kv": 1} and reg.used_bytes <= reg.budget
-        assert a.bytes == model.memory_bytes < weights + cache["f16"]
+        assert a.bytes == model.memory_bytes == weights + pool_bytes(model.engine) < weights + cache["f16"]
         assert model.engine.pool.in_use == 0
         prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is"
         assert "Madrid" in model.detokenize([t.id for t in model.generate(prompt, max_tokens=4, temperature=0)])
@@ -73,6 +78,7 @@ def test_a_new_models_context_is_cut_to_what_the_budget_leaves(footprint):
         assert model.engine.kv_dtype == "tq3"
         assert reg.degradations == {"compress_kv": 2, "reduce_context": 1}
         assert 256 <= model.engine.n_ctx < 2100 and reg.used_bytes <= reg.budget
+        assert reg.used_bytes == weights + pool_bytes(model.engine)          # the pool cut with the context
         with pytest.raises(PromptTooLong):
             model.request(model.tokenize("word " * 2500), 8)
         assert model.generate("Hello", max_tokens=4, temperature=0)
@@ -139,7 +145,7 @@ def test_a_model_over_the_device_budget_runs_its_last_layers_on_the_host(context
     build_model("qwen2", str(tmp_path), max_position_embeddings=1024)
     cpu = Runtime("cpu").load(str(tmp_path), progress=False)
     engine = cpu.engine
-    device_part = stage_bytes(engine.cfg, engine.weights, engine.cache, range(1), context or engine.n_ctx)   # its first layer's
+    device_part = stage_bytes(engine.cfg, engine.weights, engine.cache, range(1), pool_slots(context or engine.n_ctx))  # layer 0
     assert device_part < cpu.memory_bytes
     reg = ModelRegistry(Runtime("cuda"), memory_budget=device_part + 1024)
     try:

@@ -7,15 +7,17 @@ import pytest
 
 from soma_runtime.api import Runtime
 from soma_runtime.architectures.decoder import cache_of
+from soma_runtime.engine.kv import pool_slots
 from soma_runtime.server.registry import ModelRegistry, OutOfMemory
 
 
 @pytest.fixture(scope="module")
 def size():
-    """The bundled model's smallest footprint: its weights and a context of the ladder's last KV kind."""
+    """The bundled model's smallest footprint: its weights and a pool of one context (as under a budget) of
+    the ladder's last KV kind."""
     reg = ModelRegistry(Runtime())
     model = reg.load(None, "probe").model
-    yield model.weight_bytes() + model.engine.n_ctx * cache_of(model.engine.cfg, "tq3").token_bytes()
+    yield model.weight_bytes() + pool_slots(model.engine.n_ctx) * cache_of(model.engine.cfg, "tq3").token_bytes()
     reg.close()
 
 
