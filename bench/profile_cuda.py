@@ -1,13 +1,16 @@
 """Where a decode step's GPU time goes: the kernels of graphed decode steps (batch 1 and batch 32) on a
 random-weight Llama shape, by the time each adds to the step (`timeline`), with their summed durations,
-launches per step, the GPU's idle time and the step's wall time.
+launches per step, the GPU's idle time and the step's wall time. With --kv and --context, steps over a
+cache of that kind holding that many tokens (batch 1): where a compressed cache's step time goes.
 
 Run (on a GPU machine): python bench/profile_cuda.py [--shape 1b|8b] [--formats bf16,q4_0] [--host]
+[--kv f16,tq4] [--context 16384]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import sys
 import tempfile
@@ -25,11 +28,23 @@ from tests.fixtures.decoders import random_llama
 STEPS = 20
 
 
-def decode_steps(model, rows: int):
-    """A function running one decode step for `rows` sequences whose prompts are already cached."""
+def decode_steps(model, rows: int, context: int = 0):
+    """A function running one decode step for `rows` sequences whose prompts are already cached (or whose
+    caches hold `context` tokens: their values do not matter, attention reads them all the same)."""
     from soma_runtime.engine.generate import Stream
+    from soma_runtime.engine.kv import Sequence
     from soma_runtime.engine.sampling import greedy_rows
     engine = model.engine
+    if context:
+        seqs = [Sequence() for _ in range(rows)]
+        for seq in seqs:
+            engine.pool.reserve(seq, context + 1)
+
+        def step():
+            for seq in seqs:
+                seq.length = context
+            engine.forward([(seq, [1], 1) for seq in seqs], greedy_rows(rows))
+        return step, lambda: [engine.pool.release(seq) for seq in seqs]
     streams = [Stream(engine, model.request([int(t) for t in row], 256, temperature=0)) for row in prompt(1000, rows)]
     for s in streams:
         s.start()
@@ -105,8 +120,8 @@ def in_order(events, steps: int, layers: int) -> list[tuple[str, float]]:
     return rows
 
 
-def report(model, rows: int, host: bool) -> None:
-    step, release = decode_steps(model, rows)
+def report(model, rows: int, host: bool, context: int = 0) -> None:
+    step, release = decode_steps(model, rows, context)
     for _ in range(3):
         step()
     if host:
@@ -140,21 +155,25 @@ def main() -> None:
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--formats", default="bf16", help="comma-separated: bf16 (the model as written), q4_0 (converted)")
     ap.add_argument("--host", action="store_true", help="also profile the host side of batch-1 steps")
+    ap.add_argument("--kv", default=None, help="comma-separated KV cache kinds (default: the format's own), batch 1")
+    ap.add_argument("--context", type=int, default=0, help="tokens each sequence's cache holds (default: the prompt's)")
     args = ap.parse_args()
     from soma_runtime.api import Runtime
     from soma_runtime.convert import convert_hf_to_gguf
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
-        random_llama(SHAPES[args.shape], path, "cuda")
+        longer = {"max_position_embeddings": 2 * args.context} if args.context else {}
+        random_llama({**SHAPES[args.shape], **longer}, path, "cuda")
         torch.cuda.empty_cache()
         formats = args.formats.split(",")
         paths = {name: path if name == "bf16" else convert_hf_to_gguf(path, os.path.join(tmp, f"model.{name}.gguf"), name)
                  for name in formats}
-        for name, path in paths.items():
-            print(f"\n== {args.shape} {name}")
-            model = Runtime("cuda").load(path, n_ctx=1024, progress=False)
-            for rows in (1, BATCH):
-                report(model, rows, args.host and rows == 1)
+        for (name, path), kind in itertools.product(paths.items(), (args.kv or "").split(",")):
+            cache = f" {kind or 'its own'} cache at {args.context or PROMPT_TOKENS} tokens"
+            print(f"\n== {args.shape} {name}{cache}")
+            model = Runtime("cuda").load(path, n_ctx=max(1024, args.context + 16), kv_dtype=kind or None, progress=False)
+            for rows in (1,) if kind else (1, BATCH):
+                report(model, rows, args.host and rows == 1, args.context)
             del model
             torch.cuda.empty_cache()
 

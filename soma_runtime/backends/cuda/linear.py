@@ -18,6 +18,9 @@ from soma_runtime.ir.jets import jet
 
 BF16_DOT = tl.constexpr(not INTERPRET)
 SKINNY_ROWS = 64       # up to this many activation rows, against bf16 weights, the decode-batch kernel
+CACHED_WEIGHT = 65536  # a weight this small (a KV basis, 64 x 64 to 256 x 256) stays in cache: a matrix-vector
+#                        kernel per row beats tiles of rows (a decode's 32 heads rotated: 8-25 -> 1.4-2 us, H100)
+MAX_GRID_Y = 65535     # the most programs a launch grid's second dimension takes
 # dense matrix-vector (BN, BK, warps) for N rows up to K long: the first (longest K, most N) that holds, as swept
 # on an H200 in place in decode steps (bench/sweep_cuda.py): the o projection, qkv, gate_up, a vocabulary head, 8B
 GEMV_TILES = ((1024, None, (4, 1024, 2)),
@@ -169,7 +172,8 @@ def gemv_tiles(N: int, K: int) -> tuple[int, int, int]:
 
 def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=None, norm=None, gate=NO_GATE) -> torch.Tensor:
     bt = b if transpose_b else b.transpose(-1, -2)           # [..., N, K] either way, as strides
-    if bt.ndim == 2 and a.numel() // a.shape[-1] <= GEMV_ROWS:
+    count = a.numel() // a.shape[-1]
+    if bt.ndim == 2 and (count <= GEMV_ROWS or bt.numel() <= CACHED_WEIGHT and count <= MAX_GRID_Y):
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         N, K = bt.shape
         out = torch.empty((rows.shape[0], N if gate == NO_GATE else N // 2), dtype=a.dtype, device=a.device)
@@ -181,7 +185,7 @@ def dense_matmul(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, residual=N
         return out.reshape(*a.shape[:-1], out.shape[1])
     if norm is not None:
         a = normalized(a.contiguous(), norm)
-    skinny = a.numel() // a.shape[-1] <= SKINNY_ROWS
+    skinny = count <= SKINNY_ROWS
     if bt.ndim == 2 and a.dtype == torch.float32 and bt.dtype == torch.bfloat16 and bt.stride(1) == 1 and skinny:
         rows = a.reshape(-1, a.shape[-1]).contiguous()
         out = skinny_matmul(rows, bt, residual, gate)
