@@ -222,14 +222,15 @@ def cmd_classify(args) -> int:
 
 def cmd_autotune(args) -> int:
     """Time the kernel variants for the model's weight shapes on this machine and cache the choices."""
-    from soma_runtime import schedule
     from soma_runtime.api import Runtime
+    from soma_runtime.backends import get
     model = Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256, autotune=False)
     measured = model.autotune()
     for key, result in measured.items():
         times = "  ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in result["seconds"].items())
         print(f"{key:44s} -> {result['choice']:5s} ({times})")
-    print(f"{len(measured)} shapes tuned for {schedule.machine_key()}; table: {schedule.cache_path()}")
+    cpu = get("cpu").detect()
+    print(f"{len(measured)} shapes tuned for {cpu['autotune_key']}; table: {cpu['autotune_table']}")
     return 0
 
 

@@ -11,7 +11,7 @@ import sys
 import numba
 
 from soma_runtime.backends.base import Backend, Precision
-from soma_runtime.backends.cpu import amx, attention, collective, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
+from soma_runtime.backends.cpu import amx, attention, autotune, collective, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
 
 
 def prefer_tbb() -> None:
@@ -80,7 +80,8 @@ class CpuBackend(Backend):
         import numpy as np
         blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {}).get("name", "?")
         return {"available": True, "cores": os.cpu_count(), "physical_cores": physical_cores(), "features": cpu_features(),
-                "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "blas": blas}
+                "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "blas": blas,
+                "autotune_key": autotune.machine_key(), "autotune_table": str(autotune.cache_path())}
 
     def defaults(self, task: str, fmt: str, stored: str) -> Precision:
         """As the base says, but encoders round their matmul inputs to bf16 where the CPU has matrix units

@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime import schedule
-from soma_runtime.backends.cpu import amx, qdot, simd
+from soma_runtime.backends.cpu import amx, autotune, qdot, simd
 from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import BF16, F16, F16_TABLE, dequant_row, dequant_rows_serial
@@ -86,7 +85,7 @@ def matmul_stored(x: np.ndarray, w, out: np.ndarray | None = None, activations: 
     n, k = w.shape
     rows = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     few = rows.shape[0] <= GEMV_MAX_ROWS
-    tuned = schedule.choice(prefill_key(w)) if activations == "q8" and rows.shape[0] >= BLAS_MIN_ROWS else None
+    tuned = autotune.choice(prefill_key(w)) if activations == "q8" and rows.shape[0] >= BLAS_MIN_ROWS else None
     if tuned == "amx" and amx.available():      # bf16 tiles on the matrix units (amx.py)
         return deliver(amx.quantized_matmul(rows, data, fmt, n).reshape(*x.shape[:-1], n), "f32", out)
     if activations == "q8" and fmt in qdot.FORMATS:
@@ -148,12 +147,12 @@ def tune(weights, force: bool = False) -> dict[str, dict]:
     measured = {}
     for w in weights:
         key = prefill_key(w)
-        if key is None or key in measured or (not force and schedule.choice(key) is not None):
+        if key is None or key in measured or (not force and autotune.choice(key) is not None):
             continue
-        best, times = schedule.fastest(prefill_variants(w, PREFILL_ROWS))
+        best, times = autotune.fastest(prefill_variants(w, PREFILL_ROWS))
         measured[key] = {"choice": best, "seconds": times}
     if measured:
-        schedule.record({k: v["choice"] for k, v in measured.items()})
+        autotune.record({k: v["choice"] for k, v in measured.items()})
     return measured
 
 

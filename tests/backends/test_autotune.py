@@ -7,17 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from soma_runtime import schedule
-from soma_runtime.backends.cpu import qmatmul
+from soma_runtime.backends.cpu import autotune, qmatmul
 from soma_runtime.dtypes import quantize
 
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     monkeypatch.setenv("SOMA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(schedule, "_table", None)
+    monkeypatch.setattr(autotune, "_table", None)
     yield tmp_path / "autotune.json"
-    schedule._table = None
+    autotune._table = None
 
 
 def test_tune_records_the_fastest_variant_per_shape(table):
@@ -28,9 +27,9 @@ def test_tune_records_the_fastest_variant_per_shape(table):
     times = measured[key]["seconds"]
     assert set(times) == set(qmatmul.variant_names(w)) >= {"int8", "blas"}
     assert measured[key]["choice"] == min(times, key=times.get)
-    assert schedule.choice(key) == measured[key]["choice"]
+    assert autotune.choice(key) == measured[key]["choice"]
     on_disk = json.loads(table.read_text())
-    assert on_disk[schedule.machine_key()][key] == measured[key]["choice"]
+    assert on_disk[autotune.machine_key()][key] == measured[key]["choice"]
     assert qmatmul.tune([w]) == {}                      # known shapes are not timed again
 
 
@@ -48,7 +47,7 @@ def test_a_recorded_blas_choice_is_followed_for_prefill_rows_only(table, monkeyp
     w = quantize(np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32), "q8_0")
     rows = qmatmul.BLAS_MIN_ROWS
     x = np.random.default_rng(3).standard_normal((rows, 64)).astype(np.float32)
-    schedule.record({qmatmul.prefill_key(w): "blas"})
+    autotune.record({qmatmul.prefill_key(w): "blas"})
     calls = []
     monkeypatch.setattr(qmatmul, "gemm_tiled", lambda *a: calls.append(a) or np.zeros((rows, 32), np.float32))
     qmatmul.matmul_stored(x, w, activations="q8")
