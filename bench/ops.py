@@ -45,7 +45,8 @@ def main():
     import torch.nn.functional as F
 
     from soma_runtime.backends import run_op
-    from soma_runtime.dtypes import QUANTIZED, QTensor, dtype, quantize
+    from soma_runtime.dtypes import QUANTIZED, QTensor, dtype
+    from soma_runtime.quant import dequantize, quantize
     from soma_runtime.quant.encode import ENCODERS
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -89,7 +90,7 @@ def main():
             wq = w.astype(d.numpy)
             nbytes = wq.nbytes
         # the peer does the same product at f32 on the already-decoded weight
-        tdeq = torch.from_numpy(wq.dequantize() if d.quantized else wq.astype(np.float32))
+        tdeq = torch.from_numpy(dequantize(wq) if d.quantized else wq.astype(np.float32))
         bench(f"matmul {name} gemv 1x{hidden}x{ffn}", lambda wq=wq: run_op("matmul", x1, wq, transpose_b=True),
               lambda t=tdeq: F.linear(tx1, t), weight_bytes=nbytes)
         bench(f"matmul {name} gemm 128x{hidden}x{ffn}", lambda wq=wq: run_op("matmul", x128, wq, transpose_b=True),

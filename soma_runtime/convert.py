@@ -13,9 +13,10 @@ import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
-from soma_runtime.dtypes import QTensor, quantize
+from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import UnsupportedModelError
 from soma_runtime.loaders.safetensors import read_checkpoint
+from soma_runtime.quant import quantize
 from soma_runtime.text.tokenizer import CONTROL, USER_DEFINED, read_json
 
 OUT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")

@@ -17,10 +17,10 @@ import numpy as np
 
 from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV
 from soma_runtime.architectures.decoder import Weights
-from soma_runtime.dtypes import quantize
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
+from soma_runtime.quant import quantize
 
 
 @dataclass(frozen=True)

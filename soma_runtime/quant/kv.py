@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from soma_runtime.dtypes import dtype, quantize
+from soma_runtime.dtypes import dtype
+from soma_runtime.quant import quantize
 from soma_runtime.quant.formats import F16_TABLE, _f16, _row_q4_0, _row_q8_0, dequantize_rows
 
 BLOCK = 32

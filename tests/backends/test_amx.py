@@ -88,7 +88,7 @@ def test_amx_matmul_applies_its_epilogue(epilogue, approximate, rows, repack, mo
 def test_amx_prefill_of_quantized_weights_equals_bf16_product(name):
     """The autotune's "amx" prefill variant: weight tiles decoded to bf16, activations rounded to bf16."""
     from soma_runtime.backends.cpu import qmatmul
-    from soma_runtime.dtypes import dequantize, quantize
+    from soma_runtime.quant import dequantize, quantize
     rng = np.random.default_rng(4)
     w = quantize(rng.standard_normal((96, 128)).astype(np.float32), name)
     x = rng.standard_normal((70, 128)).astype(np.float32)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from soma_runtime.backends.cpu import autotune, qmatmul
-from soma_runtime.dtypes import quantize
+from soma_runtime.quant import quantize
 
 
 @pytest.fixture

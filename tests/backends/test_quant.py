@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from soma_runtime.backends import run_op
-from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype, quantize
+from soma_runtime.dtypes import QUANTIZED, QTensor, dtype
+from soma_runtime.quant import dequantize, quantize
 from tests.backends import BACKENDS
 
 COMPUTE = [b for b in BACKENDS if b != "reference"]       # the backends with quantized-matmul jets
@@ -37,7 +38,7 @@ def test_every_listed_format_has_a_scale_map():
 def test_dequantize_matches_gguf_reference(name):
     raw = random_blocks(name, 6, 512)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(dtype(name).ggml_id))
-    got = QTensor(raw.reshape(-1), name, (6, 512)).dequantize()
+    got = dequantize(QTensor(raw.reshape(-1), name, (6, 512)))
     np.testing.assert_array_equal(got, want)
 
 
@@ -45,7 +46,7 @@ def test_dequantize_matches_gguf_reference(name):
 def test_dequantize_selected_rows(name):
     raw = random_blocks(name, 5, 256, seed=1)
     t = QTensor(raw.reshape(-1), name, (5, 256))
-    np.testing.assert_array_equal(dequantize(t, rows=np.array([[4, 0], [2, 2]])), t.dequantize()[[[4, 0], [2, 2]]])
+    np.testing.assert_array_equal(dequantize(t, rows=np.array([[4, 0], [2, 2]])), dequantize(t)[[[4, 0], [2, 2]]])
 
 
 @pytest.mark.parametrize("name", ["f16", "bf16"])
@@ -81,7 +82,7 @@ def test_quantize_rejects_bad_shapes_and_formats():
 def test_quantized_matmul_matches_dequantize_then_matmul(name, rows, backend):
     w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
     x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
-    want = torch.from_numpy(x).double() @ torch.from_numpy(w.dequantize()).double().T
+    want = torch.from_numpy(x).double() @ torch.from_numpy(dequantize(w)).double().T
     got = run_op("matmul", x, w, backend=backend, transpose_b=True)
     scale = max(1.0, float(want.abs().max()))
     assert np.max(np.abs(got - want.numpy())) <= 1e-5 * scale
@@ -95,7 +96,7 @@ def test_quantized_matmul_adds_the_residual(name, rows, backend):
     w = QTensor(random_blocks(name, 40, 512).reshape(-1), name, (40, 512))
     x, residual = (np.random.default_rng(rows + i).standard_normal(shape).astype(np.float32)
                    for i, shape in enumerate([(rows, 512), (rows, 40)]))
-    want = torch.from_numpy(x).double() @ torch.from_numpy(w.dequantize()).double().T + torch.from_numpy(residual).double()
+    want = torch.from_numpy(x).double() @ torch.from_numpy(dequantize(w)).double().T + torch.from_numpy(residual).double()
     got = run_op("matmul", x, w, None, residual, backend=backend, transpose_b=True)
     assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
 
@@ -158,7 +159,7 @@ def test_k_quant_matmul_on_cuda_under_q8_activations_is_the_q8_rounded_product(n
     x, g = rng.standard_normal((rows, cols)).astype(np.float32), rng.uniform(0.5, 1.5, cols).astype(np.float32)
     norm = g if normed else None
     rows = run_op("rmsnorm", x, g, backend="cpu", eps=1e-6) if normed else x
-    want = torch.from_numpy(q8_rounded(rows)).double() @ torch.from_numpy(w.dequantize()).double().T
+    want = torch.from_numpy(q8_rounded(rows)).double() @ torch.from_numpy(dequantize(w)).double().T
     got = run_op("matmul", x, w, None, None, norm, backend="cuda", transpose_b=True, activations="q8", norm_eps=1e-6)
     assert np.max(np.abs(got - want.numpy())) <= 1e-5 * max(1.0, float(want.abs().max()))
 
@@ -208,4 +209,4 @@ def test_device_weights_come_back_byte_identical(name, cols):
 def test_embedding_reads_quantized_rows(backend, name):
     table = QTensor(random_blocks(name, 12, 256).reshape(-1), name, (12, 256))
     ids = np.array([[3, 11], [0, 3]])
-    np.testing.assert_allclose(run_op("embedding", table, ids, backend=backend), table.dequantize()[ids], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(run_op("embedding", table, ids, backend=backend), dequantize(table)[ids], rtol=0, atol=1e-6)

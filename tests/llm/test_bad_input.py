@@ -107,6 +107,7 @@ def rewrite_gguf(src: str, dst: str, architecture: str | None = None, shrink: st
     import numpy as np
 
     from soma_runtime.dtypes import QTensor
+    from soma_runtime.quant import dequantize
     f = read_gguf(src)
     arch = architecture or f.metadata["general.architecture"]
     w = gguf.GGUFWriter(dst, arch)
@@ -126,7 +127,7 @@ def rewrite_gguf(src: str, dst: str, architecture: str | None = None, shrink: st
         else:
             w.add_float32(key, value)
     for name, t in f.tensors.items():
-        data = np.asarray(t.dequantize() if isinstance(t, QTensor) else t, np.float32)
+        data = np.asarray(dequantize(t) if isinstance(t, QTensor) else t, np.float32)
         w.add_tensor(name, data[:-8] if name == shrink else np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()

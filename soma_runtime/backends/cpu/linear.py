@@ -12,10 +12,10 @@ from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all
 from soma_runtime.backends.cpu.elementwise import geglu, gelu_in_place, rmsnorm, swiglu
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
 from soma_runtime.backends.cpu.simd import stored
-from soma_runtime.dtypes import QUANTIZED, QTensor, dequantize, dtype_of
+from soma_runtime.dtypes import QUANTIZED, QTensor, dtype_of
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import GATED
-from soma_runtime.quant import kv
+from soma_runtime.quant import dequantize, kv
 
 SMALL_ROWS = 32      # up to this many rows, BLAS's packing of the weight costs more than the product
 SERIAL_WEIGHT = 1 << 17   # a weight under this many elements is read by one thread (waking others costs more)
