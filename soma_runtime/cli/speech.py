@@ -7,11 +7,36 @@ import os
 import sys
 
 from soma_runtime.engine.transcribe.formats import FORMATS
+from soma_runtime.errors import RequestError
+
+NEEDS = {"transcribe": "a whisper model", "speak": "a piper voice (its .onnx beside its .onnx.json)"}
 
 
 def runtime(args):
     from soma_runtime.api import Runtime
     return Runtime(args.backend, threads=args.threads)
+
+
+def load_for(args, task: str):
+    """The model `--model` names, if it runs `task`; else an error naming the task it has."""
+    model = runtime(args).load(args.model, sha256=args.sha256)
+    if model.task != task:
+        raise RequestError(f"{args.model} is a {model.task} model; {task} needs {NEEDS[task]}")
+    return model
+
+
+def text_of(args) -> str:
+    """The text to say: the argument, or stdin ('-') read as UTF-8, no more than a request may speak."""
+    from soma_runtime.engine.speak import MAX_TEXT
+    if args.text != "-":
+        return args.text
+    data = sys.stdin.buffer.read(4 * MAX_TEXT + 1)          # UTF-8 takes at most 4 bytes a character
+    if len(data) > 4 * MAX_TEXT:
+        raise RequestError(f"the text on stdin is longer than the {MAX_TEXT} characters one request may speak")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the text on stdin is not UTF-8 (byte {e.start})") from None
 
 
 def write(path: str, data: bytes) -> None:
@@ -24,7 +49,7 @@ def write(path: str, data: bytes) -> None:
 
 def cmd_transcribe(args) -> int:
     from soma_runtime.engine.transcribe.formats import render
-    model = runtime(args).load(args.model, sha256=args.sha256)
+    model = load_for(args, "transcribe")
     options = {"temperature": args.temperature} if args.temperature is not None else {}
     transcripts = model.transcribe(args.audio, language=args.language, beam_size=args.beam_size, vad=args.vad,
                                    initial_prompt=args.prompt, word_timestamps=args.word_timestamps,
@@ -43,9 +68,8 @@ def cmd_transcribe(args) -> int:
 
 def cmd_speak(args) -> int:
     from soma_runtime.audio.io import wav_bytes
-    model = runtime(args).load(args.model, sha256=args.sha256)
-    text = sys.stdin.read() if args.text == "-" else args.text
-    samples, rate = model.speak(text, speaker=args.speaker, speed=args.speed)
+    model = load_for(args, "speak")
+    samples, rate = model.speak(text_of(args), speaker=args.speaker, speed=args.speed)
     write(args.out, wav_bytes(samples, rate))
     return 0
 

@@ -7,6 +7,7 @@ covers. Knows decoding policy, nothing of graphs.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ INPUT_STRIDE = 2                            # frames per encoder position
 TIME_PRECISION = 0.02                       # seconds per timestamp token
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP
 SECONDS_PER_FRAME = HOP / SAMPLE_RATE
+MAX_HYPOTHESES = 32                         # beams or sampled rows a window decodes (what the runner's pool holds)
 
 
 @dataclass
@@ -54,6 +56,63 @@ class Options:
     max_new_tokens: int | None = None
     word_timestamps: bool = False
     seed: int | None = None
+
+    def __post_init__(self):
+        """RequestError naming the first option of the wrong type or out of its range, whoever built it."""
+        for name in ("condition_on_previous_text", "suppress_blank", "without_timestamps", "word_timestamps"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("language", "initial_prompt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not utf8(value)):
+                raise RequestError(f"{name} must be a string of text, got {value!r:.80}")
+        if self.task not in ("transcribe", "translate"):
+            raise RequestError(f"task must be transcribe or translate, got {self.task!r}")
+        for name in ("beam_size", "best_of"):
+            if not integer(getattr(self, name), 1, MAX_HYPOTHESES):
+                raise RequestError(f"{name} must be an integer in [1, {MAX_HYPOTHESES}], got {getattr(self, name)!r}")
+        counts = (("no_repeat_ngram_size", integer(self.no_repeat_ngram_size, 0), ">= 0"),
+                  ("max_new_tokens", self.max_new_tokens is None or integer(self.max_new_tokens, 1), ">= 1 (or None)"),
+                  ("seed", self.seed is None or integer(self.seed, 0), ">= 0 (or None)"))
+        for name, good, wanted in counts:
+            if not good:
+                raise RequestError(f"{name} must be an integer {wanted}, got {getattr(self, name)!r}")
+        if not isinstance(self.temperatures, (tuple, list)) or not self.temperatures or \
+                not all(real(t, 0, 2) for t in self.temperatures):
+            raise RequestError(f"temperature must be in [0, 2] (or a list of such), got {self.temperatures!r}")
+        numbers = [("patience", real(self.patience, 0, 8) and self.patience > 0, "in (0, 8]"),
+                   ("length_penalty", real(self.length_penalty), "finite"),
+                   ("repetition_penalty", real(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+                   ("prompt_reset_on_temperature", real(self.prompt_reset_on_temperature), "finite"),
+                   ("max_initial_timestamp", real(self.max_initial_timestamp, 0), ">= 0")]
+        numbers += [(name, getattr(self, name) is None or real(getattr(self, name)), "finite (or None)")
+                    for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold")]
+        for name, good, wanted in numbers:
+            if not good:
+                raise RequestError(f"{name} must be a number {wanted}, got {getattr(self, name)!r}")
+        if self.suppress_tokens is not None and (not isinstance(self.suppress_tokens, (tuple, list))
+                                                 or not all(integer(t, -1) for t in self.suppress_tokens)):
+            raise RequestError(f"suppress_tokens must be a list of token ids (-1: the non-speech symbols), "
+                               f"got {self.suppress_tokens!r:.80}")
+
+
+def integer(value, low: int, high: float = math.inf) -> bool:
+    """An int (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def real(value, low: float = -math.inf, high: float = math.inf) -> bool:
+    """A finite int or float (not a bool) in [low, high]."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
+
+
+def utf8(text: str) -> bool:
+    """Whether `text` is text UTF-8 can hold (no lone surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -116,6 +175,8 @@ class Transcriber:
         seek, all_tokens, reset_since, index = 0, [], 0, 0
         if opts.initial_prompt:
             all_tokens += tok.encode(" " + opts.initial_prompt.strip())
+        if any(t >= tok.vocab_size for t in opts.suppress_tokens or ()):
+            raise RequestError(f"suppress_tokens holds an id past the vocabulary's {tok.vocab_size}")
         suppress = tok.suppressed(opts.suppress_tokens) if opts.suppress_tokens else ()
         if opts.word_timestamps and self.aligner is None:
             raise RequestError("this model names no alignment heads: word timestamps are not available")

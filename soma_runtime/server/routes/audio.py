@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from soma_runtime.audio.io import wav_header
+from soma_runtime.engine.speak import MAX_TEXT, SPEEDS
 from soma_runtime.engine.transcribe.formats import FORMATS, render
 from soma_runtime.errors import RequestError
 from soma_runtime.server.http import ServerState, parse
@@ -26,10 +27,10 @@ SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 class SpeechRequest(BaseModel):
     model_config = ConfigDict(strict=True)
     model: str
-    input: str = Field(min_length=1, max_length=4096)
+    input: str = Field(min_length=1, max_length=MAX_TEXT)
     voice: str | None = None
     response_format: Literal["wav", "pcm"] = "wav"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = Field(1.0, ge=SPEEDS[0], le=SPEEDS[1])
 
 
 def locked(served, fn, *args, **kwargs):
