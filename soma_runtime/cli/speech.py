@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from soma_runtime.engine.speak import MAX_TEXT, SPEEDS
 from soma_runtime.engine.transcribe.formats import FORMATS
 from soma_runtime.errors import RequestError
 
@@ -27,7 +28,6 @@ def load_for(args, task: str):
 
 def text_of(args) -> str:
     """The text to say: the argument, or stdin ('-') read as UTF-8, no more than a request may speak."""
-    from soma_runtime.engine.speak import MAX_TEXT
     if args.text != "-":
         return args.text
     data = sys.stdin.buffer.read(4 * MAX_TEXT + 1)          # UTF-8 takes at most 4 bytes a character
@@ -108,10 +108,10 @@ def add_parsers(sub, sha256_arg) -> None:
 
     s = sub.add_parser("speak", help="text to speech with a piper voice (voice.onnx beside voice.onnx.json)")
     s.add_argument("--model", "-m", required=True, help="the voice's .onnx file")
-    s.add_argument("--text", "-t", required=True, help="the text to say ('-': stdin)")
+    s.add_argument("--text", "-t", required=True, help=f"the text to say ('-': stdin), at most {MAX_TEXT} characters")
     s.add_argument("--out", "-o", required=True, help="the WAV file to write ('-': stdout)")
     s.add_argument("--speaker", default=None, help="a speaker's name or id (multi-speaker voices)")
-    s.add_argument("--speed", type=float, default=1.0)
+    s.add_argument("--speed", type=float, default=1.0, help=f"the pace, {SPEEDS[0]:g} to {SPEEDS[1]:g}")
     s.add_argument("--sha256", type=sha256_arg, default=None)
     add_common(s)
     s.set_defaults(run=cmd_speak)

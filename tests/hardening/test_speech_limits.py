@@ -154,17 +154,12 @@ def voice():
     return Runtime("cpu").load(VOICE, progress=False)
 
 
-def test_transcribe_refuses_what_is_not_audio_and_scales_int16(whisper, voice):
-    for audio in (None, [0.1, 0.2], np.zeros(16000, np.complex128)):
-        with pytest.raises(RequestError):
+def test_transcribe_refuses_what_is_not_audio_and_options_of_the_wrong_type(whisper):
+    for audio, message in ((None, "NoneType"), ([0.1, 0.2], "float"), (np.zeros(16000, np.complex128), "complex128")):
+        with pytest.raises(RequestError, match=message):
             whisper.transcribe(audio)
     with pytest.raises(RequestError, match="initial_prompt"):
         whisper.transcribe(np.zeros(16000, np.float32), initial_prompt=5)
-    said, rate = voice.speak("Good morning.", noise_scale=0.0, noise_w=0.0)
-    floats = resample(said / 32768, rate, 16000)
-    pcm = np.round(floats * 32767).astype(np.int16)
-    heard = whisper.transcribe(pcm, beam_size=1, vad=False).text
-    assert "morning" in heard.lower() and heard == whisper.transcribe(pcm / 32768, beam_size=1, vad=False).text
 
 
 # voices (fault 5, 7)
