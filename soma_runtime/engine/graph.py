@@ -4,6 +4,8 @@ The graph is fused once; a plan is made per set of input shapes (the most recent
 with symbolic dims (a batch, a length) runs at any size. Inputs are checked where they are given:
 every name the graph takes and no other, each of its dtype and shape. A graph family (an imported graph
 that needs its inputs' sizes, or some of their values, to be built) is built once per distinct set.
+Every run is held to a RunBudget (ir/plan.py: bytes of any one tensor, of the outputs, of the
+intermediates at once; the defaults there), given per run or else the runner's.
 """
 from __future__ import annotations
 
@@ -16,16 +18,17 @@ from soma_runtime.dtypes import BY_NUMPY
 from soma_runtime.errors import GraphError, RequestError
 from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
 from soma_runtime.ir.passes import fuse
-from soma_runtime.ir.plan import Plan, bindings_from
+from soma_runtime.ir.plan import Plan, RunBudget, bindings_from
 
 PLANS_KEPT = 64                  # plans kept, most recent first, while their arenas together stay under
 ARENAS_KEPT = 1 << 30            # this many bytes (a graph run at many lengths re-plans none of them)
 MEMBERS_KEPT = 8                 # a family's members, each a converted graph
+DEFAULT_BUDGET = RunBudget()     # what a run may compute unless its runner or the run is given another
 
 
 class GraphRunner:
-    def __init__(self, graph: Graph, backend: Backend, recognition: bool = True):
-        self.graph, self.backend = graph, backend
+    def __init__(self, graph: Graph, backend: Backend, recognition: bool = True, budget: RunBudget = DEFAULT_BUDGET):
+        self.graph, self.backend, self.budget = graph, backend, budget
         self.fusions = fuse(graph, recognition)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
 
@@ -37,14 +40,15 @@ class GraphRunner:
     def outputs(self) -> dict[str, TensorMeta]:
         return {name: self.graph.tensors[name] for name in self.graph.outputs}
 
-    def run(self, inputs: dict) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict, budget: RunBudget | None = None) -> dict[str, np.ndarray]:
         arrays = check_inputs(self.graph.inputs, inputs)
-        key = tuple(arrays[name].shape for name in self.graph.inputs)
+        budget = budget or self.budget
+        key = (tuple(arrays[name].shape for name in self.graph.inputs), budget)
         if key in self.plans:
             self.plans.move_to_end(key)
         else:
             try:
-                self.plans[key] = Plan(self.graph, self.backend, bindings_from(self.graph, arrays))
+                self.plans[key] = Plan(self.graph, self.backend, bindings_from(self.graph, arrays), budget=budget)
             except GraphError as e:          # sizes that disagree with the graph's own
                 raise RequestError(str(e)) from None
             while len(self.plans) > 1 and (len(self.plans) > PLANS_KEPT or
@@ -78,8 +82,8 @@ class FamilyRunner:
     """A GraphFamily run: each distinct set of input shapes and values builds (once) a graph of its own, run
     by a GraphRunner; the most recent are kept."""
 
-    def __init__(self, family: GraphFamily, backend: Backend, recognition: bool = True):
-        self.family, self.backend, self.recognition = family, backend, recognition
+    def __init__(self, family: GraphFamily, backend: Backend, recognition: bool = True, budget: RunBudget = DEFAULT_BUDGET):
+        self.family, self.backend, self.recognition, self.budget = family, backend, recognition, budget
         self.members: OrderedDict[tuple, GraphRunner] = OrderedDict()
 
     @property
@@ -95,7 +99,7 @@ class FamilyRunner:
         """The fusions found in the member run last (none before the first run)."""
         return next(reversed(self.members.values())).fusions if self.members else {}
 
-    def run(self, inputs: dict) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict, budget: RunBudget | None = None) -> dict[str, np.ndarray]:
         arrays = check_inputs(self.family.inputs, inputs)
         values = {name: arrays.pop(name) for name in self.family.value_inputs}
         shapes = {name: a.shape for name, a in arrays.items()}
@@ -103,12 +107,13 @@ class FamilyRunner:
         if key in self.members:
             self.members.move_to_end(key)
         else:
-            self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend, self.recognition)
+            self.members[key] = GraphRunner(self.family.build(values, shapes), self.backend, self.recognition, self.budget)
             if len(self.members) > MEMBERS_KEPT:
                 self.members.popitem(last=False)
-        return self.members[key].run(arrays)
+        return self.members[key].run(arrays, budget)
 
 
-def graph_runner(source: Graph | GraphFamily, backend: Backend, recognition: bool = True) -> GraphRunner | FamilyRunner:
+def graph_runner(source: Graph | GraphFamily, backend: Backend, recognition: bool = True,
+                 budget: RunBudget = DEFAULT_BUDGET) -> GraphRunner | FamilyRunner:
     runner = FamilyRunner if isinstance(source, GraphFamily) else GraphRunner
-    return runner(source, backend, recognition)
+    return runner(source, backend, recognition, budget)

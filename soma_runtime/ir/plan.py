@@ -9,22 +9,59 @@ context length: its slots and spans vary per step, no intermediate does). A dim 
 (a range's length, a nonzero's count) is bound once its node has run, and the attributes that hold
 it (a reshape to it) resolve per run: such tensors, and what follows from them, are left out of the
 arena and sized by their kernels.
+A plan given a `RunBudget` checks every size against it once the size is known and before anything of
+it is allocated: static sizes when it is made, sizes the data decides as each is resolved.
 """
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
-from soma_runtime.errors import GraphError
+from soma_runtime.errors import GraphError, RequestError
 from soma_runtime.ir.builder import validate
 from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, names_in, resolve
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS
 from soma_runtime.ir.passes import eliminate_dead_nodes, fold_constants, plan_memory
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """The most one run of a graph may compute, in bytes: past it, a RequestError names the node, its
+    op and the size, raised before that size is allocated."""
+    tensor_bytes: int = 1 << 30          # any one tensor a node computes (a constant folded for the plan too)
+    output_bytes: int = 1 << 30          # the graph's outputs together
+    work_bytes: int = 4 << 30            # the arena (the intermediates live at once), and apart the
+                                         # constants a plan computes
+
+    def check(self, node: Node, name: str, meta: TensorMeta) -> int:
+        """The bytes of `name` (of shape `meta`, every dim known), RequestError past `tensor_bytes`."""
+        size = meta_bytes(meta)
+        if size > self.tensor_bytes:
+            raise RequestError(f"node {node.name!r} ({node.op}): its output {name!r} of shape {list(meta.shape)} "
+                               f"{meta.dtype} is {size} bytes, past the {self.tensor_bytes} a tensor may have")
+        return size
+
+    def check_outputs(self, size: int, names: list[str]) -> None:
+        if size > self.output_bytes:
+            raise RequestError(f"the graph's outputs {', '.join(names)} come to {size} bytes, past the "
+                               f"{self.output_bytes} they may have together")
+
+
+def meta_bytes(meta: TensorMeta) -> int:
+    """Bytes of a tensor whose dims are all known, in Python integers (a product of huge dims does not wrap)."""
+    dt = dtype(meta.dtype)
+    return -(-math.prod(max(0, d) for d in meta.shape) // dt.block_size) * dt.type_size
+
+
+def failed(node: Node, e: Exception) -> RequestError:
+    """An index or size the data gave that the node's kernel cannot take (a Gather past the end)."""
+    return RequestError(f"node {node.name!r} ({node.op}): {type(e).__name__}: {str(e)[:300]}")
 
 
 @dataclass
@@ -34,8 +71,11 @@ class Step:
     outputs: list[str]
     attrs: dict
     out: np.ndarray | None       # arena view the kernel writes into, if planned
+    node: Node
     binds: tuple = ()            # (output, axis, name): sizes only the data decides, read off what it made
     lazy: bool = False           # attrs hold such sizes, resolved when the step runs
+    sized: tuple = ()            # (output, meta, is a graph output): outputs sized by such sizes, checked
+                                 # against the budget before the step runs
 
     @property
     def single(self) -> bool:
@@ -87,11 +127,12 @@ def fits(actual: tuple, planned: tuple) -> bool:
 
 class Plan:
     def __init__(self, graph: Graph, backend: Backend, bindings: dict[str, int] | None = None,
-                 memory_plan: bool = True, free: tuple[str, ...] = (), placed: dict | None = None):
+                 memory_plan: bool = True, free: tuple[str, ...] = (), placed: dict | None = None,
+                 budget: RunBudget | None = None):
         """`placed`: the graph's constants already on a device backend, by name, shared by every plan of
         the graph (its constants are the same in each: folding runs before shapes are bound), so the
-        weights go to the device once, not once a plan."""
-        self.backend = backend
+        weights go to the device once, not once a plan. `budget`: the sizes a run may compute (None: any)."""
+        self.backend, self.budget, self.folded = backend, budget, 0
         self.fold_backend = backend.fallback or backend       # constants fold where they live: the host
         self.bindings = dict(bindings or {})
         self.free = frozenset(free)
@@ -103,7 +144,11 @@ class Plan:
         fold_constants(g, self._run_once)
         self.graph = g
         self.metas = self._bind_metas(g)
+        self.output_bytes = self._check_sizes(g) if budget else 0
         self.memory = plan_memory(g, self.metas) if memory_plan and backend.host_arena else None
+        if budget and self.memory and self.memory.arena_bytes > budget.work_bytes:
+            raise RequestError(f"a run of the graph at these sizes holds {self.memory.arena_bytes} bytes of "
+                               f"intermediates at once, past the {budget.work_bytes} it may")
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
         self.fixed = self._fix_views() if self.memory else {}
@@ -126,8 +171,44 @@ class Plan:
         if symbolic_attrs(attrs):
             raise GraphError(f"{node.name}: a size its data decides is not known before the graph runs")
         metas = [None if x is None else meta_of(x) for x in inputs]
+        if self.budget:
+            self._check_folded(node, inputs, metas, attrs)
         kernel = REGISTRY.kernel_for(OPS[node.op], metas, attrs, self.fold_backend)
-        return kernel(*inputs, **OPS[node.op].full_attrs(attrs))
+        try:
+            return kernel(*inputs, **OPS[node.op].full_attrs(attrs))
+        except (IndexError, ValueError) as e:
+            raise failed(node, e) from None
+
+    def _check_folded(self, node: Node, inputs: list, metas: list, attrs: dict) -> None:
+        """A constant node's outputs against the budget, before its kernel computes them."""
+        for name, meta in zip(node.outputs, OPS[node.op].infer(metas, attrs, node.name)):
+            own = {d.expr for d in meta.shape if is_dynamic(d)}
+            if own:
+                meta = meta.bind(dict.fromkeys(own, self._count(node, inputs)))
+            self.folded += self.budget.check(node, name, meta)
+        if self.folded > self.budget.work_bytes:
+            raise RequestError(f"node {node.name!r} ({node.op}): the constants a run of the graph computes come to "
+                               f"{self.folded} bytes, past the {self.budget.work_bytes} it may hold")
+
+    @staticmethod
+    def _count(node: Node, inputs: list) -> int:
+        try:
+            return OPS[node.op].count(*inputs)
+        except ValueError as e:
+            raise failed(node, e) from None
+
+    def _check_sizes(self, g: Graph) -> int:
+        """Every size the bindings fixed against the budget, before the arena is laid out; the bytes of
+        the graph's outputs so far known (those the data sizes are counted as they run)."""
+        def known(name: str) -> bool:
+            return not any(isinstance(d, Sym) for d in self.metas[name].shape)
+        for node in g.nodes:
+            for name in node.outputs:
+                if known(name):
+                    self.budget.check(node, name, self.metas[name])
+        total = sum(meta_bytes(self.metas[o]) for o in g.outputs if known(o))
+        self.budget.check_outputs(total, g.outputs)
+        return total
 
     def _bind_metas(self, g: Graph) -> dict[str, TensorMeta]:
         metas = {k: m.bind(self.bindings, self.free) for k, m in g.inputs.items()}
@@ -152,8 +233,10 @@ class Plan:
             count = int(np.prod(meta.shape, dtype=np.int64))
             out = self.arena[off: off + count * np_dtype.itemsize].view(np_dtype).reshape(meta.shape)
         binds = tuple((k, axis, name) for k, o in enumerate(n.outputs) for axis, name in dynamic_names(self.metas[o]))
-        return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out, binds,
-                    symbolic_attrs(n.attrs))
+        sized = tuple((k, self.metas[o], o in self.graph.outputs) for k, o in enumerate(n.outputs)
+                      if self.budget and any(is_dynamic(d) for d in self.metas[o].shape))
+        return Step(kernel, list(n.inputs), list(n.outputs), OPS[n.op].full_attrs(n.attrs), out, n, binds,
+                    symbolic_attrs(n.attrs), sized)
 
     def _fix_views(self) -> dict:
         """Views (reshape, split, ...) of arena buffers and constants are the same views every run:
@@ -202,10 +285,18 @@ class Plan:
 
     def _run_steps(self, env: dict) -> None:
         bindings = dict(self.bindings)        # and the sizes the data decides, as their nodes run
+        outputs = self.output_bytes
         for step, dead in zip(self.steps, self.dead):
             out = step.out
             attrs = bind_attrs(step.attrs, bindings) if step.lazy else step.attrs
-            result = step.kernel(*[None if i is None else env[i] for i in step.inputs], out=out, **attrs)
+            inputs = [None if i is None else env[i] for i in step.inputs]
+            if step.sized:
+                outputs += self._check_resolved(step, inputs, bindings)
+                self.budget.check_outputs(outputs, self.graph.outputs)
+            try:
+                result = step.kernel(*inputs, out=out, **attrs)
+            except (IndexError, ValueError) as e:
+                raise failed(step.node, e) from None
             if out is not None and result is not out:
                 out[...] = result
                 result = out
@@ -217,3 +308,14 @@ class Plan:
                 bindings[name] = int(np.shape(env[step.outputs[k]])[axis])
             for name in dead:
                 del env[name]
+
+    def _check_resolved(self, step: Step, inputs: list, bindings: dict) -> int:
+        """A step's outputs sized by the data, against the budget before it runs (the length a range or a
+        nonzero decides counted from its inputs); the bytes of those that are graph outputs."""
+        own = {name for _, _, name in step.binds if name not in bindings}      # the node's own: none bound before it
+        known = {**bindings, **dict.fromkeys(own, self._count(step.node, inputs))} if own else bindings
+        total = 0
+        for k, meta, is_output in step.sized:
+            size = self.budget.check(step.node, step.outputs[k], meta.bind(known))
+            total += size if is_output else 0
+        return total

@@ -43,6 +43,8 @@ class OpDef:
     tol: float = 1.0                             # tolerance multiplier for accumulating ops
     ranks: tuple = ()                            # input ranks for tracing the formula (default 2)
     any_rank: bool = False                       # its formula depends on its input's rank: traced at ranks 1-6
+    count: Callable | None = None                # a length only the data decides, from the input values (before
+                                                 # the kernel allocates it; ValueError where they give none)
 
     def aliased(self, output: int) -> int:
         """The input a view op's output aliases."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from soma_runtime.ir.atoms import Ref
 from soma_runtime.ir.graph import DYNAMIC, TensorMeta, same_dim
 from soma_runtime.ir.ops.base import (
@@ -311,7 +313,21 @@ def range_rule(metas, attrs):
     return [TensorMeta((DYNAMIC,), dt)]
 
 
-@op("range", ["start", "limit", "delta"], range_rule, ranks=(0, 0, 0))
+def range_count(start, limit, delta) -> int:
+    """A range's length, computed exactly (Python numbers, no overflow); ValueError for a delta of 0 or a
+    bound that is no finite number."""
+    start, limit, delta = (np.asarray(v).reshape(-1)[0].item() for v in (start, limit, delta))
+    if not all(math.isfinite(v) for v in (start, limit, delta)) or delta == 0:
+        raise ValueError(f"a range from {start} to {limit} by {delta} has no length")
+    if all(isinstance(v, int) for v in (start, limit, delta)):
+        return max(0, -((start - limit) // delta))
+    steps = (limit - start) / delta
+    if not math.isfinite(steps):
+        raise ValueError(f"a range from {start} to {limit} by {delta} has more values than any size")
+    return max(0, math.ceil(steps))
+
+
+@op("range", ["start", "limit", "delta"], range_rule, ranks=(0, 0, 0), count=range_count)
 def range_(A, start, limit, delta):
     """start, start + delta, ... up to (not including) limit: ceil((limit - start) / delta) values, a
     length only the inputs' values decide (a dynamic dim, known once the node has run)."""
@@ -326,7 +342,7 @@ def nonzero_rule(metas, attrs):
     return [TensorMeta((x.ndim, DYNAMIC), "i64")]
 
 
-@op("nonzero", ["x"], nonzero_rule, any_rank=True)
+@op("nonzero", ["x"], nonzero_rule, any_rank=True, count=lambda x: int(np.count_nonzero(x)))
 def nonzero(A, x):
     """The coordinates of x's nonzero elements, one column each in row-major order ([rank, count]; a count
     only the data decides). The flat positions are the first `count` of all positions ordered by

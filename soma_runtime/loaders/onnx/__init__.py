@@ -40,7 +40,7 @@ def onnx_graph(model: onnx.ModelProto, directory: str = ".", where: str = "model
 
 
 def declared(vi: onnx.ValueInfoProto, where: str) -> TensorMeta | None:
-    shape = declared_shape(vi)
+    shape = declared_shape(vi, where)
     if shape is None or not vi.type.HasField("tensor_type"):
         return None
     return TensorMeta(shape, dtype_name(vi.type.tensor_type.elem_type, f"{where}: {vi.name!r}"))

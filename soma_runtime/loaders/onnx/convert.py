@@ -5,6 +5,13 @@ numpy array (known now: an initializer, a Constant, a Shape). Ops on known array
 (fold.py), so shape arithmetic (Shape -> Gather -> Concat -> Reshape) becomes the static attributes
 the IR's ops take; a dim the model leaves symbolic is a `Sym` inside an object array, and arithmetic
 on it stays symbolic. Every failure names the file, the node, its op type and opset.
+
+What one conversion may build is bounded (a hostile file must not take minutes or gigabytes to refuse):
+MAX_NODES nodes converted (counted before converting, loops by the trip counts the file writes, and as
+they convert); once the tensors computed now come to FOLDED_BYTES, what would pass it is left to the
+graph, to be computed per run under the run's budget (ir/plan.py); a subgraph's initializers are read
+once, however many steps of a loop convert it. Subgraphs nest at most ~30 deep: protobuf parses 100
+messages deep.
 """
 from __future__ import annotations
 
@@ -13,12 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from soma_runtime.errors import GraphError, ModelLoadError, UnsupportedModelError
 from soma_runtime.ir.builder import GraphBuilder, Value, validate
 from soma_runtime.ir.graph import Graph, Sym, TensorMeta, meta_of
 from soma_runtime.ir.ops import OPS
+from soma_runtime.ir.plan import meta_bytes
 from soma_runtime.loaders.onnx.fold import FOLD, SymbolicError
 from soma_runtime.loaders.onnx.functions import expand, function_of, schema_of
 from soma_runtime.loaders.onnx.ops import HANDLERS
@@ -26,6 +34,9 @@ from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 
 OLDEST_OPSET = 7                      # before it, broadcasting was an attribute (Add's `broadcast`)
 NEWEST_OPSET = onnx.defs.onnx_opset_version()
+MAX_NODES = 100_000                   # ONNX nodes converted (each unrolled step's body counted) or IR nodes built
+FOLDED_BYTES = 64 << 20               # what one conversion computes at load time, all its tensors together
+ATTRIBUTE_TYPES = {int(t): t.name for t in onnx.defs.OpSchema.AttrType.__members__.values()}
 Tensor = Value | np.ndarray
 
 
@@ -52,7 +63,7 @@ def symbol(name: str) -> Sym:
     return Sym(clean if re.match(r"[A-Za-z_]", clean) else f"d_{clean}")
 
 
-def declared_shape(value_info: onnx.ValueInfoProto) -> tuple | None:
+def declared_shape(value_info: onnx.ValueInfoProto, where: str) -> tuple | None:
     """A value's declared shape: ints, symbols for named or unnamed dims; None when it has none."""
     tensor_type = value_info.type.tensor_type
     if not tensor_type.HasField("shape"):
@@ -60,10 +71,64 @@ def declared_shape(value_info: onnx.ValueInfoProto) -> tuple | None:
     dims = []
     for i, d in enumerate(tensor_type.shape.dim):
         if d.HasField("dim_value"):
+            if d.dim_value < 0:
+                raise ModelLoadError(f"{where}: {value_info.name!r} is declared with dim {i} of {d.dim_value}")
             dims.append(int(d.dim_value))
         else:
             dims.append(symbol(d.dim_param or f"{value_info.name}_{i}"))
     return tuple(dims)
+
+
+def check_nodes(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
+    """Before anything is converted: each node of the graph and its subgraphs (branches not taken too)
+    against its op's schema, and the count of nodes the graph converts to, each Loop's body counted as many
+    times as a trip count the file writes (once where it is computed); past MAX_NODES, UnsupportedModelError."""
+    total, pending = 0, [(graph, 1, {})]
+    while pending:
+        g, times, trips = pending.pop()
+        trips = {**trips, **{t.name: t for t in g.initializer}}
+        for node in g.node:
+            total += times
+            if total > MAX_NODES:
+                raise UnsupportedModelError(f"{where}: the graph has more than {MAX_NODES} nodes (loops unrolled)")
+            opset = opsets.get(node.domain or "ai.onnx", 0)
+            fault = schema_fault(node, schema_of(node.op_type, node.domain or "ai.onnx", opset)) if opset else None
+            if fault:
+                raise ModelLoadError(f"{where}: node {node.name or node.op_type!r} ({node.op_type}, opset {opset}): {fault}")
+            for a in node.attribute if node.op_type == "Constant" and node.output else ():
+                if a.name == "value":
+                    trips[node.output[0]] = a.t
+            count = trip_count(trips.get(node.input[0])) if node.op_type == "Loop" and node.input else 1
+            pending.extend((sub, times * count, trips) for a in node.attribute
+                           for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs))
+
+
+def schema_fault(node: onnx.NodeProto, schema: onnx.defs.OpSchema | None) -> str | None:
+    """What in a node's attributes, or its counts of inputs and outputs, its op's schema does not allow."""
+    if schema is None:
+        return None
+    for a in node.attribute:
+        if a.name not in schema.attributes:
+            return f"attribute {a.name!r} is not one of the op's ({', '.join(schema.attributes) or 'none'})"
+        if a.type != int(schema.attributes[a.name].type):
+            return (f"attribute {a.name!r} is a {ATTRIBUTE_TYPES.get(a.type, a.type)}, the op takes a "
+                    f"{schema.attributes[a.name].type.name}")
+    for what, count, least, most in (("inputs", len(node.input), schema.min_input, schema.max_input),
+                                     ("outputs", len(node.output), schema.min_output, schema.max_output)):
+        if not least <= count <= most:
+            return f"{count} {what}, the op takes {least}" + (f" to {most}" if most != least else "")
+    return None
+
+
+def trip_count(tensor: onnx.TensorProto | None) -> int:
+    """A loop's trip count written in the file (an initializer, a Constant); 1 where it is not."""
+    if tensor is None or tensor.data_location == onnx.TensorProto.EXTERNAL or list(tensor.dims) not in ([], [1]) or \
+            tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return 1
+    try:
+        return max(1, int(numpy_helper.to_array(tensor).reshape(-1)[0]))
+    except (ValueError, IndexError):
+        return 1
 
 
 def initializers_of(model: onnx.ModelProto, directory: str, path: str) -> dict[str, np.ndarray]:
@@ -92,6 +157,8 @@ class Converter:
         self.builder = GraphBuilder()
         self.env: dict[str, Tensor] = {}
         self.node: OnnxNode | None = None
+        self.converted, self.folded = 0, 0
+        self.subgraph_tensors: dict[int, tuple[onnx.TensorProto, np.ndarray]] = {}
         self.opsets = {imp.domain or "ai.onnx": int(imp.version) for imp in model.opset_import}
         version = self.opsets.get("ai.onnx")
         if version is not None and not OLDEST_OPSET <= version <= NEWEST_OPSET:
@@ -104,6 +171,7 @@ class Converter:
 
     def convert(self) -> Graph:
         graph = self.model.graph
+        check_nodes(graph, self.opsets, self.path)
         if graph.sparse_initializer:
             raise UnsupportedModelError(f"{self.path}: sparse initializers are not supported")
         self.env.update(self.initializers if self.initializers is not None else
@@ -117,7 +185,7 @@ class Converter:
         if vi.name in self.values:
             self.env[vi.name] = self.values[vi.name]
             return
-        shape = declared_shape(vi)
+        shape = declared_shape(vi, self.path)
         if vi.name in self.env:            # an initializer listed as an input too: a default, declared alike
             value = self.env[vi.name]
             if shape is not None and (len(shape) != value.ndim or any(isinstance(d, int) and d != n
@@ -136,6 +204,9 @@ class Converter:
 
     def convert_nodes(self, nodes) -> None:
         for proto in nodes:
+            self.converted += 1
+            if max(self.converted, len(self.builder.graph.nodes)) > MAX_NODES:
+                raise UnsupportedModelError(f"{self.path}: the graph has more than {MAX_NODES} nodes (loops unrolled)")
             domain = proto.domain or "ai.onnx"
             self.node = OnnxNode(proto.name or proto.op_type, proto.op_type, self.opsets.get(domain, 0), [], {},
                                  len(proto.output))
@@ -167,6 +238,13 @@ class Converter:
                 raise self.unsupported(f"output {wanted[0]!r} is not supported")
         self.node = None
 
+    def axis(self, value, rank: int) -> int:
+        """An axis of a tensor of `rank` dims (negative: from the end); ModelLoadError past either end."""
+        value = int(value)
+        if not -rank <= value < rank:
+            raise self.invalid(f"axis {value} is out of range for a tensor of rank {rank}")
+        return value % rank
+
     def convert_function(self, proto: onnx.NodeProto, domain: str) -> None:
         """An op without a handler, converted as the function its schema defines it by (if any)."""
         schema = schema_of(proto.op_type, domain, self.node.opset)
@@ -189,7 +267,7 @@ class Converter:
         g = self.builder.graph
         producers = g.producers()
         for name in names:
-            value = self.env[name]
+            value = self.output(name)
             if isinstance(value, np.ndarray) and value.dtype == object:      # Shape(x) of a symbolic x: built per shape
                 raise DataDependent(f"{self.path}: output {name!r} holds sizes the model leaves symbolic "
                                     f"({', '.join(map(str, value.flat))})")
@@ -204,6 +282,11 @@ class Converter:
             self.check_declared(name, declared.get(name))
         validate(g)
         return g
+
+    def output(self, name: str) -> Tensor:
+        if name not in self.env:
+            raise ModelLoadError(f"{self.where()}: output {name!r} is not produced by any node")
+        return self.env[name]
 
     def rename(self, old: str, new: str) -> None:
         g = self.builder.graph
@@ -220,7 +303,7 @@ class Converter:
         if elem and dtype_name(elem, f"{self.path}: output {name!r}") != meta.dtype:
             raise UnsupportedModelError(f"{self.path}: output {name!r} is declared {dtype_name(elem, name)}, "
                                         f"computed as {meta.dtype}")
-        shape = declared_shape(vi)
+        shape = declared_shape(vi, self.path)
         if shape is not None and (len(shape) != meta.ndim or any(isinstance(d, int) and isinstance(m, int) and d != m
                                                                  for d, m in zip(shape, meta.shape))):
             raise ModelLoadError(f"{self.path}: output {name!r} is declared {list(shape)}, its nodes give "
@@ -234,13 +317,27 @@ class Converter:
         sized = any(isinstance(d, Sym) for v in attrs.values() for d in (v if isinstance(v, (tuple, list)) else [v]))
         if all(x is None or isinstance(x, np.ndarray) for x in inputs) and op in FOLD and not sized:
             try:
-                return FOLD[op](*inputs, **OPS[op].full_attrs(attrs))
+                size = self.result_bytes(op, inputs, attrs)
+                if self.folded + size <= FOLDED_BYTES:
+                    self.folded += size
+                    return FOLD[op](*inputs, **OPS[op].full_attrs(attrs))
             except (ValueError, IndexError, TypeError) as e:
                 if any(x is not None and x.dtype == object for x in inputs):
                     raise SymbolicError(f"{op} of symbolic sizes ({e})") from None
                 raise GraphError(f"{op} of known values: {e}") from None
         values = [None if x is None else self.value(x) for x in inputs]
         return self.builder.op(op, *values, name=self.node.name, **attrs)
+
+    def result_bytes(self, op: str, inputs: tuple, attrs: dict) -> int:
+        """The bytes of an op's outputs on known inputs, before they are computed (0 where the IR's shape rule
+        does not take them: numpy decides, as it folds)."""
+        try:
+            metas = OPS[op].infer([None if x is None else self.meta(x) for x in inputs], attrs, self.node.name)
+        except GraphError:
+            return 0
+        own = {d.expr for m in metas for d in m.shape if isinstance(d, Sym)}      # a length the values decide
+        counted = dict.fromkeys(own, OPS[op].count(*inputs)) if own else {}
+        return sum(meta_bytes(m.bind(counted)) for m in metas)
 
     def value(self, x: Tensor) -> Value:
         """A tensor as the graph's: a known array becomes a constant; sizes the model leaves symbolic
@@ -274,6 +371,10 @@ class Converter:
     def unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{self.where()}: {what}")
 
+    def invalid(self, what: str) -> ModelLoadError:
+        """A node that breaks its op's definition (where unsupported() names what this converter lacks)."""
+        return ModelLoadError(f"{self.where()}: {what}")
+
     def ints(self, x: Tensor | None, what: str, default=None, symbolic: bool = False) -> list | None:
         """A known 1-D (or scalar) integer tensor as a list of ints (and, where the caller takes them,
         symbolic dims; elsewhere a symbolic one makes the graph a family, built per input shapes)."""
@@ -293,6 +394,12 @@ class Converter:
             return TensorMeta(x.shape, "i64")
         return meta_of(x)
 
+    def subgraph_tensor(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """A subgraph's initializer, read once (kept beside the protobuf wrapper whose id keys it)."""
+        if id(tensor) not in self.subgraph_tensors:
+            self.subgraph_tensors[id(tensor)] = tensor, tensor_array(tensor, self.directory, self.path)
+        return self.subgraph_tensors[id(tensor)][1]
+
     def call(self, graph: onnx.GraphProto, inputs: list[Tensor] = ()) -> list[Tensor]:
         """A subgraph's outputs (a branch, one step of a loop), its nodes converted in this graph on these
         inputs: they see the outer scope's tensors, their own names stay inside."""
@@ -300,9 +407,9 @@ class Converter:
             raise self.unsupported(f"its subgraph takes {len(graph.input)} inputs, given {len(inputs)}")
         outer_env, outer_node = dict(self.env), self.node
         self.env.update({vi.name: x for vi, x in zip(graph.input, inputs)})
-        self.env.update({init.name: tensor_array(init, self.directory, self.path) for init in graph.initializer})
+        self.env.update({init.name: self.subgraph_tensor(init) for init in graph.initializer})
         try:
             self.convert_nodes(graph.node)
-            return [self.env[o.name] for o in graph.output]
+            return [self.output(o.name) for o in graph.output]
         finally:
             self.env, self.node = outer_env, outer_node

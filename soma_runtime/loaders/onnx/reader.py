@@ -4,6 +4,7 @@ directory, spans checked against the files' sizes before anything is read).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -48,7 +49,14 @@ def read_model(path: str) -> onnx.ModelProto:
 def tensor_array(tensor: TensorProto, directory: str, where: str) -> np.ndarray:
     """A tensor's values: from the protobuf, or mapped from its external data file."""
     dt = dtype_name(tensor.data_type, where)
+    if any(d < 0 for d in tensor.dims):
+        raise ModelLoadError(f"{where}: tensor {tensor.name!r} has negative dims {list(tensor.dims)}")
+    itemsize = OURS[dt].numpy.itemsize
+    count = math.prod(tensor.dims)
     if tensor.data_location != TensorProto.EXTERNAL:
+        if count * itemsize > MAX_PROTO_BYTES:          # more than the protobuf it sits in can hold
+            raise ModelLoadError(f"{where}: tensor {tensor.name!r} of shape {list(tensor.dims)} is larger than an "
+                                 f"ONNX file holds")
         try:
             return numpy_helper.to_array(tensor)
         except (ValueError, TypeError) as e:
@@ -60,12 +68,19 @@ def tensor_array(tensor: TensorProto, directory: str, where: str) -> np.ndarray:
         raise ModelLoadError(f"{where}: tensor {tensor.name!r} names external data {location!r} outside the model's directory")
     if not os.path.isfile(target):
         raise ModelLoadError(f"{where}: tensor {tensor.name!r}: its external data file {location!r} is missing")
-    itemsize = OURS[dt].numpy.itemsize
-    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-    offset = int(info.get("offset", 0))
-    length = int(info.get("length", count * itemsize))
+    try:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", count * itemsize))
+    except ValueError:
+        raise ModelLoadError(f"{where}: tensor {tensor.name!r}: its external data offset {info.get('offset')!r} and "
+                             f"length {info.get('length')!r} must be byte counts") from None
     if length != count * itemsize or offset < 0 or offset + length > os.path.getsize(target):
         raise ModelLoadError(f"{where}: tensor {tensor.name!r} of shape {list(tensor.dims)} needs {count * itemsize} bytes at "
                              f"{offset} of {location!r} ({os.path.getsize(target)} bytes)")
-    data = np.memmap(target, dtype=OURS[dt].numpy, mode="r", offset=offset, shape=(count,))
+    if count == 0:                                     # nothing to map (mmap refuses a length of 0)
+        return np.zeros(tuple(tensor.dims), OURS[dt].numpy)
+    try:
+        data = np.memmap(target, dtype=OURS[dt].numpy, mode="r", offset=offset, shape=(count,))
+    except (OSError, ValueError, OverflowError) as e:     # past the address space this process may map
+        raise ModelLoadError(f"{where}: tensor {tensor.name!r}: cannot map its {length} bytes of {location!r} "
+                             f"({type(e).__name__}: {e})") from None
     return data.reshape(tuple(tensor.dims))

@@ -1,16 +1,27 @@
 """The `graph` task's route: `POST /v1/run` runs a graph model on named inputs given as (nested) JSON
-arrays, each read in the dtype the graph declares for it, and answers its named outputs the same way."""
+arrays, each read in the dtype the graph declares for it, and answers its named outputs the same way.
+
+The inputs are read, the graph run and its answer encoded in a worker thread, the encoding in pieces
+of at most CHUNK_VALUES numbers (json.dumps holds the GIL for the whole of one call), so a large answer
+leaves the event loop free; an answer holds at most ANSWER_VALUES numbers."""
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from soma_runtime.dtypes import DTYPES
 from soma_runtime.errors import RequestError
 from soma_runtime.server.http import ServerState, parse
+from soma_runtime.server.registry import Served
 from soma_runtime.server.routes.encode import locked
+
+ANSWER_VALUES = 1 << 21          # numbers one answer may hold (its JSON is at most ~25 bytes a number)
+CHUNK_VALUES = 1 << 14           # numbers encoded by one json.dumps call (a few milliseconds of the GIL)
 
 
 class RunRequest(BaseModel):
@@ -42,6 +53,38 @@ def jsonable(value: np.ndarray):
     return np.where(np.isfinite(value), value.astype(object), spelled).tolist()
 
 
+def encoded(value: np.ndarray) -> Iterator[str]:
+    """An array as JSON text, in pieces of at most CHUNK_VALUES numbers: runs of rows, or a row's own pieces."""
+    if value.ndim == 0 or value.size <= CHUNK_VALUES:
+        yield json.dumps(jsonable(value), separators=(",", ":"))
+        return
+    row = value.size // len(value)
+    rows = max(1, CHUNK_VALUES // row)
+    yield "["
+    for start in range(0, len(value), rows):
+        if start:
+            yield ","
+        if row > CHUNK_VALUES:
+            yield from encoded(value[start])
+        else:
+            yield json.dumps(jsonable(value[start:start + rows]), separators=(",", ":"))[1:-1]
+    yield "]"
+
+
+def answer(served: Served, inputs: dict) -> bytes:
+    """The run's answer as JSON (in a worker thread): RequestError past ANSWER_VALUES numbers."""
+    outputs = locked(served, served.model.run, arrays(served.model, inputs))
+    count = sum(int(v.size) for v in outputs.values())
+    if count > ANSWER_VALUES:
+        raise RequestError(f"the outputs hold {count} numbers, past the {ANSWER_VALUES} an answer may hold")
+    pieces = [f'{{"object":"run","model":{json.dumps(served.id)},"outputs":{{']
+    for i, (name, value) in enumerate(outputs.items()):
+        pieces.append(("," if i else "") + json.dumps(name) + ":")
+        pieces.extend(encoded(np.asarray(value)))
+    pieces.append("}}")
+    return "".join(pieces).encode()
+
+
 def router(state: ServerState) -> APIRouter:
     routes = APIRouter()
 
@@ -49,7 +92,6 @@ def router(state: ServerState) -> APIRouter:
     async def run(request: Request):
         body = await parse(request, RunRequest)
         served = state.model(body.model, "graph", "texts are generated on /v1/completions, encoded on /v1/embeddings")
-        outputs = await run_in_threadpool(locked, served, served.model.run, arrays(served.model, body.inputs))
-        return {"object": "run", "model": served.id, "outputs": {name: jsonable(v) for name, v in outputs.items()}}
+        return Response(await run_in_threadpool(answer, served, body.inputs), media_type="application/json")
 
     return routes

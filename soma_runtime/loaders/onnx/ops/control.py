@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.loaders.onnx.ops.layout import reshape_to
+from soma_runtime.loaders.onnx.ops.layout import joined, reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 MAX_STEPS = 4096                 # an unrolled loop longer than this is refused, not built
@@ -16,9 +16,9 @@ def stacked(cv, steps: list, axis: int):
     parts = []
     for y in steps:
         dims = list(cv.meta(y).shape)
-        dims.insert(axis % (len(dims) + 1), 1)
+        dims.insert(cv.axis(axis, len(dims) + 1), 1)
         parts.append(reshape_to(cv, y, dims))
-    return parts[0] if len(parts) == 1 else cv.emit("concat", *parts, axis=axis)
+    return joined(cv, parts, axis)
 
 
 def step_count(cv, n: int) -> int:
@@ -44,7 +44,7 @@ def scan(cv, n):
         raise cv.unsupported("Scan before opset 9 (with a batch axis and sequence lengths) is not supported")
     body, m = n.attr("body"), n.attr("num_scan_inputs")
     states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
-    in_axes = [a % cv.meta(x).ndim for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
+    in_axes = [cv.axis(a, cv.meta(x).ndim) for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
     in_reverse = n.attr("scan_input_directions", [0] * m)
     length = step_count(cv, cv.meta(xs[0]).shape[in_axes[0]])
     outputs: list[list] = []

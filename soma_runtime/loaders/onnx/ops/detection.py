@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.loaders.onnx.ops.layout import reshape_to
+from soma_runtime.loaders.onnx.ops.layout import joined, reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 
@@ -71,8 +71,7 @@ def non_max_suppression(cv, n):
         picked = tuple(cv.emit("gather", v, pick, axis=2) for v in box)
         dropped = cv.emit("logical_or", overlapping(cv, box, picked, area, iou), cv.emit("equal", positions, pick))
         standing = cv.emit("logical_and", standing, cv.emit("logical_not", dropped))
-    picks = picks[0] if steps == 1 else cv.emit("concat", *picks, axis=2)                 # [B, C, steps]
-    kept = kept[0] if steps == 1 else cv.emit("concat", *kept, axis=2)
+    picks, kept = joined(cv, picks, 2), joined(cv, kept, 2)                                # [B, C, steps]
     where = cv.emit("nonzero", cv.emit("cast", kept, dtype="bool"))                       # [3, selected]: b, c, step
     flat = cv.emit("reduce_sum", cv.emit("mul", where, np.array([[classes * steps], [steps], [1]], np.int64)), axes=(0,),
                    keepdims=False)

@@ -9,6 +9,7 @@ from onnx import numpy_helper
 
 from soma_runtime.dtypes import dtype
 from soma_runtime.ir.graph import Sym
+from soma_runtime.ir.jets import MAX_VARIADIC
 from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.elementwise import scalar
 from soma_runtime.loaders.onnx.ops.table import onnx_op
@@ -26,7 +27,7 @@ def dims_array(dims) -> np.ndarray:
 def axes_of(cv, n, rank: int, attr_until: int, index: int = 1) -> list[int] | None:
     """An op's axes (an attribute before opset `attr_until`, an input from it), made non-negative."""
     axes = n.attr("axes") if n.opset < attr_until else cv.ints(n.input(index), "axes")
-    return None if axes is None else [int(a) % rank for a in axes]
+    return None if axes is None else [cv.axis(a, rank) for a in axes]
 
 
 @onnx_op("Constant")
@@ -42,9 +43,9 @@ def constant(cv, n):
 @onnx_op("ConstantOfShape")
 def constant_of_shape(cv, n):
     value = numpy_helper.to_array(n.attrs["value"]).reshape(-1) if "value" in n.attrs else np.zeros(1, np.float32)
+    if value.size != 1:
+        raise cv.invalid(f"its value holds {value.size} numbers, not one")
     shape = cv.ints(n.inputs[0], "shape", symbolic=True)
-    if not any(isinstance(d, Sym) for d in shape):
-        return np.full(shape, value[0], value.dtype)
     return cv.emit("expand", value.reshape([1] * len(shape)), shape=tuple(shape))
 
 
@@ -89,7 +90,7 @@ def flatten(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
     axis = n.attr("axis", 1)
-    axis = axis + len(dims) if axis < 0 else axis
+    axis = axis if axis == len(dims) else cv.axis(axis, len(dims))           # rank itself: all of x before the cut
     return reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))
 
 
@@ -126,14 +127,23 @@ def unsqueeze(cv, n):
 @onnx_op("Concat")
 def concat(cv, n):
     xs = [x for x in n.inputs if x is not None]
-    return cv.emit("concat", *xs, axis=int(n.attr("axis")) % cv.meta(xs[0]).ndim)
+    return joined(cv, xs, cv.axis(n.attr("axis"), cv.meta(xs[0]).ndim))
+
+
+def joined(cv, xs: list, axis: int):
+    """A concat of any number of tensors, as a tree of concats of at most MAX_VARIADIC each: the most a
+    jet takes (more would run as atoms, slowly)."""
+    while len(xs) > MAX_VARIADIC:
+        xs = [x[0] if len(x) == 1 else cv.emit("concat", *x, axis=axis)
+              for x in (xs[i:i + MAX_VARIADIC] for i in range(0, len(xs), MAX_VARIADIC))]
+    return xs[0] if len(xs) == 1 else cv.emit("concat", *xs, axis=axis)
 
 
 @onnx_op("Split")
 def split(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
-    axis = int(n.attr("axis", 0)) % len(dims)
+    axis = cv.axis(n.attr("axis", 0), len(dims))
     sizes = n.attr("split") if n.opset < 13 else cv.ints(n.input(1), "split sizes")
     if not sizes:
         if not isinstance(dims[axis], int):
@@ -179,20 +189,20 @@ def slice_(cv, n):
     for axis, start, end, step in zip(axes, starts, ends, steps):
         if step == 0:
             raise cv.unsupported("a slice step of 0")
-        x = slice_axis(cv, x, int(axis) % rank, start, end, step)
+        x = slice_axis(cv, x, cv.axis(axis, rank), start, end, step)
     return x
 
 
 @onnx_op("Gather")
 def gather(cv, n):
     x, index = n.inputs
-    return cv.emit("take", x, index, axis=int(n.attr("axis", 0)) % cv.meta(x).ndim)
+    return cv.emit("take", x, index, axis=cv.axis(n.attr("axis", 0), cv.meta(x).ndim))
 
 
 @onnx_op("GatherElements")
 def gather_elements(cv, n):
     x, index = n.inputs
-    return cv.emit("gather", x, index, axis=int(n.attr("axis", 0)) % cv.meta(x).ndim)
+    return cv.emit("gather", x, index, axis=cv.axis(n.attr("axis", 0), cv.meta(x).ndim))
 
 
 @onnx_op("Expand")
@@ -236,7 +246,7 @@ def compress(cv, n):
     if axis is None:
         x, axis = reshape_to(cv, x, (product(cv.meta(x).shape),)), 0
     kept = cv.emit("take", cv.emit("nonzero", condition), np.array(0, np.int64), axis=0)
-    return cv.emit("take", x, kept, axis=int(axis) % cv.meta(x).ndim)
+    return cv.emit("take", x, kept, axis=cv.axis(axis, cv.meta(x).ndim))
 
 
 @onnx_op("Pad")
@@ -251,7 +261,7 @@ def pad(cv, n):
         given = cv.known(n.input(2), "pad value", np.zeros(0))
         value = given.reshape(-1)[0].item() if given.size else 0.0
         axes = cv.ints(n.input(3), "axes")
-    axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+    axes = list(range(rank)) if axes is None else [cv.axis(a, rank) for a in axes]
     half = len(pads) // 2
     widths = [(0, 0)] * rank
     for a, before, after in zip(axes, pads[:half], pads[half:]):
@@ -311,7 +321,7 @@ def unique(cv, n):
     dims, axis = list(cv.meta(x).shape), n.attr("axis")
     if axis is None:
         x, axis, dims = reshape_to(cv, x, (product(dims),)), 0, [product(dims)]
-    axis = int(axis) % len(dims)
+    axis = cv.axis(axis, len(dims))
     count = dims[axis]
     if not all(isinstance(d, int) for d in dims):
         raise cv.unsupported("Unique over symbolic sizes")
@@ -418,7 +428,7 @@ def flipped(cv, x, axis):
 def arg_extreme(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
-    axis = int(n.attr("axis", 0)) % len(dims)
+    axis = cv.axis(n.attr("axis", 0), len(dims))
     if n.op_type == "ArgMin":
         x = reversed_order(cv, x)
     last = n.attr("select_last_index", 0)
@@ -437,7 +447,7 @@ def hardmax(cv, n):
     """1 where each row's first largest value is, 0 elsewhere (before opset 13, rows of the flattened tail)."""
     x = n.inputs[0]
     dims = cv.meta(x).shape
-    axis = int(n.attr("axis", 1 if n.opset < 13 else -1)) % len(dims)
+    axis = cv.axis(n.attr("axis", 1 if n.opset < 13 else -1), len(dims))
     rows = x if n.opset >= 13 else reshape_to(cv, x, (product(dims[:axis]), product(dims[axis:])))
     axis = axis if n.opset >= 13 else 1
     shape = cv.meta(rows).shape
@@ -455,7 +465,7 @@ def one_hot(cv, n):
     index, depth, values = n.inputs
     depth = int(np.asarray(cv.known(depth, "depth")).reshape(-1)[0])
     rank = cv.meta(index).ndim + 1
-    axis = int(n.attr("axis", -1)) % rank
+    axis = cv.axis(n.attr("axis", -1), rank)
     index = cv.emit("cast", index, dtype="i64") if cv.meta(index).dtype != "i64" else index
     negative = cv.emit("less", index, np.array(0, np.int64))
     index = cv.emit("where", negative, cv.emit("add", index, np.array(depth, np.int64)), index)
@@ -525,7 +535,7 @@ def scatter_nd(cv, n):
 @onnx_op("ScatterElements", "Scatter")
 def scatter_elements(cv, n):
     data, index, updates = n.inputs
-    return scattered_elements(cv, n, data, index, updates, int(n.attr("axis", 0)) % cv.meta(data).ndim)
+    return scattered_elements(cv, n, data, index, updates, cv.axis(n.attr("axis", 0), cv.meta(data).ndim))
 
 
 @onnx_op("TensorScatter")
@@ -534,7 +544,7 @@ def tensor_scatter(cv, n):
     circular mode wrapping past the end)."""
     cache, update, starts = n.inputs[0], n.inputs[1], n.input(2)
     dims, shape = cv.meta(cache).shape, cv.meta(update).shape
-    axis = int(n.attr("axis", -2)) % len(dims)
+    axis = cv.axis(n.attr("axis", -2), len(dims))
     starts = np.zeros(dims[0], np.int64) if starts is None else starts
     at = [-1 if i == 0 else 1 for i in range(len(dims))]
     steps = np.arange(shape[axis], dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(len(dims))])
@@ -574,7 +584,7 @@ def topk(cv, n):
     """The k largest (smallest) along an axis. A k the data decides: the whole axis ordered, its first k
     taken (a count bound when the graph runs)."""
     x = n.inputs[0]
-    axis = int(n.attr("axis", -1)) % cv.meta(x).ndim
+    axis = cv.axis(n.attr("axis", -1), cv.meta(x).ndim)
     counted = n.opset >= 10 and not isinstance(n.inputs[1], np.ndarray)
     if counted and not isinstance(cv.meta(x).shape[axis], int):
         raise cv.unsupported("TopK of a computed k over a symbolic axis")
@@ -602,7 +612,7 @@ def reversed_order(cv, x):
 def cumulative(cv, n):
     """Running sums or products; exclusive ones run over the input shifted by one (the identity first)."""
     x = n.inputs[0]
-    axis = int(cv.ints(n.inputs[1], "axis")[0]) % cv.meta(x).ndim
+    axis = cv.axis(cv.ints(n.inputs[1], "axis")[0], cv.meta(x).ndim)
     reverse = n.attr("reverse", 0)
     if reverse:
         x, _ = flipped(cv, x, axis)

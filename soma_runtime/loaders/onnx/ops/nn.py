@@ -88,6 +88,8 @@ def conv(cv, n):
     nd = len(kernel)
     if nd not in (1, 2):
         raise cv.unsupported(f"a {nd}-D convolution")
+    if tuple(n.attr("kernel_shape", kernel)) != kernel:
+        raise cv.invalid(f"kernel_shape {list(n.attr('kernel_shape'))} is not its weights' {list(kernel)}")
     strides = tuple(n.attr("strides") or (1,) * nd)
     dilations = tuple(n.attr("dilations") or (1,) * nd)
     pads = spatial_pads(cv, n, cv.meta(x).shape[2:], kernel, strides, dilations)
@@ -437,7 +439,7 @@ def group_norm(cv, n):
 def layer_norm(cv, n):
     x, scale, bias = n.input(0), n.input(1), n.input(2)
     rank = cv.meta(x).ndim
-    axis = int(n.attr("axis", -1)) % rank
+    axis = cv.axis(n.attr("axis", -1), rank)
     eps = float(n.attr("epsilon", 1e-5))
     if axis == rank - 1 and n.n_outputs == 1 and cv.meta(scale).ndim == 1 and (bias is None or cv.meta(bias).ndim == 1):
         return cv.emit("layernorm", x, scale, bias, eps=eps)
@@ -450,7 +452,7 @@ def layer_norm(cv, n):
 def rms_norm(cv, n):
     x, scale = n.inputs
     rank = cv.meta(x).ndim
-    axis = int(n.attr("axis", -1)) % rank
+    axis = cv.axis(n.attr("axis", -1), rank)
     eps = float(n.attr("epsilon", 1e-5))
     if axis == rank - 1 and cv.meta(scale).ndim == 1:
         return cv.emit("rmsnorm", x, scale, eps=eps)
@@ -484,7 +486,7 @@ def log_softmax_of(cv, x, axis):
 def softmax(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
-    axis = int(n.attr("axis", 1 if n.opset < 13 else -1)) % len(dims)
+    axis = cv.axis(n.attr("axis", 1 if n.opset < 13 else -1), len(dims))
     if n.op_type == "LogSoftmax":
         apply = lambda v, a: log_softmax_of(cv, v, a)
     elif cv.meta(x).dtype not in FLOATS:                          # f64: the fused op's jets take the narrower floats

@@ -18,7 +18,7 @@ def along(cv, n, param, like):
     rank, shape = cv.meta(like).ndim, cv.meta(like).shape
     if cv.meta(param).ndim == 0 or rank == 0:
         return param
-    axis = int(n.attr("axis", 1)) % rank
+    axis = cv.axis(n.attr("axis", 1), rank)
     block = int(n.attr("block_size", 0))
     if block:
         return cv.emit("take", param, np.arange(shape[axis], dtype=np.int64) // block, axis=axis)

@@ -1,7 +1,7 @@
 """Resampling. Resize (and the older Upsample) is separable, so each resized axis is one linear map from
 its input positions to its output positions, computed here once from the sizes (ONNX's coordinate
 transforms and its nearest, linear and cubic kernels, with antialiasing and exclude_outside): a gather
-where each output takes one input (nearest), else a product with the [out, in] weights. GridSample's
+where each output takes one input (nearest), else a weighted sum of a gather per tap. GridSample's
 positions come with the data: its taps' indices and weights are computed in the graph."""
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import numpy as np
 from soma_runtime.dtypes import dtype
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
+
+MAX_RESIZED = 1 << 16            # positions along one resized axis (their taps are found one by one at load)
+MAX_TAPS = 256                   # inputs one output weighs (an antialiased shrink by ~100x, linear, takes 200)
 
 
 def source_positions(mode: str, out_size: int, in_size: int, scale: float, roi: tuple | None):
@@ -72,13 +75,14 @@ def cubic_coeffs(ratio: float, scale: float, a: float, antialias: bool) -> np.nd
     return coeffs / coeffs.sum()
 
 
-def axis_weights(x: np.ndarray, in_size: int, scale: float, coeffs_of, exclude_outside: bool) -> np.ndarray:
-    """The [out, in] map: each output's coefficients over its nearest input neighbours, the neighbours
-    past an edge clamped to it (or, with exclude_outside, dropped and the rest renormalized)."""
+def axis_taps(x: np.ndarray, in_size: int, scale: float, coeffs_of, exclude_outside: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each output's taps, [out, n]: the input positions its coefficients weigh (its nearest neighbours,
+    clamped to the edges) and those coefficients (with exclude_outside, 0 past an edge, the rest
+    renormalized)."""
     base = np.floor(x).astype(np.int64)
     ratios = np.where(x == base, 1.0, x - base)
-    weights = np.zeros((len(x), in_size))
-    for row, (position, ratio) in enumerate(zip(x, ratios)):
+    positions, weights = [], []
+    for position, ratio in zip(x, ratios):
         coeffs = coeffs_of(float(ratio), scale)
         n = len(coeffs)
         pad = math.ceil(n / 2)
@@ -92,20 +96,28 @@ def axis_weights(x: np.ndarray, in_size: int, scale: float, coeffs_of, exclude_o
         if exclude_outside:
             coeffs = np.where((neighbours < 0) | (neighbours >= in_size), 0.0, coeffs)
             coeffs = coeffs / (coeffs.sum() or 1.0)
-        np.add.at(weights[row], np.clip(neighbours, 0, in_size - 1), coeffs)
-    return weights
+        positions.append(np.clip(neighbours, 0, in_size - 1))
+        weights.append(coeffs)
+    if not positions:
+        return np.zeros((0, 1), np.int64), np.zeros((0, 1))
+    return np.stack(positions), np.stack(weights)
 
 
-def resized_axis(cv, x, axis: int, weights: np.ndarray, outside, fill: float, nearest: bool):
-    rank = cv.meta(x).ndim
+def resized_axis(cv, x, axis: int, taps: tuple[np.ndarray, np.ndarray], outside, fill: float, nearest: bool):
+    """Each output along `axis` as the sum of its taps, each an input weighed by its coefficient, as ONNX
+    defines it (a product with a dense [out, in] map would carry an infinity or a NaN to every output)."""
+    positions, weights = taps
     if nearest and outside is None:
-        return cv.emit("take", x, np.argmax(weights, axis=1).astype(np.int64), axis=axis)
-    perm = [i for i in range(rank) if i != axis] + [axis]
-    moved = cv.emit("permute", x, perm=tuple(perm))
-    y = cv.emit("matmul", moved, weights.astype(dtype(cv.meta(x).dtype).numpy), transpose_b=True)
+        return cv.emit("take", x, positions[np.arange(len(positions)), np.argmax(weights, axis=1)], axis=axis)
+    np_dtype = dtype(cv.meta(x).dtype).numpy
+    along = [len(weights) if i == axis else 1 for i in range(cv.meta(x).ndim)]
+    y = None
+    for k in range(positions.shape[1]):
+        tap = cv.emit("mul", cv.emit("take", x, positions[:, k], axis=axis), weights[:, k].reshape(along).astype(np_dtype))
+        y = tap if y is None else cv.emit("add", y, tap)
     if outside is not None and outside.any():
-        y = cv.emit("where", outside, np.array(fill, dtype(cv.meta(x).dtype).numpy), y)
-    return cv.emit("permute", y, perm=tuple(int(i) for i in np.argsort(perm)))
+        y = cv.emit("where", outside.reshape(along), np.array(fill, np_dtype), y)
+    return y
 
 
 def resize(cv, n, x, scales, sizes, roi):
@@ -113,7 +125,7 @@ def resize(cv, n, x, scales, sizes, roi):
     rank = len(dims)
     if not all(isinstance(d, int) for d in dims):
         raise cv.unsupported(f"resizing symbolic sizes {list(dims)}")
-    axes = [a % rank for a in (n.attr("axes") or range(rank))]
+    axes = [cv.axis(a, rank) for a in (n.attr("axes") or range(rank))]
     mode = n.attr("mode", "nearest")
     transform = n.attr("coordinate_transformation_mode", "half_pixel" if n.opset >= 11 else "asymmetric")
     antialias = bool(n.attr("antialias", 0)) and mode != "nearest"
@@ -134,6 +146,10 @@ def resize(cv, n, x, scales, sizes, roi):
     else:
         factor = dict(zip(axes, scales))
         out = {a: int(factor[a] * dims[a]) for a in axes}
+    for axis in axes:
+        if not 0 <= out[axis] <= MAX_RESIZED:
+            raise cv.unsupported(f"resizing axis {axis} from {dims[axis]} to {out[axis]} (at most {MAX_RESIZED} "
+                                 f"are supported)")
     float_x = cv.meta(x).dtype in ("f32", "f16", "bf16", "f64")
     y = x if float_x or mode == "nearest" else cv.emit("cast", x, dtype="f32")
     for axis in axes:
@@ -143,8 +159,11 @@ def resize(cv, n, x, scales, sizes, roi):
         if unchanged:
             continue
         positions, outside = source_positions(transform, out[axis], dims[axis], factor[axis], region)
-        weights = axis_weights(positions, dims[axis], factor[axis], coeffs_of, bool(n.attr("exclude_outside", 0)))
-        y = resized_axis(cv, y, axis, weights, outside, n.attr("extrapolation_value", 0.0), mode == "nearest")
+        taps = axis_taps(positions, dims[axis], factor[axis], coeffs_of, bool(n.attr("exclude_outside", 0)))
+        if taps[0].shape[1] > MAX_TAPS:
+            raise cv.unsupported(f"resizing axis {axis} from {dims[axis]} to {out[axis]} takes {taps[0].shape[1]} "
+                                 f"inputs an output (at most {MAX_TAPS} are supported)")
+        y = resized_axis(cv, y, axis, taps, outside, n.attr("extrapolation_value", 0.0), mode == "nearest")
     if y is not x and cv.meta(y).dtype != cv.meta(x).dtype:
         info = np.iinfo(dtype(cv.meta(x).dtype).numpy)
         y = cv.emit("cast", cv.emit("clip", y, min=float(info.min), max=float(info.max)), dtype=cv.meta(x).dtype)
