@@ -301,6 +301,22 @@ def test_an_output_no_node_produces_is_a_load_error_naming_it(tmp_path):
         load(saved(tmp_path, ADD, [info("x", F, [3])], [info("nowhere", F, None)], [const("w", np.ones(1, np.float32))]))
 
 
+def test_an_attribute_its_op_does_not_have_is_a_load_error_even_in_a_branch_never_taken(tmp_path):
+    odd = helper.make_graph([helper.make_node("Identity", ["x"], ["odd"], name="copy", bogus=3)], "else", [],
+                            [info("odd", F, None)])
+    plain = helper.make_graph([helper.make_node("Identity", ["x"], ["plain"])], "then", [], [info("plain", F, None)])
+    path = saved(tmp_path, [helper.make_node("If", ["truth"], ["y"], name="choose", then_branch=plain, else_branch=odd)],
+                 [info("x", F, [3])], [info("y", F, None)], [const("truth", np.array(True))])
+    with pytest.raises(ModelLoadError, match=r"node 'copy' \(Identity, opset 17\): attribute 'bogus' is not one of the op's"):
+        load(path)
+
+
+def test_an_axis_past_the_rank_is_a_load_error_not_wrapped_around(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"node 'join' \(Concat, opset 17\): axis 5 is out of range for a tensor of rank 1"):
+        load(saved(tmp_path, [helper.make_node("Concat", ["x", "x"], ["y"], name="join", axis=5)], [info("x", F, [3])],
+                   [info("y", F, None)]))
+
+
 def external(dims, **fields) -> TensorProto:
     tensor = TensorProto(name="w", data_type=F, dims=dims, data_location=TensorProto.EXTERNAL)
     for key, value in fields.items():
