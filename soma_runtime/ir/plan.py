@@ -152,7 +152,7 @@ class Plan:
         self.arena = np.empty(self.memory.arena_bytes if self.memory else 0, np.uint8)
         self.steps = [self._step(n) for n in g.nodes]
         self.fixed = self._fix_views() if self.memory else {}
-        self.dead = self._last_reads() if self.memory is None else [()] * len(self.steps)
+        self.dead = self._last_reads()
         self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
         if backend.device:                                      # weights go to a device backend once
             placed = {} if placed is None else placed
@@ -258,9 +258,9 @@ class Plan:
         return fixed
 
     def _last_reads(self) -> list[tuple[str, ...]]:
-        """Per step, the intermediates no later step reads. Without an arena (a device backend's caching
-        allocator places them) they leave the run's values after it, so their memory serves the steps
-        after: a step holds what is live, not everything it has computed."""
+        """Per step, the intermediates no later step reads. They leave the run's values after it, so memory
+        the arena does not hold (a device backend's caching allocator, sizes the data decides) serves the
+        steps after: a step holds what is live, not everything it has computed."""
         kept = {*self.graph.outputs, *self.graph.constants, *self.graph.inputs}
         last = {name: k for k, step in enumerate(self.steps) for name in step.inputs if name is not None and name not in kept}
         dead: list[list[str]] = [[] for _ in self.steps]
