@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import reprlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.loaders import package_file
 from soma_runtime.quant import kv
-from soma_runtime.text.chat import ChatTemplate
+from soma_runtime.text.chat import ChatTemplate, characters, check_messages
+from soma_runtime.text.tokenizer import check_ids, check_text
 from soma_runtime.tools.loop import ToolLoop
 from soma_runtime.tools.registry import ToolRegistry
 from soma_runtime.tools.turn import Turn
@@ -72,6 +74,26 @@ def checkpoint_dtype(weights) -> str:
     reads it; f32 for anything else."""
     stored = dtype_of(weights["token_embd.weight"])
     return stored if stored in FLOATS else "f32"
+
+
+# The task-specific methods of the Model classes, and the tasks whose models have each; called on a model of
+# another task, one is a RequestError naming both tasks (Model's stand-ins below), never an AttributeError.
+METHOD_TASKS = {"generate": ("generate",), "complete": ("generate",), "chat": ("generate",), "logits": ("generate",),
+                "detokenize": ("generate",), "tokenize": ("generate", "encode"), "embed": ("encode",),
+                "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak"),
+                "transcribe": ("transcribe",), "speak": ("speak",)}
+
+
+def check_flag(name: str, value, optional: bool = False) -> None:
+    """RequestError unless `value` is true or false (or None, where `optional`)."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise RequestError(f"{name} must be true or false, got {reprlib.repr(value)}")
+
+
+def check_count(name: str, value, least: int = 1, optional: bool = False) -> None:
+    """RequestError unless `value` is an integer (not a bool) of at least `least` (or None, where `optional`)."""
+    if not ((type(value) is int and value >= least) or (optional and value is None)):
+        raise RequestError(f"{name} must be an integer >= {least}, got {reprlib.repr(value)}")
 
 
 class Model:
@@ -106,6 +128,23 @@ class Model:
         return {"id": self.id, "task": self.task, "path": self.loaded.path, "format": self.loaded.format,
                 "backend": self.backend.name, "weight_bytes": self.weight_bytes(), "memory_bytes": self.memory_bytes}
 
+    def other_task(self, method: str) -> RequestError:
+        """The error for `method` (one of METHOD_TASKS) called on this model, whose task does not have it."""
+        tasks = METHOD_TASKS[method]
+        return RequestError(f"{method}() is for {' or '.join(tasks)} models; model {self.id} runs the {self.task} task")
+
+
+def stand_in(method: str):
+    """Model's `method`, for the models of tasks without it: a RequestError naming both tasks."""
+    def of_another_task(self, *args, **kwargs):
+        raise self.other_task(method)
+    of_another_task.__name__, of_another_task.__qualname__ = method, f"Model.{method}"
+    return of_another_task
+
+
+for _method in METHOD_TASKS:
+    setattr(Model, _method, stand_in(_method))
+
 
 class TextModel(Model):
     """A text generator (decoder LLM): generate, chat, logits. `overflow` says what becomes of a prompt
@@ -130,7 +169,9 @@ class TextModel(Model):
         template = loaded.tokenizer.chat_template
         try:
             if template is not None:
-                self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token)
+                # the longest prompt any context of it may hold (n_ctx only shrinks; sliding runs to max_position)
+                longest = max(engine.n_ctx, engine.cfg.max_position) * self.tokenizer.max_token_chars
+                self.chat_template = ChatTemplate(template, self.tokenizer.bos_token, self.tokenizer.eos_token, longest)
         except ModelLoadError as e:     # a broken template fails chats, with its reason; raw prompts still run
             self.template_error = ModelLoadError(f"{loaded.path}: {e}")
             log.warning("%s", self.template_error)
@@ -184,6 +225,8 @@ class TextModel(Model):
     def serve(self, max_batch: int, step_tokens: int) -> Scheduler:
         """Run the model's scheduling loop on a thread of its own (a server's): requests from any thread
         join it; `generate` goes through it too."""
+        check_count("max_batch", max_batch)
+        check_count("step_tokens", step_tokens)
         self.scheduler = Scheduler(self.engine, max_batch, step_tokens, drafter=self.drafter)
         return self.scheduler
 
@@ -235,6 +278,7 @@ class TextModel(Model):
     def offload(self, gpu_layers: int) -> None:
         """Run only the first `gpu_layers` layers on the device from now on, the rest on the host (before it
         serves: the memory ladder's third rung)."""
+        check_count("gpu_layers", gpu_layers, least=0)
         self.engine.offload(gpu_layers)
 
     @property
@@ -256,6 +300,7 @@ class TextModel(Model):
 
     def limit_context(self, n_ctx: int) -> None:
         """A shorter context for requests admitted from now on (the memory ladder's last rung)."""
+        check_count("n_ctx", n_ctx)
         self.engine.limit_context(n_ctx)
 
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
@@ -265,8 +310,10 @@ class TextModel(Model):
         `max_tokens` past end-of-sequence tokens (benchmarks); `constraint`, what the text must match."""
         max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
         prompt_ids = self.truncated(prompt_ids) if self.overflow == "truncate" else prompt_ids
-        if not isinstance(ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        check_flag("ignore_eos", ignore_eos)
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise RequestError(f"constraint must be a Constraint (or give json_schema, regex or grammar), "
+                               f"got {type(constraint).__name__}")
         req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
                                 ignore_eos, constraint)
         self.engine.check(req)
@@ -311,10 +358,13 @@ class TextModel(Model):
         raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
 
     def check_length(self, text: str) -> None:
-        """PromptTooLong, from the character count alone, for text too long for any tokenization to fit
+        self.check_characters(len(text), "a prompt")
+
+    def check_characters(self, count: int, what: str) -> None:
+        """PromptTooLong, from a character count alone, for text too long for any tokenization to fit
         the context (every token covers at most the vocabulary's longest piece)."""
-        if len(text) > self.engine.max_length * self.tokenizer.max_token_chars:
-            raise PromptTooLong(f"a prompt of {len(text)} characters cannot fit the context of {self.engine.max_length} tokens")
+        if count > self.engine.max_length * self.tokenizer.max_token_chars:
+            raise PromptTooLong(f"{what} of {count} characters cannot fit the context of {self.engine.max_length} tokens")
 
     def complete(self, prompt: str | list[int], **params) -> str:
         return "".join(t.text for t in self.generate(prompt, **params))
@@ -327,20 +377,28 @@ class TextModel(Model):
         return self.chat_template
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        check_flag("add_generation_prompt", add_generation_prompt)
+        self.check_characters(characters(messages), "a conversation")
         return self.template().render(messages, add_generation_prompt)
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool = True,
              constraint: Constraint | None = None) -> Turn:
         """The prompt and constraint of the assistant's next reply (tools shown to the model, a call or a
-        response format enforced, reasoning left free), and how to read the reply."""
-        turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
+        response format enforced, reasoning left free), and how to read the reply. The conversation's
+        characters are counted before it is rendered: one that cannot fit is never built as a prompt."""
+        check_messages(messages)
+        check_flag("parallel_tool_calls", parallel_tool_calls)
         kept = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-        while self.overflow == "truncate" and len(messages) - kept > 1 and self.over_budget(turn):
+        while self.overflow == "truncate" and len(messages) - kept > 1:
+            turn = self.turn_within_budget(messages, tools, tool_choice, parallel_tool_calls, constraint)
+            if turn is not None:
+                return turn
             rest = messages[kept + 1:]
             while len(rest) > 1 and rest[0].get("role") == "tool":     # a call's results go with it
                 rest = rest[1:]
             messages = messages[:kept] + rest
-            turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
+        self.check_characters(characters(messages, tools), "a conversation")
+        turn = Turn(self.template(), messages, tools, tool_choice, parallel_tool_calls, constraint)
         self.check_length(turn.text)
         return turn
 
@@ -352,9 +410,16 @@ class TextModel(Model):
         head = ids[:1] if ids[0] == self.tokenizer.bos_id else []
         return head + ids[len(ids) - budget + len(head):]
 
-    def over_budget(self, turn: Turn) -> bool:
+    def turn_within_budget(self, messages: list[dict], tools, *options) -> Turn | None:
+        """The turn of these messages if its prompt takes at most PROMPT_SHARE of the context, else None
+        (told from their characters, where they are too many, before rendering)."""
         budget = int(self.context_length * PROMPT_SHARE)
-        return len(turn.text) > budget * self.tokenizer.max_token_chars or len(self.turn_ids(turn)) > budget
+        if characters(messages, tools) > budget * self.tokenizer.max_token_chars:
+            return None
+        turn = Turn(self.template(), messages, tools, *options)
+        if len(turn.text) > budget * self.tokenizer.max_token_chars or len(self.turn_ids(turn)) > budget:
+            return None
+        return turn
 
     def turn_ids(self, turn: Turn) -> list[int]:
         return self.tokenizer.encode(turn.text, add_special=False)
@@ -371,6 +436,7 @@ class TextModel(Model):
         loop: calls are checked, run, and their results fed back until a reply calls none. Streams Tokens;
         `stream=False` gives the final reply's content (with a list of tools, the Reply: content, reasoning,
         tool_calls)."""
+        check_flag("stream", stream)
         constraint = constraint_of(json_schema, regex, grammar)
         if isinstance(tools, ToolRegistry):
             loop = ToolLoop(self, messages, tools, tool_choice, parallel_tool_calls, max_tool_steps, constraint, params)
@@ -390,7 +456,8 @@ class TextModel(Model):
         return self.tokenizer.encode(text)
 
     def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+        """The text of token ids (of the model's vocabulary: any other is a RequestError), special tokens left out."""
+        return self.tokenizer.decode(check_ids(ids, self.engine.cfg.vocab_size))
 
     def metrics(self) -> dict:
         """The latest request's: prefill and decode time and rate, tokens, peak memory, and with speculative
@@ -454,12 +521,12 @@ class EncoderModel(Model):
             logits = self.encoder.classify([text], truncate=truncate)[0]
             names = [own.get(i, f"LABEL_{i}") for i in range(len(logits))]
         else:
-            if not labels or not all(isinstance(label, str) for label in labels):
+            if not isinstance(labels, (list, tuple)) or not labels or not all(isinstance(label, str) for label in labels):
                 raise RequestError("labels must be a non-empty list of strings")
+            hypotheses = hypotheses_of(template, labels)
             entail = next((i for i, name in own.items() if name.lower().startswith("entail")), None)
             if entail is None:
                 raise RequestError(f"model {self.id} is not an NLI model (no 'entailment' label); classify without labels")
-            hypotheses = [template.format(x) for x in labels]
             logits = self.encoder.classify([text] * len(labels), hypotheses, truncate=truncate)[:, entail]
             names = list(labels)
         probs = np.exp(logits - logits.max())
@@ -473,7 +540,7 @@ class EncoderModel(Model):
         return [(tok, own.get(int(i), f"LABEL_{int(i)}")) for tok, i in zip(encoding.tokens, logits.argmax(-1))]
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.hf.encode(text, add_special_tokens=True).ids
+        return self.tokenizer.hf.encode(check_text(text), add_special_tokens=True).ids
 
     def weight_bytes(self) -> int:
         return sum(int(w.nbytes) for w in self.encoder.weights.tensors.values())     # as run: bf16 copies
@@ -485,6 +552,17 @@ class EncoderModel(Model):
                 "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_heads,
                 "max_tokens": self.encoder.max_tokens, "pooling": self.loaded.pooling.mode, "normalize": self.normalizes,
                 "labels": [cfg.labels[i] for i in sorted(cfg.labels)], "fusions": dict(self.encoder.fusions)}
+
+
+def hypotheses_of(template: str, labels: list[str]) -> list[str]:
+    """Zero-shot hypotheses: `template` with each label in its "{}", as transformers' pipeline checks it."""
+    try:
+        hypotheses = [template.format(label) for label in labels] if isinstance(template, str) else None
+    except (IndexError, KeyError, ValueError):
+        hypotheses = None
+    if hypotheses is None or hypotheses[0] == template:
+        raise RequestError(f'template must be text with a "{{}}" where the label goes, got {reprlib.repr(template)}')
+    return hypotheses
 
 
 class GraphModel(Model):
@@ -667,6 +745,7 @@ class VoiceModel(GraphModel):
         """int16 samples of `text` said by the voice, and its rate; with `stream`, an iterator of each
         sentence's samples as it is made. `speaker`: a name or id (multi-speaker voices); `speed` scales the
         voice's pace; `noise_scale`, `noise_w` override the voice's own."""
+        check_flag("stream", stream)
         unknown = set(scales) - {"noise_scale", "noise_w"}
         if unknown:
             raise RequestError(f"unknown speech options: {', '.join(sorted(unknown))}")
@@ -688,18 +767,32 @@ class Reply:
     rate: int
 
 
+PIPELINE_SETS = {"transcribe": ("audio",), "chat": ("messages", "stream", "max_tokens"), "speak": ("text",)}
+
+
 class Pipeline:
     """Speech in, speech out: the recognizer's transcript is the user's turn for the chat model, whose reply
     the voice says. Each stage's output is the next one's input; the stages keep their own options."""
 
     def __init__(self, asr: SpeechModel, llm: TextModel, tts: VoiceModel, system: str | None = None):
         for model, task in ((asr, "transcribe"), (llm, "generate"), (tts, "speak")):
-            if model.task != task:
-                raise RequestError(f"{model.id} runs the {model.task} task; this stage needs a {task} model")
+            if not isinstance(model, Model) or model.task != task:
+                got = f"{model.id} runs the {model.task} task" if isinstance(model, Model) else f"got a {type(model).__name__}"
+                raise RequestError(f"{got}; this stage needs a {task} model")
+        if not (system is None or isinstance(system, str)):
+            raise RequestError(f"system must be text, got {type(system).__name__}")
         self.asr, self.llm, self.tts, self.system = asr, llm, tts, system
 
     def __call__(self, audio, max_tokens: int = 256, transcribe: dict | None = None, chat: dict | None = None,
                  speak: dict | None = None) -> Reply:
+        """`transcribe`, `chat` and `speak`: each stage's own options, by name (but those the pipeline sets)."""
+        for name, options in (("transcribe", transcribe), ("chat", chat), ("speak", speak)):
+            if options is None:
+                continue
+            if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
+                raise RequestError(f"{name} options must be a dict of its arguments by name, got {reprlib.repr(options)}")
+            if set(options) & set(PIPELINE_SETS[name]):
+                raise RequestError(f"{name} options cannot set {', '.join(PIPELINE_SETS[name])}: the pipeline does")
         heard = self.asr.transcribe(audio, **(transcribe or {}))
         if not heard.text:
             raise RequestError("no speech was heard in the audio")
@@ -711,10 +804,19 @@ class Pipeline:
 ACTIVATIONS = ("f32", "bf16", "q8")
 
 
-def check_load_options(n_ctx, kv_dtype, activations, kv_tokens) -> None:
+def check_load_options(source, n_ctx, kv_dtype, activations, kv_tokens, progress, autotune, model_id, draft, gpu_layers,
+                       tensor_parallel) -> None:
+    if not (source is None or isinstance(source, (str, os.PathLike, Graph))):
+        raise RequestError(f"a model's source is a path, a model name or a Graph, got {type(source).__name__}")
     for name, value in (("n_ctx", n_ctx), ("kv_tokens", kv_tokens)):
-        if value is not None and (type(value) is not int or value < 1):
-            raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        check_count(name, value, optional=True)
+    check_count("gpu_layers", gpu_layers, least=0, optional=True)
+    check_count("tensor_parallel", tensor_parallel)
+    check_flag("progress", progress, optional=True)
+    check_flag("autotune", autotune, optional=True)
+    if not (model_id is None or (isinstance(model_id, str) and model_id)):
+        raise RequestError(f"model_id must be a non-empty string, got {reprlib.repr(model_id)}")
+    check_draft(draft)
     if activations is not None and activations not in ACTIVATIONS:
         raise RequestError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if kv_dtype is not None:
@@ -724,10 +826,20 @@ def check_load_options(n_ctx, kv_dtype, activations, kv_tokens) -> None:
             raise RequestError(str(e)) from None
 
 
+def check_draft(draft) -> None:
+    """A draft for speculative decoding: None, a TextModel or Drafter, or a name or path (not an empty one)."""
+    if draft is None or isinstance(draft, (TextModel, Drafter, os.PathLike)):
+        return
+    if not isinstance(draft, str) or not draft.strip():
+        raise RequestError(f'draft must be "prompt-lookup", "layers:N", a text model or the path of one, '
+                           f'got {reprlib.repr(draft)}')
+
+
 class Runtime:
     def __init__(self, backend: str = "auto", threads: int | None = None):
         """`backend`: auto (cuda where a GPU is present, else cpu), cpu, cuda or reference; `threads`: the
         CPU's (default: its physical cores)."""
+        check_count("threads", threads, optional=True)
         self.backend = schedule.check_backend(backend)
         schedule.use_threads(threads)
         self.models: dict[str, Model] = {}
@@ -757,7 +869,8 @@ class Runtime:
         GPUs on cuda, N host processes of this runtime's threads each on cpu; `unload` stops them.
         `kv_tokens`: the tokens a text model's KV pool holds for all its sequences together, at least one
         sequence's (default: room for many, at least 32768)."""
-        check_load_options(n_ctx, kv_dtype, activations, kv_tokens)
+        check_load_options(source, n_ctx, kv_dtype, activations, kv_tokens, progress, autotune, model_id, draft, gpu_layers,
+                           tensor_parallel)
         if overflow is not None and overflow not in OVERFLOWS:
             raise RequestError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
         if autotune is None:
@@ -792,8 +905,11 @@ class Runtime:
         """Speculative decoding for a text model: `draft` is "prompt-lookup", "layers:N", a loaded TextModel
         of the same vocabulary, or a source to load one from (TextModel.speculate)."""
         if not isinstance(model, TextModel):
-            raise RequestError(f"model {model.id} does not generate text: only text models speculate")
-        if isinstance(draft, str) and draft != "prompt-lookup" and not draft.startswith("layers:"):
+            what = f"{model.id}, which runs the {model.task} task" if isinstance(model, Model) else type(model).__name__
+            raise RequestError(f"only text models speculate; got {what}")
+        check_draft(draft)
+        own = isinstance(draft, str) and (draft == "prompt-lookup" or draft.startswith("layers:"))    # drafts of the model itself
+        if isinstance(draft, (str, os.PathLike)) and not own:
             draft = self.load(draft, n_ctx=model.context_length, progress=False)
         model.speculate(draft)
 
@@ -803,8 +919,8 @@ class Runtime:
         return Pipeline(asr, llm, tts, system)
 
     def unload(self, model_id: str) -> None:
-        if model_id not in self.models:
-            raise RequestError(f"no loaded model {model_id!r}; loaded: {', '.join(self.models) or 'none'}")
+        if not isinstance(model_id, str) or model_id not in self.models:
+            raise RequestError(f"no loaded model {reprlib.repr(model_id)}; loaded: {', '.join(self.models) or 'none'}")
         self.models.pop(model_id).close()
 
     def list_models(self) -> list[dict]:

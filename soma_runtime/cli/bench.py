@@ -5,10 +5,17 @@ import statistics
 
 import numpy as np
 
+from soma_runtime.api import check_count
+from soma_runtime.errors import RequestError
+
 
 def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: int = 3, **sampling) -> dict:
     """Median over `runs` of generation from a fixed pseudo-random prompt, EOS ignored: greedy, or
     with the given sampling params."""
+    if model.task != "generate":
+        raise RequestError(f"bench measures text generation; {model.id} runs the {model.task} task")
+    for name, value in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens), ("runs", runs)):
+        check_count(name, value)
     rng = np.random.default_rng(0)
     vocab = model.info()["vocab_size"]
     prompt = [int(t) for t in rng.integers(100, min(vocab, 30000), prompt_tokens)]

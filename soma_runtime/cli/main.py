@@ -98,8 +98,11 @@ def read_prompt(text: str) -> str:
 
 def cmd_run(args) -> int:
     model = load_model(args)
-    if model.task == "graph":
+    if model.task == "graph" or (model.task == "speak" and args.prompt is None):    # a voice runs as the graph it is
         return run_graph(model, args)
+    if model.task != "generate":
+        raise RequestError(f"{args.model} runs the {model.task} task: `run` generates text or runs a graph; "
+                           f"use `soma-runtime {OTHER_COMMANDS[model.task]}`")
     if args.prompt is None:
         raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
     params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
@@ -122,6 +125,9 @@ def cmd_run(args) -> int:
         logging.getLogger("soma_runtime").info("speculative: %.0f%% of %d draft tokens accepted, %.2f tokens a step",
                                                100 * m["acceptance_rate"], m["drafted_tokens"], m["tokens_per_step"])
     return 0
+
+
+OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak"}   # what other tasks run by
 
 
 def read_text(path: str | None, flag: str) -> str | None:
@@ -156,11 +162,20 @@ def run_graph(model, args) -> int:
     if args.prompt is not None or not args.output_dir:
         raise RequestError(f"{args.model} is a graph with inputs {', '.join(model.inputs)}: give them with "
                            "--input NAME=file.npy (or a .npz) and an --output-dir, not a prompt")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise RequestError(f"--output-dir {args.output_dir}: not a directory")
+    try:                                            # before the run: a directory that cannot be made fails at once
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        raise RequestError(f"--output-dir {args.output_dir}: cannot make the directory ({e.strerror or e})") from None
     outputs = model.run(read_inputs(args.input or []))
-    os.makedirs(args.output_dir, exist_ok=True)
     for name, value in outputs.items():
         path = os.path.join(args.output_dir, re.sub(r"[^\w.-]", "_", name) + ".npy")
-        np.save(path, value)
+        try:
+            np.save(path, value)
+        except OSError as e:
+            raise RequestError(f"--output-dir {args.output_dir}: cannot write {os.path.basename(path)} "
+                               f"({e.strerror or e})") from None
         print(f"{name}\t{value.dtype}{list(value.shape)}\t{path}")
     return 0
 
@@ -342,16 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="prefill and decode speed of a model")
     add_model_args(bench)
-    bench.add_argument("--prompt-tokens", type=int, default=128)
-    bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--prompt-tokens", type=positive_int, default=128)
+    bench.add_argument("--new-tokens", type=positive_int, default=128)
+    bench.add_argument("--runs", type=positive_int, default=3)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(run=cmd_bench)
 
     emb = sub.add_parser("embed", help="print one JSON vector per text (encoder models)")
     add_model_args(emb)
     emb.add_argument("--text", "-t", action="append", default=None, help="a text (repeatable; default: one per stdin line)")
-    emb.add_argument("--batch-size", type=int, default=32)
+    emb.add_argument("--batch-size", type=positive_int, default=32)
     emb.add_argument("--no-truncate", action="store_true", help="reject texts over the model's length instead of cutting")
     emb.set_defaults(run=cmd_embed)
 
@@ -426,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except SomaError as e:
         print(f"soma-runtime: error: {e}", file=sys.stderr)
+        return 1
+    except (RecursionError, MemoryError) as e:       # an input too deep or too large for this machine: no bug to trace
+        what = "the request needs more memory than there is" if isinstance(e, MemoryError) else "the input is nested too deeply"
+        print(f"soma-runtime: error: {what} ({type(e).__name__}: {e})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

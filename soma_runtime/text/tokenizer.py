@@ -9,11 +9,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import reprlib
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
+from soma_runtime.text.chat import MAX_TEMPLATE_CHARS
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -105,8 +108,11 @@ class Tokenizer:
         template = config.get("chat_template")
         template_file = os.path.join(directory, "chat_template.jinja")
         if template is None and os.path.isfile(template_file):
-            with open(template_file) as f:
-                template = f.read()
+            try:
+                with open(template_file, encoding="utf-8") as f:
+                    template = f.read(MAX_TEMPLATE_CHARS + 1)      # a longer one fails as a template; raw prompts still run
+            except UnicodeDecodeError as e:
+                raise ModelLoadError(f"{template_file}: not UTF-8 text ({e})") from None
         return cls(hf, token_text(config.get("bos_token")), token_text(config.get("eos_token")),
                    bool(config.get("add_bos_token", False)), template)
 
@@ -141,6 +147,19 @@ def check_text(text: str, what: str = "text") -> str:
         except UnicodeEncodeError as e:
             raise RequestError(f"{what} is not valid Unicode: {e.reason} at character {e.start}") from None
     return text
+
+
+def check_ids(ids, vocab_size: int) -> list[int]:
+    """Token ids (a list, tuple or 1-D array of integers in [0, vocab_size)) as a list of ints; else RequestError."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1:
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise RequestError(f"token ids must be a list of integers, got {type(ids).__name__}")
+    ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < vocab_size:
+            raise RequestError(f"token ids must be integers in [0, {vocab_size}); ids[{i}] is {reprlib.repr(t)}")
+    return ids
 
 
 def read_json(path: str, kind: type = dict):
