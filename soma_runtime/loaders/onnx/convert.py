@@ -35,6 +35,7 @@ from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 OLDEST_OPSET = 7                      # before it, broadcasting was an attribute (Add's `broadcast`)
 NEWEST_OPSET = onnx.defs.onnx_opset_version()
 MAX_NODES = 100_000                   # ONNX nodes converted (each unrolled step's body counted) or IR nodes built
+ANY_SIZE = -1                         # a dim some exporters write for "any size" (ONNX leaves it unnamed)
 FOLDED_BYTES = 64 << 20               # what one conversion computes at load time, all its tensors together
 ATTRIBUTE_TYPES = {int(t): t.name for t in onnx.defs.OpSchema.AttrType.__members__.values()}
 Tensor = Value | np.ndarray
@@ -70,12 +71,14 @@ def declared_shape(value_info: onnx.ValueInfoProto, where: str) -> tuple | None:
         return None
     dims = []
     for i, d in enumerate(tensor_type.shape.dim):
-        if d.HasField("dim_value"):
+        if d.HasField("dim_value") and d.dim_value != ANY_SIZE:
             if d.dim_value < 0:
                 raise ModelLoadError(f"{where}: {value_info.name!r} is declared with dim {i} of {d.dim_value}")
             dims.append(int(d.dim_value))
+        elif d.HasField("dim_value") or not re.search(r"[A-Za-z]", d.dim_param):
+            dims.append(symbol(f"{value_info.name}_{i}"))     # `-1`, `_`, `?`, none: a size of its own
         else:
-            dims.append(symbol(d.dim_param or f"{value_info.name}_{i}"))
+            dims.append(symbol(d.dim_param))
     return tuple(dims)
 
 

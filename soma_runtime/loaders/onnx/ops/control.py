@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.layout import joined, reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
@@ -23,7 +24,7 @@ def stacked(cv, steps: list, axis: int):
 
 def step_count(cv, n: int) -> int:
     if not isinstance(n, int):
-        raise cv.unsupported(f"its length {n} is not known before it runs")
+        raise SymbolicError(f"its length {n} is not known before the inputs' sizes are")
     if n > MAX_STEPS:
         raise cv.unsupported(f"{n} steps: more than the {MAX_STEPS} a loop is unrolled to")
     return n

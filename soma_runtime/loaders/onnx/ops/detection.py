@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.layout import joined, reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
@@ -48,7 +49,7 @@ def non_max_suppression(cv, n):
     boxes, scores = n.inputs[0], n.inputs[1]
     batches, classes, count = cv.meta(scores).shape
     if not all(isinstance(d, int) for d in (batches, classes, count)):
-        raise cv.unsupported("NonMaxSuppression over symbolic sizes")
+        raise SymbolicError("NonMaxSuppression over symbolic sizes")
     most = max(int(cv.ints(n.input(2), "most boxes per class", [0])[0]), 0)
     iou = float(np.asarray(cv.known(n.input(3), "IoU threshold", np.zeros(1))).reshape(-1)[0])
     floor = cv.known(n.input(4), "score threshold")

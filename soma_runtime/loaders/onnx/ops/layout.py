@@ -16,6 +16,7 @@ from soma_runtime.loaders.onnx.ops.table import onnx_op
 from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 
 BIG = 1 << 62            # an end past any real size: ONNX's INT64_MAX, "to the end"
+SENTINEL = 10**9         # from here on a slice bound means "to the end" (tf2onnx writes 1e9, others INT32_MAX)
 
 
 def dims_array(dims) -> np.ndarray:
@@ -147,7 +148,7 @@ def split(cv, n):
     sizes = n.attr("split") if n.opset < 13 else cv.ints(n.input(1), "split sizes")
     if not sizes:
         if not isinstance(dims[axis], int):
-            raise cv.unsupported(f"an even split of symbolic axis {dims[axis]}")
+            raise SymbolicError(f"an even split of symbolic axis {dims[axis]}")
         parts = n.attr("num_outputs", n.n_outputs)
         step = -(-dims[axis] // parts)
         sizes = [min(step, dims[axis] - i * step) for i in range(parts)]
@@ -158,6 +159,9 @@ def split(cv, n):
 def slice_axis(cv, x, axis, start, end, step):
     """One axis of an ONNX Slice: its clamping, negative indices and steps of either sign."""
     size = cv.meta(x).shape[axis]
+    if not isinstance(size, int) and step > 0:          # sentinels on a symbolic axis: its ends, never sizes
+        start = 0 if isinstance(start, int) and start <= -SENTINEL else start
+        end = BIG if isinstance(end, int) and end >= SENTINEL else end
     if (isinstance(start, Sym) or isinstance(end, Sym)) and step > 0:   # x[:, :sequence]: bound when planned
         return cv.emit("slice", x, axis=axis, start=start, stop=None if isinstance(end, int) and end >= BIG else end,
                        step=step)                                       # (Python's slices clamp as ONNX's do)
@@ -169,7 +173,7 @@ def slice_axis(cv, x, axis, start, end, step):
             return cv.emit("take", x, np.arange(start, stop, step, dtype=np.int64), axis=axis)
         return cv.emit("slice", x, axis=axis, start=start, stop=max(stop, start), step=step)
     if step < 0:
-        raise cv.unsupported(f"a reversed slice of symbolic axis {size}")
+        raise SymbolicError(f"a reversed slice of symbolic axis {size}")
     start = size + start if start < 0 else start
     stop = None if end >= BIG else (size + end if end < 0 else end)
     return cv.emit("slice", x, axis=axis, start=start, stop=stop, step=step)
@@ -287,7 +291,7 @@ def wrapped(cv, x, widths):
     for a, (before, after) in enumerate(widths):
         size = cv.meta(x).shape[a]
         if not all(isinstance(v, int) for v in (size, before, after)):
-            raise cv.unsupported("wrap padding of symbolic sizes")
+            raise SymbolicError("wrap padding of symbolic sizes")
         if before or after:
             x = cv.emit("take", x, np.arange(-before, size + after, dtype=np.int64) % size, axis=a)
     return x
@@ -302,7 +306,7 @@ def reverse_sequence(cv, n):
     time_axis, batch_axis = int(n.attr("time_axis", 0)), int(n.attr("batch_axis", 1))
     steps = dims[time_axis]
     if not isinstance(steps, int):
-        raise cv.unsupported("reversing sequences of symbolic length")
+        raise SymbolicError("reversing sequences of symbolic length")
     t = np.arange(steps, dtype=np.int64).reshape([-1 if i == time_axis else 1 for i in range(len(dims))])
     length = reshape_to(cv, lengths, [-1 if i == batch_axis else 1 for i in range(len(dims))])
     reverse = cv.emit("sub", cv.emit("sub", length, np.array(1, np.int64)), t)
@@ -324,7 +328,7 @@ def unique(cv, n):
     axis = cv.axis(axis, len(dims))
     count = dims[axis]
     if not all(isinstance(d, int) for d in dims):
-        raise cv.unsupported("Unique over symbolic sizes")
+        raise SymbolicError("Unique over symbolic sizes")
     moved = cv.emit("permute", x, perm=(axis, *(i for i in range(len(dims)) if i != axis))) if axis else x
     items = reshape_to(cv, moved, (count, -1))                                    # [n, r]
     mine, theirs = reshape_to(cv, items, (count, 1, -1)), reshape_to(cv, items, (1, count, -1))
@@ -372,7 +376,7 @@ def trilu(cv, n):
     k = int(cv.known(n.input(1), "diagonal", np.array(0)).reshape(-1)[0])
     rows, cols = cv.meta(x).shape[-2:]
     if not (isinstance(rows, int) and isinstance(cols, int)):
-        raise cv.unsupported("a triangle of symbolic size")
+        raise SymbolicError("a triangle of symbolic size")
     keep = (np.triu if n.attr("upper", 1) else np.tril)(np.ones((rows, cols), np.bool_), k)
     return cv.emit("where", keep, x, scalar(cv, 0, x))
 
@@ -420,7 +424,7 @@ def reduce(cv, n):
 def flipped(cv, x, axis):
     size = cv.meta(x).shape[axis]
     if not isinstance(size, int):
-        raise cv.unsupported(f"reversing symbolic axis {size}")
+        raise SymbolicError(f"reversing symbolic axis {size}")
     return cv.emit("take", x, np.arange(size - 1, -1, -1, dtype=np.int64), axis=axis), size
 
 
@@ -452,7 +456,7 @@ def hardmax(cv, n):
     axis = axis if n.opset >= 13 else 1
     shape = cv.meta(rows).shape
     if not isinstance(shape[axis], int):
-        raise cv.unsupported(f"hardmax over symbolic axis {shape[axis]}")
+        raise SymbolicError(f"hardmax over symbolic axis {shape[axis]}")
     index = reshape_to(cv, cv.emit("argmax", rows, axis=axis), [1 if i == axis else d for i, d in enumerate(shape)])
     positions = np.arange(shape[axis], dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(len(shape))])
     hot = cv.emit("cast", cv.emit("equal", index, positions), dtype=cv.meta(x).dtype)
@@ -482,7 +486,7 @@ def eye_like(cv, n):
     x = n.inputs[0]
     rows, cols = cv.meta(x).shape
     if not (isinstance(rows, int) and isinstance(cols, int)):
-        raise cv.unsupported(f"EyeLike of symbolic shape {[rows, cols]}")
+        raise SymbolicError(f"EyeLike of symbolic shape {[rows, cols]}")
     to = dtype_name(n.attr("dtype"), cv.where()) if n.attr("dtype") is not None else cv.meta(x).dtype
     return np.eye(rows, cols, k=int(n.attr("k", 0)), dtype=dtype(to).numpy)
 
@@ -495,7 +499,7 @@ def gather_nd(cv, n):
     dims, b = cv.meta(data).shape, int(n.attr("batch_dims", 0))
     k = cv.meta(index).shape[-1]
     if not isinstance(k, int):
-        raise cv.unsupported("GatherND with index tuples of symbolic length")
+        raise SymbolicError("GatherND with index tuples of symbolic length")
     flat = flat_positions(cv, index, dims[b:b + k])
     if b == 0:
         rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
@@ -525,7 +529,7 @@ def scatter_nd(cv, n):
     data, index, updates = n.inputs
     dims, k = cv.meta(data).shape, cv.meta(index).shape[-1]
     if not isinstance(k, int):
-        raise cv.unsupported("ScatterND with index tuples of symbolic length")
+        raise SymbolicError("ScatterND with index tuples of symbolic length")
     flat = reshape_to(cv, flat_positions(cv, index, dims[:k]), (-1,))
     rows = reshape_to(cv, data, (product(dims[:k]),) + tuple(dims[k:]))
     written = scattering(cv, n, rows, flat, reshape_to(cv, updates, (-1,) + tuple(dims[k:])))
@@ -559,7 +563,7 @@ def scattered_elements(cv, n, data, index, updates, axis):
     of them written into the flattened data."""
     dims, shape = cv.meta(data).shape, cv.meta(index).shape
     if not all(isinstance(d, int) for d in (*dims, *shape)):
-        raise cv.unsupported("a scatter of elements over symbolic sizes")
+        raise SymbolicError("a scatter of elements over symbolic sizes")
     strides = [product(dims[i + 1:]) for i in range(len(dims))]
     base = sum(np.arange(size, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(len(shape))]) * strides[d]
                for d, size in enumerate(shape) if d != axis)
@@ -587,7 +591,7 @@ def topk(cv, n):
     axis = cv.axis(n.attr("axis", -1), cv.meta(x).ndim)
     counted = n.opset >= 10 and not isinstance(n.inputs[1], np.ndarray)
     if counted and not isinstance(cv.meta(x).shape[axis], int):
-        raise cv.unsupported("TopK of a computed k over a symbolic axis")
+        raise SymbolicError("TopK of a computed k over a symbolic axis")
     k = cv.meta(x).shape[axis] if counted else int(n.attr("k")) if n.opset < 10 else int(cv.ints(n.inputs[1], "k")[0])
     if n.attr("largest", 1):
         values, index = cv.emit("topk", x, k=k, axis=axis)

@@ -58,7 +58,7 @@ def spatial_pads(cv, n, sizes, kernel, strides, dilations) -> list[tuple[int, in
     nd = len(kernel)
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         if not all(isinstance(s, int) for s in sizes):
-            raise cv.unsupported("auto_pad on symbolic sizes")
+            raise SymbolicError("auto_pad on symbolic sizes")
         pads = []
         for size, k, s, d in zip(sizes, kernel, strides, dilations):
             total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
@@ -237,7 +237,7 @@ def pooled_by_offsets(cv, n, x, kernel, strides, dilations, pads):
     padded input, combined by max or sum; the averages' divisors counted the same way at load time."""
     sizes = cv.meta(x).shape[2:]
     if not all(isinstance(s, int) for s in sizes):
-        raise cv.unsupported(f"pooling symbolic sizes {list(sizes)} with dilations, ceil mode or p-norms")
+        raise SymbolicError(f"pooling symbolic sizes {list(sizes)} with dilations, ceil mode or p-norms")
     kind = n.op_type
     ceil = bool(n.attr("ceil_mode", 0))
     windows = [pool_windows(*args, ceil) for args in zip(sizes, kernel, strides, dilations, pads)]
@@ -283,7 +283,7 @@ def max_with_indices(cv, n, x, kernel, strides, dilations, pads, outs, sizes):
     or its spatial axes column-major with storage_order 1)."""
     batch, channels = cv.meta(x).shape[:2]
     if not all(isinstance(d, int) for d in (batch, channels)):
-        raise cv.unsupported("MaxPool's indices over symbolic sizes")
+        raise SymbolicError("MaxPool's indices over symbolic sizes")
     order = list(range(len(sizes)))[::-1] if n.attr("storage_order", 0) else list(range(len(sizes)))
     strides_of = {axis: math.prod(sizes[a] for a in order[order.index(axis) + 1:]) for axis in order}
     plane = np.arange(batch * channels, dtype=np.int64).reshape(batch, channels, *[1] * len(sizes)) * math.prod(sizes)
@@ -365,7 +365,7 @@ def pool(cv, n):
         return total
     sizes = cv.meta(x).shape[2:]
     if not all(isinstance(s, int) for s in sizes):
-        raise cv.unsupported("average pooling without the pads' count over symbolic sizes")
+        raise SymbolicError("average pooling without the pads' count over symbolic sizes")
     ones = np.pad(np.ones((1, 1) + tuple(sizes), dtype(cv.meta(x).dtype).numpy), ((0, 0), (0, 0)) + tuple(pads))
     share = cv.emit("avg_pool", ones, kernel=kernel, stride=strides, padding=(0,) * nd)
     return cv.emit("div", total, share)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from soma_runtime.dtypes import dtype
+from soma_runtime.loaders.onnx.fold import SymbolicError
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
@@ -124,7 +125,7 @@ def resize(cv, n, x, scales, sizes, roi):
     dims = cv.meta(x).shape
     rank = len(dims)
     if not all(isinstance(d, int) for d in dims):
-        raise cv.unsupported(f"resizing symbolic sizes {list(dims)}")
+        raise SymbolicError(f"resizing symbolic sizes {list(dims)}")
     axes = [cv.axis(a, rank) for a in (n.attr("axes") or range(rank))]
     mode = n.attr("mode", "nearest")
     transform = n.attr("coordinate_transformation_mode", "half_pixel" if n.opset >= 11 else "asymmetric")
@@ -242,7 +243,7 @@ def grid_sample(cv, n):
     sizes, out = cv.meta(x).shape[2:], cv.meta(grid).shape[1:-1]
     batch, channels = cv.meta(x).shape[:2]
     if not all(isinstance(d, int) for d in (*sizes, *out, batch, channels)):
-        raise cv.unsupported("GridSample over symbolic sizes")
+        raise SymbolicError("GridSample over symbolic sizes")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(n.attr("mode", "linear"), n.attr("mode", "linear"))
     padding, aligned = n.attr("padding_mode", "zeros"), bool(n.attr("align_corners", 0))
     if mode not in ("nearest", "linear", "cubic"):
