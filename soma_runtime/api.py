@@ -53,6 +53,7 @@ from soma_runtime.engine.transcribe.words import Aligner
 from soma_runtime.engine.vad import VoiceActivity
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.graph import Graph
+from soma_runtime.ir.plan import RunBudget
 from soma_runtime.loaders import package_file
 from soma_runtime.quant import kv
 from soma_runtime.text.chat import ChatTemplate, characters, check_messages
@@ -588,9 +589,10 @@ class GraphModel(Model):
     def outputs(self) -> dict:
         return self.runner.outputs
 
-    def run(self, inputs: dict) -> dict[str, np.ndarray]:
-        """The graph's outputs by name, for arrays given by input name."""
-        return self.runner.run(inputs)
+    def run(self, inputs: dict, budget: RunBudget | None = None) -> dict[str, np.ndarray]:
+        """The graph's outputs by name, for arrays given by input name; every size the graph computes held to
+        `budget` (the runner's default: engine.graph.DEFAULT_BUDGET) before it is allocated."""
+        return self.runner.run(inputs, budget)
 
     def weight_bytes(self) -> int:
         graph = self.graph
@@ -661,6 +663,8 @@ class SpeechModel(Model):
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
             raise RequestError(f"batch_size must be an integer in [1, {MAX_BATCH}], got {batch_size!r}")
         many = isinstance(audio, (list, tuple))
+        if many and not audio:
+            raise RequestError("transcribe a recording, or a list of one or more")
         heard = [self.heard(a, vad) for a in (audio if many else [audio])]
         found = [[] for _ in heard]
         with tqdm(total=round(sum(len(h.samples) for h in heard) / SAMPLE_RATE, 2), unit="s", desc="transcribing",
@@ -720,12 +724,7 @@ def transcribe_options(**options) -> TranscribeOptions:
     if "temperature" in options:
         t = options.pop("temperature")
         options["temperatures"] = tuple(t) if isinstance(t, (list, tuple)) else (t,)
-    opts = TranscribeOptions(**options)
-    if not opts.temperatures or not all(isinstance(t, (int, float)) and 0 <= t <= 2 for t in opts.temperatures):
-        raise RequestError(f"temperature must be in [0, 2] (or a list of such), got {opts.temperatures!r}")
-    if opts.task not in ("transcribe", "translate"):
-        raise RequestError(f"task must be transcribe or translate, got {opts.task!r}")
-    return opts
+    return TranscribeOptions(**options)
 
 
 class VoiceModel(GraphModel):

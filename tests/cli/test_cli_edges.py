@@ -132,3 +132,15 @@ def test_bench_refuses_a_graph_and_counts_below_one(sqrt_onnx, capsys):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["bench", flag, "0"])
         assert exit_.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(tmp_path):
+    """`soma-runtime run ... | head -c 5`: the pipe's reader closes; the run stops with SIGPIPE's status, no traceback."""
+    import subprocess
+    import sys
+    run = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "run", "--prompt", "Once upon a time",
+                            "--max-tokens", "200", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.read(5)
+    run.stdout.close()
+    err = run.stderr.read().decode()
+    assert run.wait(120) == 141 and "Traceback" not in err, err

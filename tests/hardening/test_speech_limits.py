@@ -155,7 +155,8 @@ def voice():
 
 
 def test_transcribe_refuses_what_is_not_audio_and_options_of_the_wrong_type(whisper):
-    for audio, message in ((None, "NoneType"), ([0.1, 0.2], "float"), (np.zeros(16000, np.complex128), "complex128")):
+    for audio, message in ((None, "NoneType"), ([0.1, 0.2], "float"), (np.zeros(16000, np.complex128), "complex128"),
+                           ([], "one or more")):
         with pytest.raises(RequestError, match=message):
             whisper.transcribe(audio)
     with pytest.raises(RequestError, match="initial_prompt"):
