@@ -106,6 +106,17 @@ class Regrouped(nn.Module):
         return y.flatten(1).sum(1, keepdim=True), z * 2
 
 
+class FloatSized(nn.Module):
+    """Sizes computed in floats (floor, ceil, sqrt of a dim), as interpolate's recomputed scales are."""
+
+    def forward(self, x):
+        y = F.interpolate(x, scale_factor=0.5, mode="bilinear", recompute_scale_factor=True, align_corners=False)
+        y = F.interpolate(y, scale_factor=1.7, mode="nearest", recompute_scale_factor=True)
+        rows = (torch.tensor(x.shape[2], dtype=torch.float32) * 0.75).floor().long()
+        cols = torch.sqrt(torch.tensor(x.shape[3], dtype=torch.float32)).ceil().long()
+        return y.sum((2, 3)), x[:, :, :rows, :cols] * 2
+
+
 def test_a_cnn_resizing_to_sizes_computed_from_its_input_agrees_with_onnxruntime_at_any_size(tmp_path):
     agrees_with_onnxruntime(exported(tmp_path, SizedByInput(), 3), images(3, (1, 16, 20), (2, 24, 12), (1, 9, 31)))
 
@@ -120,6 +131,10 @@ def test_an_lstm_over_a_length_computed_from_the_image_width_agrees_with_onnxrun
 
 def test_reshapes_by_computed_shapes_then_transposes_agree_with_onnxruntime(tmp_path):
     agrees_with_onnxruntime(exported(tmp_path, Regrouped(), 3, outputs=2), images(3, (1, 6, 4), (2, 8, 6)))
+
+
+def test_sizes_computed_in_floats_from_the_input_shape_agree_with_onnxruntime(tmp_path):
+    agrees_with_onnxruntime(exported(tmp_path, FloatSized(), 3, outputs=2), images(3, (1, 16, 20), (2, 23, 13)))
 
 
 # --- shape subgraphs as other exporters (tf2onnx, jax2tf) write them --------------------------------------
@@ -191,3 +206,11 @@ def test_an_if_on_a_shape_predicate_takes_the_branch_the_input_size_picks(tmp_pa
               "onef": np.array(1, np.float32)}
     path = saved(tmp_path, nodes, [info("x", ["N", 3, "H", "W"])], [info("y", ["N", 3, "H", "W"])], consts)
     agrees_with_onnxruntime(path, images(3, (1, 6, 5), (2, 3, 8)))
+
+
+def test_a_squeeze_without_axes_drops_a_symbolic_dim_exactly_when_it_is_one(tmp_path):
+    """The rank Squeeze leaves depends on the batch: 2 dims at batch 1, 3 at batch 2 (as onnxruntime)."""
+    nodes = [helper.make_node("Squeeze", ["x"], ["s"]), helper.make_node("Shape", ["s"], ["shape"]),
+             helper.make_node("Size", ["shape"], ["y"])]
+    path = saved(tmp_path, nodes, [info("x", ["N", 3, 1, "W"])], [helper.make_tensor_value_info("y", TensorProto.INT64, [])], {})
+    agrees_with_onnxruntime(path, [{"x": np.zeros((1, 3, 1, 5), np.float32)}, {"x": np.zeros((2, 3, 1, 4), np.float32)}])

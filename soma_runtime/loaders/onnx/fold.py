@@ -1,5 +1,6 @@
 """IR ops evaluated at import on tensors already known (initializers, Constants, shapes): numpy, with
-the IR ops' attributes and ONNX's integer semantics (division truncates toward zero).
+the IR ops' attributes and ONNX's integer semantics (division truncates toward zero). The float ops
+here are those exporters write into size arithmetic (floor(height * scale), as torch's interpolate does).
 
 An object array holds symbolic dims (`Sym`): arithmetic on them stays symbolic; a comparison that only
 the bound size could decide (is `batch` equal to 1?) raises SymbolicError rather than guess.
@@ -97,6 +98,7 @@ RAW = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": divide,
     "mod": lambda a, b, fmod: (np.fmod if fmod else np.mod)(a, b),
     "maximum": np.maximum, "minimum": np.minimum, "neg": np.negative, "abs": np.abs,
+    "floor": np.floor, "ceil": np.ceil, "round": np.round, "sqrt": np.sqrt, "reciprocal": np.reciprocal,
     "equal": compare(np.equal), "less": compare(np.less), "less_equal": compare(np.less_equal),
     "greater": compare(np.greater), "greater_equal": compare(np.greater_equal),
     "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_not": np.logical_not,

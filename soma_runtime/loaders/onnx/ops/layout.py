@@ -108,7 +108,9 @@ def squeeze(cv, n):
     dims = cv.meta(x).shape
     axes = axes_of(cv, n, len(dims), 13)
     if axes is None:
-        axes = [i for i, d in enumerate(dims) if isinstance(d, int) and d == 1]
+        if any(isinstance(d, Sym) for d in dims):            # a symbolic size may be 1: squeezed or not per shape
+            raise SymbolicError(f"squeezing every axis of size 1 of {list(dims)}")
+        axes = [i for i, d in enumerate(dims) if d == 1]
     for a in axes:
         if isinstance(dims[a], int) and dims[a] != 1:
             raise cv.unsupported(f"cannot squeeze axis {a} of size {dims[a]}")
