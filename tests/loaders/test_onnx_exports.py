@@ -214,3 +214,13 @@ def test_a_squeeze_without_axes_drops_a_symbolic_dim_exactly_when_it_is_one(tmp_
              helper.make_node("Size", ["shape"], ["y"])]
     path = saved(tmp_path, nodes, [info("x", ["N", 3, 1, "W"])], [helper.make_tensor_value_info("y", TensorProto.INT64, [])], {})
     agrees_with_onnxruntime(path, [{"x": np.zeros((1, 3, 1, 5), np.float32)}, {"x": np.zeros((2, 3, 1, 4), np.float32)}])
+
+
+def test_a_shape_edited_by_scatter_nd_reshapes_as_onnxruntime(tmp_path):
+    """tf2onnx's way to set dims of a computed shape: ScatterND(Shape(x), [[1], [3]], [-1, 1]) -> Reshape."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("ScatterND", ["shape", "at", "dims"], ["target"]),
+             helper.make_node("Reshape", ["x", "target"], ["y"])]
+    consts = {"at": np.array([[1], [3]], np.int64), "dims": np.array([-1, 1], np.int64)}
+    path = saved(tmp_path, nodes, [info("x", ["N", 3, "H", "W"])], [info("y", ["N", "_", "H", 1])], consts)
+    agrees_with_onnxruntime(path, images(3, (1, 4, 5), (2, 3, 8)))

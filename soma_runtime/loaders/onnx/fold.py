@@ -90,6 +90,15 @@ def split(x, sizes=(), axis=0):
     return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=axis))
 
 
+def scatter(x, index, updates, axis=0):
+    """x with its slices at `index` along `axis` replaced (tf2onnx edits a shape so: ScatterND)."""
+    result = np.array(x, dtype=object if symbolic(updates) else x.dtype, copy=True)
+    where = [slice(None)] * x.ndim
+    where[axis] = index
+    result[tuple(where)] = updates
+    return result
+
+
 def arange(start, limit, delta):
     return np.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)
 
@@ -106,7 +115,7 @@ RAW = {
     "concat": lambda *xs, axis: np.concatenate(xs, axis=axis),
     "take": lambda x, index, axis: np.take(x, index, axis=axis),
     "gather": lambda x, index, axis: np.take_along_axis(x, index, axis=axis),
-    "slice": slice_, "split": split,
+    "slice": slice_, "split": split, "scatter": scatter,
     "reshape": lambda x, shape: np.reshape(x, tuple(shape)),
     "permute": lambda x, perm: np.transpose(x, perm),
     "expand": expand, "tile": lambda x, repeats: np.tile(x, repeats), "range": arange,
