@@ -224,3 +224,26 @@ def test_a_shape_edited_by_scatter_nd_reshapes_as_onnxruntime(tmp_path):
     consts = {"at": np.array([[1], [3]], np.int64), "dims": np.array([-1, 1], np.int64)}
     path = saved(tmp_path, nodes, [info("x", ["N", 3, "H", "W"])], [info("y", ["N", "_", "H", 1])], consts)
     agrees_with_onnxruntime(path, images(3, (1, 4, 5), (2, 3, 8)))
+
+
+def test_a_loop_run_as_many_times_as_the_input_is_high_agrees_with_onnxruntime(tmp_path):
+    """Loop(M = x.shape[2]): each step adds the row it is at, and writes its index out."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Gather", ["x", "i"], ["row"], axis=2),
+         helper.make_node("Add", ["acc_in", "row"], ["acc_out"]),
+         helper.make_node("Identity", ["i"], ["step"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []), info("acc_in", None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), info("acc_out", None),
+         helper.make_tensor_value_info("step", TensorProto.INT64, [])])
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "i2"], ["h"], axis=0),
+             helper.make_node("ReduceSum", ["x", "i2_axes"], ["zeros0"], keepdims=0),
+             helper.make_node("Mul", ["zeros0", "zero_f"], ["acc0"]),
+             helper.make_node("Loop", ["h", "true", "acc0"], ["y", "steps"], body=body)]
+    consts = {"i2": np.array(2, np.int64), "i2_axes": np.array([2], np.int64), "zero_f": np.array(0, np.float32),
+              "true": np.array(True)}
+    path = saved(tmp_path, nodes, [info("x", ["N", 3, "H", "W"])],
+                 [info("y", ["N", 3, "W"]), helper.make_tensor_value_info("steps", TensorProto.INT64, ["H"])], consts)
+    agrees_with_onnxruntime(path, images(3, (1, 4, 5), (2, 7, 3)))

@@ -69,6 +69,8 @@ def loop(cv, n):
     """Runs while the trip count and the condition allow; both must be known at every step."""
     trip = cv.known(n.input(0), "trip count")
     cond = cv.known(n.input(1), "condition")
+    if trip is not None and np.asarray(trip).dtype == object:
+        raise SymbolicError(f"its trip count {np.asarray(trip).reshape(-1)[0]} is not known before the inputs' sizes are")
     limit = MAX_STEPS + 1 if trip is None else int(np.asarray(trip).reshape(-1)[0])
     going = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
     states, outputs, i = list(n.inputs[2:]), [], 0
