@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from soma_runtime.backends import get
-from soma_runtime.engine.graph import graph_runner
+from soma_runtime.engine.graph import MEMBERS_KEPT, graph_runner
 from soma_runtime.loaders.onnx import load_onnx
 
 torch = pytest.importorskip("torch")
@@ -127,6 +127,16 @@ def test_a_resize_by_scales_of_sizes_a_strided_conv_computes_agrees_with_onnxrun
 
 def test_an_lstm_over_a_length_computed_from_the_image_width_agrees_with_onnxruntime(tmp_path):
     agrees_with_onnxruntime(exported(tmp_path, Recognizer(), 1), images(1, (1, 16, 40), (2, 16, 57), (1, 16, 5)))
+
+
+def test_a_recognizer_run_at_more_widths_than_it_keeps_plans_for_agrees_at_each_and_stays_bounded(tmp_path):
+    """Planned per input-shape signature: ten widths, each equal to onnxruntime, at most MEMBERS_KEPT kept."""
+    path = exported(tmp_path, Recognizer(), 1)
+    ours = graph_runner(load_onnx(path).graph, get("cpu"))
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for feed in images(1, *[(1 + w % 2, 16, w) for w in range(9, 49, 4)]) * 2:
+        np.testing.assert_allclose(ours.run(feed)["out0"], session.run(None, feed)[0], rtol=1e-3, atol=1e-5)
+    assert len(ours.members) == MEMBERS_KEPT
 
 
 def test_reshapes_by_computed_shapes_then_transposes_agree_with_onnxruntime(tmp_path):
