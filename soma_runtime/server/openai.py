@@ -91,7 +91,10 @@ class Message(BaseModel):
         """Content parts ([{type: text, text}]) joined into the plain text chat templates expect."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            texts = [part.get("text") for part in content if part.get("type") == "text"]
+            if not all(isinstance(text, str) for text in texts):
+                raise RequestError("a message's text content part must be {type: text, text: <string>}")
+            content = "".join(texts)
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
 

@@ -16,6 +16,7 @@ from soma_runtime.errors import RequestError
 
 RAW_STRING_KEYWORDS = {"type", "minLength", "maxLength", "description", "title", "default", "examples"}
 MAX_PARALLEL_CALLS = 8          # calls one reply may make: a model cannot call on until its tokens run out
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")      # OpenAI's rule for a function's name
 
 
 @dataclass

@@ -12,7 +12,7 @@ import jsonschema
 
 from soma_runtime.engine.grammar import check_schema
 from soma_runtime.errors import RequestError
-from soma_runtime.tools.formats import ToolCall
+from soma_runtime.tools.formats import TOOL_NAME, ToolCall
 
 log = logging.getLogger("soma_runtime.tools")
 
@@ -25,8 +25,8 @@ class Tool:
     handler: Callable[..., object] | None = None      # called with the arguments as keywords
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise RequestError(f"a tool's name must be letters, digits, '_' or '-', got {self.name!r}")
+        if not isinstance(self.name, str) or not TOOL_NAME.fullmatch(self.name):
+            raise RequestError(f"a tool's name must be 1-64 letters, digits, '_' or '-', got {self.name!r:.80}")
         check_schema(self.parameters, f"/tools/{self.name}/parameters")
         try:
             jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
@@ -69,7 +69,10 @@ class ToolRegistry:
             args = json.loads(call.arguments or "{}")
         except json.JSONDecodeError as e:
             raise RequestError(f"the arguments of {call.name} are not JSON: {e}") from None
-        errors = sorted(jsonschema.Draft202012Validator(tool.parameters).iter_errors(args), key=lambda e: list(e.path))
+        try:
+            errors = sorted(jsonschema.Draft202012Validator(tool.parameters).iter_errors(args), key=lambda e: list(e.path))
+        except RecursionError:              # the validator recurses along a schema's chains of $refs
+            raise RequestError(f"the arguments of {call.name} cannot be checked: its schema's $refs chain too deep") from None
         if errors:
             where = "/" + "/".join(map(str, errors[0].absolute_path))
             raise RequestError(f"the arguments of {call.name} do not match its schema at '{where}': {errors[0].message}")

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from soma_runtime.engine.grammar import Constraint, check_schema
 from soma_runtime.errors import RequestError
 from soma_runtime.text.chat import ChatTemplate, check_messages
-from soma_runtime.tools.formats import CallFormat, Generic, ToolCall, detect, function_of
+from soma_runtime.tools.formats import TOOL_NAME, CallFormat, Generic, ToolCall, detect, function_of
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MAX_TOOLS = 128                 # OpenAI's limit on one request's tools
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 @dataclass
@@ -24,26 +26,52 @@ class Reply:
 
 
 def check_tools(tools) -> list[dict]:
-    """OpenAI `tools`: a list of {type: function, function: {name, description?, parameters?}}."""
+    """OpenAI `tools`: a list of at most MAX_TOOLS {type: function, function: {name, description?, parameters?}},
+    names unique, each one's parameters a schema within the constraint limits."""
     if not isinstance(tools, list):
         raise RequestError("tools must be a list of {type: function, function: {...}} objects")
+    if len(tools) > MAX_TOOLS:
+        raise RequestError(f"a request may give at most {MAX_TOOLS} tools, got {len(tools)}")
+    names = set()
     for i, tool in enumerate(tools):
         f = function_of(tool) if isinstance(tool, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("parameters", {}), dict):
+        if not isinstance(f, dict) or tool.get("type", "function") != "function" or not isinstance(f.get("parameters", {}), dict):
             raise RequestError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise RequestError(f"tools[{i}]: a function's name must be 1-64 letters, digits, '_' or '-', got {shown(name)}")
+        if name in names:
+            raise RequestError(f"tools[{i}]: two tools are named {name!r}")
+        if not isinstance(f.get("description") or "", str):
+            raise RequestError(f"tools[{i}]: a function's description must be text")
+        names.add(name)
         check_schema(f.get("parameters", {}), f"/tools/{i}/function/parameters")
     return tools
 
 
 def choose_tools(tools: list[dict], choice) -> tuple[list[dict], str]:
     """The tools a reply may call and how: 'none', 'auto' or 'required' (a named function: that one, required)."""
-    if choice in (None, "auto", "none", "required"):
+    if choice is None or isinstance(choice, str) and choice in TOOL_CHOICES:
         return tools, choice or "auto"
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    name = named_function(choice)
     named = [t for t in tools if function_of(t)["name"] == name]
     if not named:
         raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
     return named, "required"
+
+
+def named_function(choice) -> str:
+    """The function OpenAI's {type: function, function: {name}} names (RequestError for any other shape)."""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or choice.get("type") != "function" or not isinstance(function.get("name"), str):
+        raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {{type: function, function: {{name}}}}, "
+                           f"got {shown(choice)}")
+    return function["name"]
+
+
+def shown(value) -> str:
+    """A client's value in an error message: text cut short, anything else by its type."""
+    return repr(value[:64]) if isinstance(value, str) else type(value).__name__
 
 
 class Turn:
@@ -52,11 +80,14 @@ class Turn:
     def __init__(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None, tool_choice=None,
                  parallel_tool_calls: bool = True, constraint: Constraint | None = None):
         check_messages(messages)
-        tools = check_tools(tools) if tools else []
+        tools = check_tools(tools) if tools is not None else []
+        chosen, mode = choose_tools(tools, tool_choice)
+        if not tools and mode == "required":
+            raise RequestError("tool_choice 'required' needs tools to choose from")
+        mode = mode if tools else "none"
         self.format: CallFormat | None = detect(template.source) if tools else None
-        if tools and constraint is not None and tool_choice != "none":
+        if tools and constraint is not None and mode != "none":
             raise RequestError("give tools or a response format, not both (unless tool_choice is 'none')")
-        chosen, mode = choose_tools(tools, tool_choice) if tools else ([], "none")
         self.calls = self.format if mode != "none" else None         # the format replies are parsed in
         self.text = template.render(self.shown(messages, tools), tools=tools if self.native else None)
         if mode == "required":
