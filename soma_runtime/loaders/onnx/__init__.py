@@ -2,9 +2,10 @@
 `graph` task. reader.py reads the file and its tensors, convert.py walks the graph, ops/ maps each
 ONNX op onto IR ops, fold.py evaluates what is known at load time.
 
-A model whose sizes depend on its inputs (an axis, a shape or a count passed as an input; a loop over a
-symbolic length) becomes a GraphFamily: converted again for each distinct set of input shapes and values
-of its small inputs (scalars and short vectors)."""
+A model whose sizes depend on its inputs (an axis, a shape or a count passed as an input; a loop, an LSTM,
+a resize or a squeeze over a size only the inputs' shapes settle) becomes a GraphFamily: converted again
+for each distinct set of input shapes and values of its small inputs (scalars and short vectors), its
+shape subgraphs evaluated on those shapes, so every size downstream is a number."""
 from __future__ import annotations
 
 import math
@@ -27,12 +28,14 @@ def onnx_graph(model: onnx.ModelProto, directory: str = ".", where: str = "model
     initializers = initializers_of(model, directory, where)
     try:
         return Converter(model, directory, where, initializers=initializers).convert()
-    except DataDependent:
+    except DataDependent as e:
         signature = {vi.name: declared(vi, where) for vi in model.graph.input if vi.name not in initializers}
         value_inputs = tuple(name for name, meta in signature.items() if is_small(meta))
         outputs = {vi.name: declared(vi, where) for vi in model.graph.output}
-        if any(meta is None for meta in (*signature.values(), *outputs.values())):
-            raise
+        undeclared = [name for name, meta in (*signature.items(), *outputs.items()) if meta is None]
+        if undeclared:         # a family's signature is what its file declares
+            raise DataDependent(f"{e}; converted per input shapes only where every input and output declares its "
+                                f"type and rank, and {undeclared[0]!r} does not") from None
 
     def build(values: dict, shapes: dict) -> Graph:
         return Converter(model, directory, where, values, shapes, initializers).convert()
