@@ -131,12 +131,14 @@ OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "
 
 
 def read_text(path: str | None, flag: str) -> str | None:
-    """A constraint file's text (a JSON schema, a Lark or GBNF grammar)."""
+    """A constraint file's text (a JSON schema, a Lark or GBNF grammar), read no further than one character
+    past the longest constraint (the rest would be refused unread)."""
+    from soma_runtime.engine.grammar import MAX_TEXT
     if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            return f.read(MAX_TEXT + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise RequestError(f"{flag} {path}: cannot read it ({e})") from None
 

@@ -232,7 +232,12 @@ class Scheduler:
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         for job, rows in zip(jobs, rows_of):
             if len(rows) and job in self.running:   # a job finished since its row was launched gets nothing
-                for token in job.stream.advance(rows):
+                try:
+                    tokens = job.stream.advance(rows)
+                except RequestError as exc:         # its own constraint broke: this request alone ends, with the error
+                    self._finish(job, exc)
+                    continue
+                for token in tokens:
                     if job in self.running:
                         self._deliver(job, token)
 

@@ -166,7 +166,7 @@ def constraint_of(json_schema=None, regex: str | None = None, grammar: str | Non
 def parse_schema(text: str):
     """A schema given as JSON text, parsed and checked for size and depth (before anything recurses over it)."""
     if len(text) > MAX_TEXT:
-        raise RequestError(f"the JSON schema is {len(text)} characters, over the {MAX_TEXT} a constraint may have")
+        raise RequestError(f"the JSON schema is over the {MAX_TEXT} characters a constraint may have")
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:

@@ -307,6 +307,41 @@ def test_a_matcher_that_breaks_mid_generation_is_an_error_not_an_empty_reply(tok
         guide.allowed()
 
 
+def test_a_constraint_breaking_mid_batch_ends_its_own_request_alone(tiny, monkeypatch):
+    """Three requests batched, the second's matcher breaks on its fourth step: it alone ends with the error;
+    the other two get the tokens they get alone."""
+    import queue
+
+    from soma_runtime.engine.batching import Scheduler
+    allowed, steps = Guide.allowed, {}
+
+    def breaking(guide):
+        steps[id(guide)] = steps.get(id(guide), 0) + 1
+        if steps[id(guide)] > 3:
+            raise RequestError("the regex constraint broke off mid-generation (the test's)")
+        return allowed(guide)
+    monkeypatch.setattr(Guide, "allowed", breaking)
+    broken = Constraint("regex", "[a-z ]+")
+
+    def request(i):
+        return tiny.request(tiny.prompt_ids(f"Prompt {i}"), 12, temperature=0, constraint=broken if i == 1 else None)
+    alone = {i: [t.id for t in tiny.scheduler.run(request(i))] for i in (0, 2)}
+    scheduler, inbox = Scheduler(tiny.engine, max_batch=8), queue.Queue()
+    got = {0: [], 1: [], 2: []}
+    try:
+        for i in range(3):
+            scheduler.submit(request(i), lambda item, i=i: inbox.put((i, item)))
+        ended = 0
+        while ended < 3:
+            i, item = inbox.get(timeout=120)
+            ended += item is None or isinstance(item, Exception)
+            got[i].append(item if item is None or isinstance(item, Exception) else item.id)
+    finally:
+        scheduler.close()
+    assert isinstance(got[1][-1], RequestError) and "broke off" in str(got[1][-1])
+    assert got[0] == [*alone[0], None] and got[2] == [*alone[2], None]
+
+
 # fault 17: the cache was bounded by count alone, and a constraint could be 1 MiB
 
 def test_the_grammar_cache_is_bounded_by_memory(tokenizer):
