@@ -3,6 +3,8 @@ with dynamic batch and image axes, and the shape subgraphs other exporters write
 `-1`/`_` dims, shapes computed then used), each run at two or more input sizes against onnxruntime."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import warnings
 
 import numpy as np
@@ -267,3 +269,59 @@ def test_a_graph_sized_by_its_inputs_whose_output_declares_no_shape_is_refused_n
     with pytest.raises(UnsupportedModelError, match=r"Squeeze.*every input and output declares its type and rank, "
                                                     r"and 'y' does not"):
         load_onnx(path)
+
+
+@pytest.mark.parametrize("op, gates, reset", [("GRU", 3, 0), ("GRU", 3, 1), ("LSTM", 4, 0), ("RNN", 1, 0)])
+def test_recurrent_layers_over_sequences_of_their_own_lengths_agree_with_onnxruntime(tmp_path, op, gates, reset):
+    """sequence_lens given as data: each sequence stops at its length (zeros past it), a reverse pass starts
+    at its last step; a GRU as torch exports it (linear_before_reset) adds R's bias inside the reset gate."""
+    rng = np.random.default_rng(0)
+    hidden, width = 5, 4
+    weights = {"W": rng.standard_normal((2, gates * hidden, width)), "R": rng.standard_normal((2, gates * hidden, hidden)),
+               "B": rng.standard_normal((2, 2 * gates * hidden))}
+    outputs = ["y", "y_h"] + (["y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, ["x", "W", "R", "B", "lengths"], outputs, hidden_size=hidden, direction="bidirectional",
+                            **({"linear_before_reset": reset} if op == "GRU" else {}))
+    lengths = helper.make_tensor_value_info("lengths", TensorProto.INT32, ["N"])
+    path = saved(tmp_path, [node], [info("x", ["S", "N", width]), lengths],
+                 [info("y", ["S", 2, "N", hidden])] + [info(name, [2, "N", hidden]) for name in outputs[1:]],
+                 {k: (0.5 * v).astype(np.float32) for k, v in weights.items()})
+    feeds = [{"x": rng.standard_normal((steps, len(n), width)).astype(np.float32), "lengths": np.array(n, np.int32)}
+             for steps, n in [(6, [6, 3, 1]), (4, [2, 4]), (3, [3, 3])]]
+    agrees_with_onnxruntime(path, feeds)
+
+
+def test_a_torch_gru_export_agrees_with_onnxruntime_at_two_lengths(tmp_path):
+    torch.manual_seed(0)
+    gru = nn.GRU(4, 6, batch_first=True, bidirectional=True).eval()
+    path = str(tmp_path / "gru.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(gru, (torch.randn(1, 5, 4),), path, input_names=["x"], output_names=["y", "h"], opset_version=17,
+                          dynamic_axes={"x": {0: "batch", 1: "steps"}, "y": {0: "batch", 1: "steps"}, "h": {1: "batch"}},
+                          dynamo=False)
+    rng = np.random.default_rng(0)
+    agrees_with_onnxruntime(path, [{"x": rng.standard_normal((b, t, 4)).astype(np.float32)} for b, t in [(1, 5), (3, 9)]])
+
+
+# --- real files that packages ship ----------------------------------------------------------------------
+
+def package_file(package: str, *parts: str) -> str:
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        pytest.skip(f"{package} is not installed")
+    return os.path.join(os.path.dirname(spec.origin), *parts)
+
+
+def test_silero_vads_sequence_model_an_lstm_over_its_inputs_length_agrees_with_onnxruntime():
+    rng = np.random.default_rng(0)
+    state = {"h": np.zeros((1, 1, 128), np.float32), "c": np.zeros((1, 1, 128), np.float32)}
+    agrees_with_onnxruntime(package_file("silero_vad", "data", "silero_vad_16k_sequence.onnx"),
+                            [{"input": 0.1 * rng.standard_normal((n, 576)).astype(np.float32), **state} for n in (3, 5)])
+
+
+def test_piper_tashkeels_diacritizer_with_grus_over_given_lengths_agrees_with_onnxruntime():
+    rng = np.random.default_rng(0)
+    feeds = [{"char_inputs": rng.integers(1, 30, (b, n)), "diac_inputs": rng.integers(0, 8, (b, n)),
+              "input_lengths": np.array(lengths, np.int64)} for b, n, lengths in [(1, 12, [12]), (2, 7, [7, 4])]]
+    agrees_with_onnxruntime(package_file("piper", "tashkeel", "model.onnx"), feeds)

@@ -1,12 +1,14 @@
 """ONNX's recurrent layers (RNN, GRU, LSTM), unrolled over their known sequence length: the input's
 products with W for every step in one matmul, then per step the recurrent product with R and the
-gates, as the ONNX operator definitions write them (gate orders i-o-f-c and z-r-h)."""
+gates, as the ONNX operator definitions write them (gate orders i-o-f-c and z-r-h). Sequences shorter
+than the input (sequence_lens, from the data too) are masked step by step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from soma_runtime.dtypes import dtype
 from soma_runtime.loaders.onnx.ops.control import stacked, step_count
 from soma_runtime.loaders.onnx.ops.elementwise import scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
@@ -20,7 +22,7 @@ class Layer:
     """One direction's view of a recurrent node: its weights, biases, peepholes and initial states."""
     x_w: object             # X @ W.T + Wb + Rb for every step: [seq, batch, gates * hidden]
     r: object               # [gates * hidden, hidden]
-    r_bias: object | None   # GRU with linear_before_reset: Rb of the h gate stays apart
+    r_bias: object | None   # GRU with linear_before_reset: Rb added to R's product (the h gate's scaled by r)
     peepholes: object | None
     states: list
 
@@ -52,10 +54,9 @@ def recurrent(cv, n, gates: int, n_states: int, step):
         x = cv.emit("permute", x, perm=(1, 0, 2))
     seq, batch, _ = cv.meta(x).shape
     seq = step_count(cv, seq)
-    if lengths is not None:
-        known = cv.known(lengths, "sequence lengths")
-        if not (np.asarray(known) == seq).all():
-            raise cv.unsupported("sequences shorter than the input (sequence_lens) are not supported")
+    if isinstance(lengths, np.ndarray) and (lengths == seq).all():
+        lengths = None
+    running = [None] * seq if lengths is None else [running_at(cv, lengths, t, batch) for t in range(seq)]
     hidden = int(n.attr("hidden_size"))
     direction = n.attr("direction", "forward")
     directions = ["forward", "reverse"] if direction == "bidirectional" else [direction]
@@ -86,8 +87,13 @@ def recurrent(cv, n, gates: int, n_states: int, step):
         outputs = [None] * seq
         order = range(seq) if way == "forward" else range(seq - 1, -1, -1)
         for t in order:
-            layer.states = step(cv, layer, part(cv, layer.x_w, t), layer.states, acts, hidden)
-            outputs[t] = layer.states[0]
+            states = step(cv, layer, part(cv, layer.x_w, t), layer.states, acts, hidden)
+            if running[t] is not None:          # past its length a sequence keeps its state and outputs zeros
+                outputs[t] = cv.emit("where", running[t], states[0], scalar(cv, 0, states[0]))
+                states = [cv.emit("where", running[t], new, old) for new, old in zip(states, layer.states)]
+            else:
+                outputs[t] = states[0]
+            layer.states = states
         ys.append(stacked(cv, outputs, 0))
         for i, s in enumerate(layer.states):
             finals[i].append(s)
@@ -100,6 +106,13 @@ def recurrent(cv, n, gates: int, n_states: int, step):
     return [y, *finals]
 
 
+def running_at(cv, lengths, t: int, batch):
+    """[batch, 1]: whether step t is within each sequence's length (sequence_lens, known or data). A reverse
+    pass that skips the steps past a length starts, as ONNX's does, at that sequence's last step."""
+    inside = cv.emit("less", np.array(t, dtype(cv.meta(lengths).dtype).numpy), lengths)
+    return reshape_to(cv, inside, (batch, 1))
+
+
 def rnn_step(cv, layer, x_w, states, acts, hidden):
     (h,) = states
     pre = cv.emit("add", x_w, cv.emit("matmul", h, layer.r, transpose_b=True))
@@ -110,11 +123,12 @@ def gru_step(cv, layer, x_w, states, acts, hidden):
     (h,) = states
     f, g = (acts or ["Sigmoid", "Tanh"])[:2]
     h_r = cv.emit("matmul", h, layer.r, transpose_b=True)             # [batch, 3 * hidden]
+    if layer.r_bias is not None:                                      # linear_before_reset: Rb is in R's product
+        h_r = cv.emit("add", h_r, layer.r_bias)
     z = activation(cv, f, cv.emit("add", columns(cv, x_w, 0, hidden), columns(cv, h_r, 0, hidden)))
     r = activation(cv, f, cv.emit("add", columns(cv, x_w, 1, hidden), columns(cv, h_r, 1, hidden)))
-    if layer.r_bias is not None:                                      # linear_before_reset
-        recurrent_h = cv.emit("add", columns(cv, h_r, 2, hidden), columns(cv, layer.r_bias, 2, hidden))
-        candidate = cv.emit("add", columns(cv, x_w, 2, hidden), cv.emit("mul", r, recurrent_h))
+    if layer.r_bias is not None:
+        candidate = cv.emit("add", columns(cv, x_w, 2, hidden), cv.emit("mul", r, columns(cv, h_r, 2, hidden)))
     else:
         rh_weight = cv.emit("slice", layer.r, axis=0, start=2 * hidden, stop=3 * hidden)
         candidate = cv.emit("add", columns(cv, x_w, 2, hidden),
