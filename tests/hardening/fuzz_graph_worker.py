@@ -8,25 +8,15 @@ equal (onnxruntime computes the same), unchecked (onnxruntime refuses what we ra
 to run), differs, hung, or the name and message of any other exception."""
 from __future__ import annotations
 
-import json
+import functools
 import os
-import resource
-import signal
 import sys
-import time
 
 import numpy as np
 
-HANG_SECONDS = 20                # a case still going after this is reported as hung (the test's guard, not a speed target)
+from tests.hardening.fuzz_worker import capped, report
+
 BUDGET_SHARE = 8                 # any one tensor a run computes: at most this share of the cap
-
-
-class Hung(BaseException):       # not an Exception: no handler for a refusal may swallow it
-    pass
-
-
-def on_alarm(signum, frame):
-    raise Hung()
 
 
 def same(ours: np.ndarray, theirs: np.ndarray) -> bool:
@@ -80,23 +70,9 @@ def main(cap: int, folders: list[str]) -> None:
     from soma_runtime.ir.plan import RunBudget
     backend = get("cpu")
     budget = RunBudget(tensor_bytes=cap // BUDGET_SHARE, output_bytes=cap // BUDGET_SHARE, work_bytes=cap // 4)
-    with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + cap, mapped + cap))
-    signal.signal(signal.SIGALRM, on_alarm)
+    capped(cap)
     for folder in folders:
-        start = time.perf_counter()
-        signal.alarm(HANG_SECONDS)
-        try:
-            outcome, detail = one(ort, backend, budget, folder)
-        except Hung:
-            outcome, detail = "hung", ""
-        except Exception as e:                        # noqa: BLE001  (what the test looks for: reported, never hidden)
-            outcome, detail = type(e).__name__, str(e)[:300]
-        finally:
-            signal.alarm(0)
-        print(json.dumps({"case": folder, "outcome": outcome, "detail": detail, "seconds": time.perf_counter() - start}),
-              flush=True)
+        report(folder, functools.partial(one, ort, backend, budget))
 
 
 if __name__ == "__main__":
