@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
+import stat
 
 from soma_runtime.errors import RequestError
 
 log = logging.getLogger("soma_runtime.server")
-MAX_HEAD_BYTES = 64 * 1024          # a request line and headers past this are refused
+MAX_UDS_PATH = 107          # bytes of a unix socket's path (sun_path holds 108, with its NUL)
 
 
 def parse_model_arg(arg: str) -> tuple[str | None, str]:
     """`[ID=]PATH|NAME` -> (id or None, source)."""
     model_id, sep, source = arg.partition("=")
     return (model_id, source) if sep and model_id and "/" not in model_id else (None, arg)
+
+
+def check_listen(port: int, uds: str | None, max_connections: int) -> None:
+    """RequestError, before any model loads, for a place the server cannot listen on."""
+    if uds is None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise RequestError(f"the port must be 0 to 65535, got {port!r}")
+    else:
+        directory = os.path.dirname(os.path.abspath(uds))
+        if len(os.fsencode(uds)) > MAX_UDS_PATH:
+            raise RequestError(f"--uds {uds}: a unix socket's path is at most {MAX_UDS_PATH} bytes")
+        if not os.path.isdir(directory):
+            raise RequestError(f"--uds {uds}: the directory {directory} does not exist")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise RequestError(f"--uds {uds}: cannot create a socket in {directory} (permission denied)")
+        if os.path.lexists(uds) and not stat.S_ISSOCK(os.lstat(uds).st_mode):
+            raise RequestError(f"--uds {uds}: exists and is not a socket")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+        raise RequestError(f"max_connections must be at least 1, got {max_connections!r}")
 
 
 def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str | None = None,
@@ -39,6 +60,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     from soma_runtime.server.security import GuardedH11, Policy
 
     policy = policy or Policy()
+    check_listen(port, uds, max_connections)
     registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx, draft,
                             overflow, kv_dtype, gpu_layers, tensor_parallel)
     sources = models or ["default"]
@@ -47,10 +69,10 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     for arg, digest in itertools.zip_longest(sources, sha256):
         model_id, source = parse_model_arg(arg)
         registry.load(None if source == "default" else source, model_id, sha256=digest)
-    app = create_app(registry, max_queue, policy, allowed_origins, models_dir)
+    app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds))
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,
                             access_log=False, http=functools.partial(GuardedH11, head_seconds=policy.head_seconds),
-                            limit_concurrency=max_connections, h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+                            limit_concurrency=max_connections)
     where = f"unix:{uds}" if uds else f"http://{host}:{port}"
     log.info("serving %s on %s (OpenAI API under /v1%s)", ", ".join(registry.models), where,
              "" if policy.api_key else "; no API key: anyone who can reach it may use it")

@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from soma_runtime.errors import SomaError
 from soma_runtime.server import openai
-from soma_runtime.server.http import ServerState, error_response
+from soma_runtime.server.http import ServerState
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelRegistry
 from soma_runtime.server.routes import audio, encode, generate, graph, models
@@ -26,8 +26,8 @@ class Counted:
     """The outermost ASGI layer: counts every response by route and status (refusals included), and
     turns an exception that escaped everything else into a 500 error object; the server stays up."""
 
-    def __init__(self, app, metrics: ServerMetrics, routes: set[str]):
-        self.app, self.metrics, self.routes = app, metrics, routes
+    def __init__(self, app, state: ServerState, routes: set[str]):
+        self.app, self.state, self.routes = app, state, routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -44,17 +44,18 @@ class Counted:
         except Exception as exc:
             log.exception("unhandled error on %s", scope["path"])
             if status is None:
-                response = error_response(exc)
+                response = self.state.error_response(exc)
                 await response(scope, receive, sent)
         route = scope.get("route")
         path = route.path if route else scope["path"] if scope["path"] in self.routes else "unmatched"
-        self.metrics.requests[(path, str(status or 500))] += 1
+        self.state.metrics.requests[(path, str(status or 500))] += 1
 
 
 def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | None = None, allowed_origins: tuple[str, ...] = (),
-               models_dir: str | None = None):
+               models_dir: str | None = None, hosts: frozenset[str] | None = None):
     """The server's ASGI app. Model management (load, unload) is on only with a `models_dir`, whose
-    models are the only ones it loads; CORS answers only `allowed_origins` (default: none)."""
+    models are the only ones it loads; CORS answers only `allowed_origins` (default: none); requests
+    naming a Host other than a loopback one or one of `hosts` are refused (Policy.hosts; None: any)."""
     state = ServerState(registry, ServerMetrics(), max_queue, models_dir)
 
     @asynccontextmanager
@@ -66,7 +67,7 @@ def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | N
 
     @app.exception_handler(SomaError)
     async def soma_error(request: Request, exc: SomaError):
-        return error_response(exc)
+        return state.error_response(exc)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
@@ -81,8 +82,8 @@ def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | N
         routes = module.router(state)
         paths |= {route.path for route in routes.routes}
         app.include_router(routes)
-    guarded = Guard(app, policy or Policy())
+    guarded = Guard(app, policy or Policy(), hosts)
     if allowed_origins:
         guarded = CORSMiddleware(guarded, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                                  allow_headers=["Authorization", "Content-Type"])
-    return Counted(guarded, state.metrics, paths)
+    return Counted(guarded, state, paths)

@@ -1,10 +1,12 @@
 """What every route shares: the server's state, request bodies parsed (JSON only, depth-checked,
 typed by a schema), and errors as OpenAI error objects: 400 bad request, 403 refused by policy, 404
-unknown model, 503 overloaded, 507 a model that cannot fit (security.py's Guard answers 401, 408, 413
-and 415 before a route runs)."""
+unknown model, 503 overloaded, 507 a model that cannot fit (security.py's Guard answers 401, 408, 413,
+415 and 421 before a route runs). An error's message names files relative to the models directory or
+to the model's own directory: a client never learns where the server keeps its files."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -38,16 +40,26 @@ class ServerState:
             raise RequestError(f"model {model_id!r} runs the {served.model.task} task; {use}")
         return served
 
+    def error_response(self, exc: Exception) -> JSONResponse:
+        status, kind, code = next(((s, k, c) for cls, s, k, c in ERRORS if isinstance(exc, cls)), (500, "server_error", None))
+        return JSONResponse(openai.error_body(self.scrub(str(exc)), kind, code), status_code=status)
+
+    def scrub(self, message: str) -> str:
+        """`message` with the server's directories cut from the paths in it: the models directory first
+        (a file in it is named relative to it), then those of the models served (a file by its name)."""
+        models_dir = [self.models_dir] if self.models_dir else []
+        for directories in (models_dir, sorted(self.registry.directories(), key=len, reverse=True)):
+            for directory in directories:
+                for form in {os.path.abspath(directory), os.path.realpath(directory)}:
+                    if form != os.sep:
+                        message = message.replace(form + os.sep, "")
+        return message
+
 
 ERRORS = [(ModelNotFound, 404, "not_found_error", "model_not_found"), (OutOfMemory, 507, "insufficient_memory", None),
           (Forbidden, 403, "permission_error", None),
           (Overloaded, 503, "server_overloaded", None), (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
           (SomaError, 400, "invalid_request_error", None)]
-
-
-def error_response(exc: Exception) -> JSONResponse:
-    status, kind, code = next(((s, k, c) for cls, s, k, c in ERRORS if isinstance(exc, cls)), (500, "server_error", None))
-    return JSONResponse(openai.error_body(str(exc), kind, code), status_code=status)
 
 
 async def parse(request: Request, schema: type[BaseModel]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import numbers
 import os
 import threading
 import time
@@ -93,6 +94,8 @@ class ModelRegistry:
         self.runtime = runtime or Runtime()
         self.draft, self.overflow, self.kv_dtype, self.gpu_layers = draft, overflow, kv_dtype, gpu_layers
         self.tensor_parallel = tensor_parallel
+        if memory_budget is not None and not (isinstance(memory_budget, numbers.Integral) and memory_budget >= 1):
+            raise RequestError(f"the memory budget must be a whole number of bytes, at least 1, got {memory_budget!r}")
         self.budget = memory_budget or default_budget()
         self.kv_tokens = 1 if memory_budget else None     # under a set budget a KV pool holds one sequence's most, so
         #                                                   what the budget counts is what is allocated (llama.cpp's -c)
@@ -109,6 +112,12 @@ class ModelRegistry:
         """What the models hold, counting those still finishing their requests."""
         with self.lock:
             return sum(s.bytes for s in [*self.models.values(), *self.retiring])
+
+    def directories(self) -> set[str]:
+        """The directories the served models' files are in (those still finishing requests included)."""
+        with self.lock:
+            paths = [s.model.path for s in [*self.models.values(), *self.retiring]]
+        return {os.path.dirname(os.path.abspath(path)) for path in paths if os.path.exists(path)}
 
     def get(self, model_id: str | None) -> Served:
         with self.lock:
