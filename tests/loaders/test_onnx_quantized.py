@@ -1,0 +1,150 @@
+"""Quantized ONNX ops (ai.onnx's integer and QLinear ops) and onnxruntime's contrib ops (com.microsoft),
+each against onnxruntime on the same file: integers exactly, floats within rtol 1e-3; and what
+onnxruntime.quantization writes for a small torch model."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from soma_runtime.api import Runtime
+
+ort = pytest.importorskip("onnxruntime")
+rng = np.random.default_rng(53)
+TYPES = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8,
+         np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int32): TensorProto.INT32}
+
+
+def graph_model(nodes, inputs: dict, weights: dict, outputs: list[str], opset=21, ms_opset=None) -> onnx.ModelProto:
+    """A model of `nodes` over inputs (name -> example array) and initializers; outputs' types left to inference."""
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, TYPES[v.dtype], list(v.shape))
+                                           for k, v in inputs.items()],
+                              [helper.make_value_info(o, onnx.TypeProto()) for o in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", ms_opset)] if ms_opset else [])
+    return helper.make_model(graph, opset_imports=imports, ir_version=10)
+
+
+def both(model: onnx.ModelProto, inputs: dict, tmp_path, name="model.onnx") -> tuple[list, list]:
+    """Our outputs and onnxruntime's, in the graph's output order."""
+    path = os.path.join(tmp_path, name)
+    onnx.save(model, path)
+    ours = Runtime("cpu").load(path).run(inputs)
+    theirs = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, inputs)
+    return [ours[o.name] for o in model.graph.output], theirs
+
+
+def u8(*shape):
+    return rng.integers(0, 256, shape).astype(np.uint8)
+
+
+def i8(*shape):
+    return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+@pytest.mark.parametrize("k", [16, 1024])
+def test_matmul_integer_is_exact_over_long_inner_axes(tmp_path, k):
+    a, b = u8(3, 5, k), i8(k, 7)
+    node = helper.make_node("MatMulInteger", ["a", "b", "az", "bz"], ["y"])
+    model = graph_model([node], {"a": a}, {"b": b, "az": np.array(131, np.uint8), "bz": np.array(-3, np.int8)}, ["y"])
+    (ours,), (theirs,) = both(model, {"a": a}, tmp_path)
+    assert ours.dtype == np.int32
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_matmul_integer_of_two_activations_with_per_column_zero_points(tmp_path):
+    a, b = u8(4, 600), u8(600, 3)
+    node = helper.make_node("MatMulInteger", ["a", "b", "az", "bz"], ["y"])
+    model = graph_model([node], {"a": a, "b": b}, {"az": np.array(7, np.uint8),
+                                                   "bz": np.array([1, 128, 255], np.uint8)}, ["y"])
+    (ours,), (theirs,) = both(model, {"a": a, "b": b}, tmp_path)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_dynamic_quantize_linear_matches_onnxruntime(tmp_path):
+    x = (rng.standard_normal((4, 33)) * 3 + 1).astype(np.float32)
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "scale", "zero"])
+    (y, scale, zero), (ry, rscale, rzero) = both(graph_model([node], {"x": x}, {}, ["y", "scale", "zero"]), {"x": x}, tmp_path)
+    np.testing.assert_array_equal(zero, rzero)
+    np.testing.assert_allclose(scale, rscale, rtol=1e-6)
+    assert np.abs(y.astype(int) - ry.astype(int)).max() <= 1 and (y == ry).mean() > 0.99      # ties of x / scale
+
+
+@pytest.mark.parametrize("channels,group,kernel", [(3, 1, 3), (64, 1, 3), (8, 8, 3), (40, 2, 5)])
+def test_conv_integer_is_exact(tmp_path, channels, group, kernel):
+    x, w = u8(2, channels, 9, 8), i8(4 * group, channels // group, kernel, kernel)
+    node = helper.make_node("ConvInteger", ["x", "w", "xz", "wz"], ["y"], group=group, pads=[1, 2, 0, 1],
+                            strides=[1, 2])
+    model = graph_model([node], {"x": x}, {"w": w, "xz": np.array(100, np.uint8), "wz": np.array(5, np.int8)}, ["y"])
+    (ours,), (theirs,) = both(model, {"x": x}, tmp_path)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_qlinear_matmul_matches_onnxruntime(tmp_path):
+    a, b = u8(2, 3, 300), u8(300, 6)
+    node = helper.make_node("QLinearMatMul", ["a", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"])
+    weights = {"as": np.array(0.02, np.float32), "az": np.array(120, np.uint8), "b": b,
+               "bs": np.array(0.01, np.float32), "bz": np.array(130, np.uint8),
+               "ys": np.array(0.5, np.float32), "yz": np.array(100, np.uint8)}
+    (ours,), (theirs,) = both(graph_model([node], {"a": a}, weights, ["y"]), {"a": a}, tmp_path)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_qlinear_conv_with_per_channel_weights_and_bias_matches_onnxruntime(tmp_path):
+    x, w = u8(1, 16, 7, 7), i8(5, 16, 3, 3)
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"], pads=[1, 1, 1, 1])
+    weights = {"xs": np.array(0.03, np.float32), "xz": np.array(128, np.uint8), "w": w,
+               "ws": rng.uniform(0.001, 0.01, 5).astype(np.float32), "wz": np.zeros(5, np.int8),
+               "ys": np.array(0.2, np.float32), "yz": np.array(90, np.uint8),
+               "b": rng.integers(-3000, 3000, 5).astype(np.int32)}
+    (ours,), (theirs,) = both(graph_model([node], {"x": x}, weights, ["y"]), {"x": x}, tmp_path)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def small_cnn_onnx(path: str) -> None:
+    """A conv, pool and linear layers model exported by torch (random weights, fixed seed)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 48, 3, stride=2),
+                              torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                              torch.nn.Linear(48, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10)).eval()
+    torch.onnx.export(net, (torch.randn(1, 3, 16, 16),), path, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}}, opset_version=17, dynamo=False)
+
+
+def test_quantize_dynamic_output_of_a_torch_cnn_agrees_with_onnxruntime(tmp_path):
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    source, quantized = str(tmp_path / "float.onnx"), str(tmp_path / "dynamic.onnx")
+    small_cnn_onnx(source)
+    quantization.quantize_dynamic(source, quantized, weight_type=quantization.QuantType.QUInt8)
+    ops = {n.op_type for n in onnx.load(quantized).graph.node}
+    assert {"ConvInteger", "MatMulInteger", "DynamicQuantizeLinear"} <= ops
+    x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    ours = Runtime("cpu").load(quantized).run({"x": x})["y"]
+    theirs = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())
+
+
+def test_quantize_static_qdq_output_of_a_torch_cnn_agrees_with_onnxruntime(tmp_path):
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    source, quantized = str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx")
+    small_cnn_onnx(source)
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantization.quantize_static(source, quantized, Calibration(), quant_format=quantization.QuantFormat.QDQ,
+                                 per_channel=True)
+    ops = {n.op_type for n in onnx.load(quantized).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    x = rng.standard_normal((3, 3, 16, 16)).astype(np.float32)
+    ours = Runtime("cpu").load(quantized).run({"x": x})["y"]
+    theirs = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=2e-2 * np.abs(theirs).max())
