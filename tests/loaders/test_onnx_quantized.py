@@ -148,3 +148,84 @@ def test_quantize_static_qdq_output_of_a_torch_cnn_agrees_with_onnxruntime(tmp_p
     ours = Runtime("cpu").load(quantized).run({"x": x})["y"]
     theirs = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=2e-2 * np.abs(theirs).max())
+
+
+# --- com.microsoft ----------------------------------------------------------------------------
+
+def f32(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def contrib(op: str, inputs: dict, weights: dict, outputs=("y",), domain="com.microsoft", **attrs):
+    names = list(inputs) + list(weights)
+    node = helper.make_node(op, [n if n in inputs or n in weights else "" for n in attrs.pop("order", names)],
+                            list(outputs), domain=domain, **attrs)
+    return graph_model([node], inputs, weights, list(outputs), opset=17, ms_opset=1)
+
+
+@pytest.mark.parametrize("op,extra", [("Gelu", {}), ("FastGelu", {}), ("FastGelu", {"bias": 7}), ("BiasGelu", {"bias": 7}),
+                                      ("QuickGelu", {})])
+def test_contrib_gelus_match_onnxruntime(tmp_path, op, extra):
+    x = f32(2, 3, 7) * 3
+    weights = {"bias": f32(7)} if extra else {}
+    (ours,), (theirs,) = both(contrib(op, {"x": x}, weights), {"x": x}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skip_layer_normalization_and_its_sum_match_onnxruntime(tmp_path, with_bias):
+    x, skip = f32(2, 5, 16), f32(2, 5, 16)
+    weights = {"gamma": f32(16), "beta": f32(16)} | ({"bias": f32(16)} if with_bias else {})
+    model = contrib("SkipLayerNormalization", {"x": x, "skip": skip}, weights, outputs=("y", "", "", "sum"),
+                    order=["x", "skip", "gamma", "beta", "bias"], epsilon=1e-5)
+    model.graph.output.pop(1)
+    model.graph.output.pop(1)
+    ours, theirs = both(model, {"x": x, "skip": skip}, tmp_path)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_simplified_layer_norms_match_onnxruntime(tmp_path):
+    x, skip = f32(3, 4, 32), f32(3, 4, 32)
+    model = contrib("SkipSimplifiedLayerNormalization", {"x": x, "skip": skip}, {"gamma": f32(32)}, epsilon=1e-6)
+    (ours,), (theirs,) = both(model, {"x": x, "skip": skip}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+    model = contrib("SimplifiedLayerNormalization", {"x": x}, {"scale": f32(32)}, domain="", epsilon=1e-6)
+    (ours,), (theirs,) = both(model, {"x": x}, tmp_path, "simplified.onnx")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+def test_fused_conv_with_activation_and_sum_matches_onnxruntime(tmp_path):
+    x, z = f32(1, 4, 8, 8), f32(1, 6, 8, 8)
+    model = contrib("FusedConv", {"x": x, "z": z}, {"w": f32(6, 4, 3, 3), "b": f32(6)}, order=["x", "w", "b", "z"],
+                    activation="LeakyRelu", activation_params=[0.2], pads=[1, 1, 1, 1])
+    (ours,), (theirs,) = both(model, {"x": x, "z": z}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,block,zeros", [(4, 32, False), (4, 16, True), (4, 128, True), (8, 64, False), (8, 32, True)])
+def test_matmul_nbits_matches_onnxruntime(tmp_path, bits, block, zeros):
+    k, n = 200, 24                                    # K not a multiple of the block: the last block padded
+    blocks = -(-k // block)
+    q = rng.integers(0, 1 << bits, (n, blocks, block)).astype(np.uint8)
+    per_byte = 8 // bits
+    packed = sum(q[..., i::per_byte] << (bits * i) for i in range(per_byte)).astype(np.uint8)
+    weights = {"w": packed, "scales": rng.uniform(0.01, 0.1, n * blocks).astype(np.float32)}
+    if zeros:
+        z = rng.integers(0, 1 << bits, (n, blocks + (-blocks) % per_byte)).astype(np.uint8)
+        weights["zeros"] = sum(z[:, i::per_byte] << (bits * i) for i in range(per_byte)).astype(np.uint8).reshape(-1)
+    weights["bias"] = f32(n)
+    a = f32(2, 3, k)
+    model = contrib("MatMulNBits", {"a": a}, weights, order=["a", "w", "scales", "zeros", "", "bias"], K=k, N=n, bits=bits,
+                    block_size=block)
+    (ours,), (theirs,) = both(model, {"a": a}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())
+
+
+def test_an_unknown_contrib_op_names_node_op_domain_and_opset(tmp_path):
+    x = f32(2, 3)
+    path = os.path.join(tmp_path, "m.onnx")
+    onnx.save(contrib("NoSuchFusedOp", {"x": x}, {}), path)
+    from soma_runtime.errors import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match=r"node 'NoSuchFusedOp' \(NoSuchFusedOp, opset 1\).*com\.microsoft\.NoSuchFusedOp"):
+        Runtime("cpu").load(path).run({"x": x})

@@ -213,7 +213,7 @@ class Converter:
             domain = proto.domain or "ai.onnx"
             self.node = OnnxNode(proto.name or proto.op_type, proto.op_type, self.opsets.get(domain, 0), [], {},
                                  len(proto.output))
-            if domain not in ("ai.onnx", "ai.onnx.ml") or not self.node.opset:
+            if domain not in ("ai.onnx", "ai.onnx.ml", "com.microsoft") or not self.node.opset:
                 raise self.unsupported(f"op {domain}.{proto.op_type} is not supported"
                                        + ("" if self.node.opset else f" (the model imports no {domain} opset)"))
             for name in proto.input:

@@ -3,12 +3,12 @@
 A handler takes the converter and the node (`OnnxNode`: inputs, attributes, opset) and returns its
 outputs, calling `cv.emit(ir_op, ...)` for each IR op; an opset whose semantics differ is read from
 `node.opset`. Modules by kind: elementwise math, layout (shapes and indexing), nn (products,
-convolutions, norms, pools), quantization, recurrent layers, resizing, detection (NonMaxSuppression)
-and control flow.
+convolutions, norms, pools), quantization, recurrent layers, resizing, detection (NonMaxSuppression),
+control flow, and onnxruntime's contrib ops (com.microsoft).
 """
 from __future__ import annotations
 
-from soma_runtime.loaders.onnx.ops import control, detection, elementwise, layout, nn, quantize, recurrent, resize  # noqa: F401  (each fills the table)
+from soma_runtime.loaders.onnx.ops import contrib, control, detection, elementwise, layout, nn, quantize, recurrent, resize  # noqa: F401  (each fills the table)
 from soma_runtime.loaders.onnx.ops.table import HANDLERS
 
 __all__ = ["HANDLERS"]
