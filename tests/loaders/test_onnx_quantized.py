@@ -229,3 +229,56 @@ def test_an_unknown_contrib_op_names_node_op_domain_and_opset(tmp_path):
     from soma_runtime.errors import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match=r"node 'NoSuchFusedOp' \(NoSuchFusedOp, opset 1\).*com\.microsoft\.NoSuchFusedOp"):
         Runtime("cpu").load(path).run({"x": x})
+
+
+@pytest.mark.parametrize("mask_rank,unidirectional", [(0, 0), (1, 0), (2, 0), (3, 0), (2, 1)])
+def test_attention_with_each_mask_form_matches_onnxruntime(tmp_path, mask_rank, unidirectional):
+    b, s, hidden, heads = 2, 6, 16, 4
+    x = f32(b, s, hidden)
+    inputs = {"x": x}
+    if mask_rank == 1:
+        inputs["mask"] = np.array([6, 3], np.int32)
+    elif mask_rank:
+        inputs["mask"] = rng.integers(0, 2, (b, s) if mask_rank == 2 else (b, s, s)).astype(np.int32)
+        inputs["mask"][..., 0] = 1
+    sizes = [16, 16, 8]                                   # a narrower v than q and k
+    model = contrib("Attention", inputs, {"w": f32(hidden, sum(sizes)), "bias": f32(sum(sizes))},
+                    order=["x", "w", "bias", "mask"], num_heads=heads, qkv_hidden_sizes=sizes, unidirectional=unidirectional)
+    (ours,), (theirs,) = both(model, inputs, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+def test_onnxruntime_transformers_optimizer_output_for_a_bert_agrees_with_onnxruntime(tmp_path):
+    """The optimizer fuses a tiny random BERT into EmbedLayerNormalization, Attention (key lengths as its
+    mask), BiasGelu and SkipLayerNormalization; two batch and sequence sizes, one row padded."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")
+    bert = transformers.BertModel(config).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    source, fused = str(tmp_path / "bert.onnx"), str(tmp_path / "bert_fused.onnx")
+    axes = {0: "batch", 1: "sequence"}
+    torch.onnx.export(Encoder(), (torch.randint(0, 100, (2, 9)), torch.ones(2, 9, dtype=torch.int64)), source,
+                      input_names=["input_ids", "attention_mask"], output_names=["hidden"],
+                      dynamic_axes={"input_ids": axes, "attention_mask": axes}, opset_version=17, dynamo=False)
+    optimizer.optimize_model(source, model_type="bert", num_heads=4, hidden_size=32, opt_level=0).save_model_to_file(fused)
+    ops = {n.op_type for n in onnx.load(fused).graph.node}
+    assert {"EmbedLayerNormalization", "Attention", "BiasGelu", "SkipLayerNormalization"} <= ops
+    model = Runtime("cpu").load(fused)
+    session = ort.InferenceSession(fused, providers=["CPUExecutionProvider"])
+    for batch, length in ((2, 9), (3, 5)):
+        mask = np.ones((batch, length), np.int64)
+        mask[1, length - 2:] = 0
+        feeds = {"input_ids": rng.integers(0, 100, (batch, length)).astype(np.int64), "attention_mask": mask}
+        np.testing.assert_allclose(model.run(feeds)["hidden"], session.run(None, feeds)[0], rtol=1e-3, atol=1e-4)

@@ -1,10 +1,12 @@
 """onnxruntime's contrib ops (the com.microsoft domain, and the few it registers in ai.onnx) that its own
-tools write: the gelus, skip and simplified layer norms, MatMulNBits, FusedConv, Attention. Each as
+tools write: the gelus, the embedding, skip and simplified layer norms, MatMulNBits, FusedConv, Attention. Each as
 onnxruntime's ContribOperators.md defines it, in the IR's ops; it must not know onnxruntime's kernels."""
 from __future__ import annotations
 
 import numpy as np
 
+from soma_runtime.dtypes import dtype
+from soma_runtime.ir.graph import same_dim
 from soma_runtime.loaders.onnx.ops import nn
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
@@ -138,3 +140,75 @@ def matmul_nbits(cv, n):
                 np.ascontiguousarray(w), transpose_b=True)
     y = y if cv.meta(a).dtype == "f32" else cv.emit("cast", y, dtype=cv.meta(a).dtype)
     return biased(cv, y, n.input(5))
+
+
+@onnx_op("EmbedLayerNormalization", domain=MS)
+def embed_layer_norm(cv, n):
+    """layernorm(word[ids] + position[position ids, else 0..S-1] + segment[segment ids]) * gamma + beta;
+    outputs y, the mask's count of kept tokens per row (mask_index), and the embeddings' sum."""
+    ids, segments, word, position, segment, gamma, beta = (n.input(i) for i in range(7))
+    mask, positions = n.input(7), n.input(8)
+    if n.attr("mask_index_type", 1) != 1:
+        raise cv.unsupported(f"mask_index_type {n.attr('mask_index_type')} (1 is supported)")
+    total = cv.emit("take", word, ids, axis=0)
+    if positions is None:
+        positions = reshape_to(cv, cv.arange(cv.meta(ids).shape[1]), (1, -1))
+    total = cv.emit("add", total, cv.emit("take", position, positions, axis=0))
+    if segment is not None and segments is not None:
+        total = cv.emit("add", total, cv.emit("take", segment, segments, axis=0))
+    y = cv.emit("layernorm", total, gamma, beta, eps=float(n.attr("epsilon", 1e-12)))
+    if mask is None:
+        kept = cv.emit("reduce_sum", cv.emit("mul", cv.emit("cast", ids, dtype="i32"), np.array(0, np.int32)),
+                       axes=(1,), keepdims=False)
+    else:
+        kept = cv.emit("cast", cv.emit("greater", mask, np.zeros((), dtype(cv.meta(mask).dtype).numpy)), dtype="i32")
+        kept = cv.emit("reduce_sum", kept, axes=(1,), keepdims=False)
+    return [y, kept, total][:n.n_outputs]
+
+
+def key_mask(cv, n, mask, batch, rows, keys):
+    """Attention's mask_index as an additive [B, 1, S or 1, T] mask: 0 where a key is kept, mask_filter_value
+    where not; from key lengths [B] (right padding), a raw [B, T] or [B, S, T] mask of 1 (keep) and 0."""
+    fill = np.float32(n.attr("mask_filter_value", -10000.0))
+    rank = cv.meta(mask).ndim
+    if rank == 1:
+        if same_dim(cv.meta(mask).shape[0], batch) is False:
+            raise cv.unsupported(f"a mask_index of {list(cv.meta(mask).shape)} (key lengths [B] are supported, "
+                                 f"start and end positions [2B] are not)")
+        lengths = reshape_to(cv, cv.emit("cast", mask, dtype="i64"), (-1, 1, 1, 1))
+        keep = cv.emit("less", reshape_to(cv, cv.arange(keys), (1, 1, 1, -1)), lengths)
+    elif rank in (2, 3):
+        keep = cv.emit("greater", mask, np.zeros((), dtype(cv.meta(mask).dtype).numpy))
+        keep = reshape_to(cv, keep, (batch, 1, 1 if rank == 2 else rows, keys))
+    else:
+        raise cv.unsupported(f"a {rank}-D mask_index")
+    return cv.emit("where", keep, np.float32(0.0), fill)
+
+
+@onnx_op("Attention", domain=MS)
+def attention(cv, n):
+    """Multi-head self-attention of input @ weights + bias split into q, k, v (qkv_hidden_sizes, else
+    thirds); softmax(q k^T * scale + masks) v, heads joined. Past and present key/values are refused."""
+    x, weights, bias, mask = n.inputs[0], n.inputs[1], n.input(2), n.input(3)
+    if n.input(4) is not None or n.n_outputs > 1:
+        raise cv.unsupported("past or present key/values (only self-attention without a cache is supported)")
+    if n.attr("do_rotary", 0):
+        raise cv.unsupported("Attention with do_rotary")
+    heads = int(n.attr("num_heads"))
+    width = cv.meta(weights).shape[1]
+    sizes = [int(s) for s in n.attr("qkv_hidden_sizes") or [width // 3] * 3]
+    batch, rows = cv.meta(x).shape[:2]
+    qkv = biased(cv, nn.matrix_product(cv, x, weights, transposed=False), bias)
+    q, k, v = cv.emit("split", qkv, sizes=tuple(sizes), axis=2)
+
+    def by_heads(t, size):
+        return cv.emit("permute", reshape_to(cv, t, (batch, rows, heads, size // heads)), perm=(0, 2, 1, 3))
+
+    additive = key_mask(cv, n, mask, batch, rows, rows) if mask is not None else None
+    extra = n.input(5)
+    if extra is not None:
+        additive = extra if additive is None else cv.emit("add", additive, extra)
+    scale = n.attr("scale")
+    y = cv.emit("sdpa", by_heads(q, sizes[0]), by_heads(k, sizes[1]), by_heads(v, sizes[2]), additive,
+                causal=bool(n.attr("unidirectional", 0)), scale=None if not scale else float(scale))
+    return reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, sizes[2]))
