@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -26,6 +28,32 @@ def cmd_backends(args) -> int:
         details = ", ".join(f"{k}={' '.join(v) if isinstance(v, list) else v}" for k, v in info.items() if k != "available")
         print(f"{name:10s} {state:12s} {details}")
     return 0
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (a timeout of -1 s or a budget of NaN GiB is an error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def add_budget_args(parser) -> None:
+    """What one graph run may compute (ir.plan.RunBudget); past it, a clear error before anything is allocated."""
+    parser.add_argument("--max-tensor-bytes", type=positive_int, default=None,
+                        help="most bytes of any one tensor a graph run computes (default: 1 GiB)")
+    parser.add_argument("--max-output-bytes", type=positive_int, default=None,
+                        help="most bytes of a graph run's outputs together (default: 1 GiB)")
+
+
+def run_budget(args):
+    """The RunBudget the --max-*-bytes flags give (the default where none is)."""
+    from soma_runtime.engine.graph import DEFAULT_BUDGET
+    given = {"tensor_bytes": args.max_tensor_bytes, "output_bytes": args.max_output_bytes}
+    return dataclasses.replace(DEFAULT_BUDGET, **{name: value for name, value in given.items() if value is not None})
 
 
 def positive_int(text: str) -> int:
@@ -170,7 +198,7 @@ def run_graph(model, args) -> int:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
         raise RequestError(f"--output-dir {args.output_dir}: cannot make the directory ({e.strerror or e})") from None
-    outputs = model.run(read_inputs(args.input or []))
+    outputs = model.run(read_inputs(args.input or []), run_budget(args))
     for name, value in outputs.items():
         path = os.path.join(args.output_dir, re.sub(r"[^\w.-]", "_", name) + ".npy")
         try:
@@ -262,12 +290,14 @@ def cmd_serve(args) -> int:
         raise RequestError(f"--models-dir {args.models_dir}: not a directory")
     budget = int(args.memory_budget * 2**30) if args.memory_budget else None
     limits = {"max_body_bytes": args.max_body_bytes, "head_seconds": args.header_timeout, "body_seconds": args.body_timeout}
-    policy = Policy(api_key=args.api_key or os.environ.get("SOMA_API_KEY") or None,
+    hosts = tuple(h.strip() for h in ",".join(args.allowed_hosts or []).split(",") if h.strip())
+    policy = Policy(api_key=args.api_key or os.environ.get("SOMA_API_KEY") or None, allowed_hosts=hosts,
                     **{name: value for name, value in limits.items() if value is not None})
     origins = tuple(o.strip() for o in ",".join(args.allowed_origins or []).split(",") if o.strip())
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
-          args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers, tensor_parallel=args.tensor_parallel)
+          args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers, tensor_parallel=args.tensor_parallel,
+          run_budget=run_budget(args))
     return 0
 
 
@@ -328,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--input", "-i", action="append", default=None, metavar="NAME=FILE.npy|FILE.npz",
                    help="a graph model's input (repeatable)")
     r.add_argument("--output-dir", default=None, help="where a graph model's outputs are written, one NAME.npy each")
+    add_budget_args(r)
     add_generation_args(r)
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (implies --chat)")
@@ -396,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together per model")
     srv.add_argument("--step-tokens", type=positive_int, default=256, help="most rows (decode + prompt chunks) per batched step")
     srv.add_argument("--max-queue", type=positive_int, default=256, help="queued requests per model before answering 503")
-    srv.add_argument("--memory-budget", type=float, default=None, help="GiB the loaded models may take (default: 80%% of RAM)")
+    srv.add_argument("--memory-budget", type=positive_float, default=None,
+                     help="GiB the loaded models may take (default: 80%% of RAM)")
     srv.add_argument("--sha256", action="append", type=sha256_arg, default=None,
                      help="the sha256 of a --model (repeatable: the n-th checks the n-th --model)")
     srv.add_argument("--api-key", default=None,
@@ -404,13 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-model-management", action="store_true",
                      help="allow POST /v1/models/load and DELETE /v1/models/{id} (needs --models-dir)")
     srv.add_argument("--models-dir", default=None, help="the only directory POST /v1/models/load loads from")
+    srv.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST]",
+                     help="Host names answered besides localhost, 127.0.0.1 and [::1] ('*': any); a loopback bind answers "
+                          "only those (DNS rebinding), other binds and --uds any name unless this is given")
+    add_budget_args(srv)
     srv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN]",
                      help="browser origins CORS lets call the API (default: none)")
     srv.add_argument("--max-body-bytes", type=positive_int, default=None,
                      help="largest request body accepted (default: 4 MiB; larger ones get 413)")
-    srv.add_argument("--header-timeout", type=float, default=None,
+    srv.add_argument("--header-timeout", type=positive_float, default=None,
                      help="seconds a request's line and headers may take to arrive (default: 10)")
-    srv.add_argument("--body-timeout", type=float, default=None, help="seconds a request's body may take to arrive (default: 30)")
+    srv.add_argument("--body-timeout", type=positive_float, default=None,
+                     help="seconds a request's body may take to arrive (default: 30)")
     srv.add_argument("--max-connections", type=positive_int, default=1024,
                      help="open connections served at once before answering 503")
     srv.set_defaults(run=cmd_serve)

@@ -44,23 +44,27 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
           threads: int | None = None, max_queue: int = 256, backend: str = "auto", sha256: list[str] = (),
           policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
           max_connections: int = 1024, draft: str | None = None, overflow: str | None = None,
-          kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1) -> None:
+          kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1,
+          run_budget=None) -> None:
     """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
     SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from. `draft`: speculative
     decoding for the text models (Runtime.speculate); `overflow`: what they do with prompts beyond their
     context (TextModel); `kv_dtype`: their KV cache's type, `gpu_layers`: how many of their layers run on the
-    device, `tensor_parallel`: over how many processes (GPUs) each is split (Runtime.load)."""
+    device, `tensor_parallel`: over how many processes (GPUs) each is split (Runtime.load); `run_budget`: what
+    one /v1/run may compute (ir.plan.RunBudget; engine.graph.DEFAULT_BUDGET if None)."""
     import functools
 
     import uvicorn
 
     from soma_runtime.api import Runtime
+    from soma_runtime.memory import map_large_blocks
     from soma_runtime.server.app import create_app
     from soma_runtime.server.registry import ModelRegistry
     from soma_runtime.server.security import GuardedH11, Policy
 
     policy = policy or Policy()
     check_listen(port, uds, max_connections)
+    map_large_blocks()                      # what a request held goes back to the OS when it ends
     registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx, draft,
                             overflow, kv_dtype, gpu_layers, tensor_parallel)
     sources = models or ["default"]
@@ -69,7 +73,8 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     for arg, digest in itertools.zip_longest(sources, sha256):
         model_id, source = parse_model_arg(arg)
         registry.load(None if source == "default" else source, model_id, sha256=digest)
-    app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds))
+    app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds),
+                     run_budget=run_budget)
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,
                             access_log=False, http=functools.partial(GuardedH11, head_seconds=policy.head_seconds),
                             limit_concurrency=max_connections)

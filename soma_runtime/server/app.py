@@ -10,7 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from soma_runtime.engine.graph import DEFAULT_BUDGET
 from soma_runtime.errors import SomaError
+from soma_runtime.ir.plan import RunBudget
 from soma_runtime.server import openai
 from soma_runtime.server.http import ServerState
 from soma_runtime.server.metrics import ServerMetrics
@@ -52,11 +54,12 @@ class Counted:
 
 
 def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | None = None, allowed_origins: tuple[str, ...] = (),
-               models_dir: str | None = None, hosts: frozenset[str] | None = None):
+               models_dir: str | None = None, hosts: frozenset[str] | None = None, run_budget: RunBudget | None = None):
     """The server's ASGI app. Model management (load, unload) is on only with a `models_dir`, whose
     models are the only ones it loads; CORS answers only `allowed_origins` (default: none); requests
-    naming a Host other than a loopback one or one of `hosts` are refused (Policy.hosts; None: any)."""
-    state = ServerState(registry, ServerMetrics(), max_queue, models_dir)
+    naming a Host other than a loopback one or one of `hosts` are refused (Policy.hosts; None: any); a graph
+    run may compute what `run_budget` allows (engine.graph.DEFAULT_BUDGET if None)."""
+    state = ServerState(registry, ServerMetrics(), max_queue, models_dir, run_budget or DEFAULT_BUDGET)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from soma_runtime.errors import PromptTooLong, RequestError, SomaError
+from soma_runtime.ir.plan import RunBudget
 from soma_runtime.server import openai
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelNotFound, ModelRegistry, OutOfMemory, Served
@@ -32,6 +33,7 @@ class ServerState:
     metrics: ServerMetrics
     max_queue: int
     models_dir: str | None
+    run_budget: RunBudget                 # what one graph run may compute
 
     def model(self, model_id: str, task: str, use: str) -> Served:
         """The served model `model_id`, which must run `task` (RequestError naming the route to `use`)."""

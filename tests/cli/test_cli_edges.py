@@ -107,6 +107,31 @@ def test_a_graph_runs_into_its_output_dir(sqrt_onnx, tmp_path, capsys):
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "y.npy"), [1, 2, 3])
 
 
+def test_a_graph_run_past_its_output_budget_writes_nothing(sqrt_onnx, tmp_path, capsys):
+    model, x = sqrt_onnx
+    assert cli.main(["run", "--model", model, "--input", x, "--output-dir", str(tmp_path / "out"),
+                     "--max-output-bytes", "8"]) == 1
+    assert "past the 8 they may have" in one_error_line(capsys) and not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("flag, value", [("--header-timeout", "-1"), ("--body-timeout", "-5"), ("--memory-budget", "nan"),
+                                         ("--memory-budget", "inf"), ("--max-tensor-bytes", "0"), ("--max-output-bytes", "-1")])
+def test_serve_refuses_a_limit_that_would_refuse_every_request(monkeypatch, capsys, flag, value):
+    monkeypatch.setattr("soma_runtime.server.serve", lambda *a, **k: pytest.fail("serve started"))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", flag, value])
+    assert stopped.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_serve_passes_allowed_hosts_and_the_run_budget(monkeypatch):
+    started = {}
+    monkeypatch.setattr("soma_runtime.server.serve", lambda *a, **k: started.update(k, policy=a[12]))
+    assert cli.main(["serve", "--allowed-hosts", "a.example, b.example", "--allowed-hosts", "c.example",
+                     "--max-tensor-bytes", "4096"]) == 0
+    assert started["policy"].allowed_hosts == ("a.example", "b.example", "c.example")
+    assert started["run_budget"].tensor_bytes == 4096 and started["run_budget"].output_bytes == 1 << 30
+
+
 def test_an_empty_draft_is_refused_before_any_model_loads(monkeypatch, capsys):
     from soma_runtime import loaders
 

@@ -55,7 +55,7 @@ def test_a_body_past_the_limit_is_413(tight, smol):
     assert status == 413 and str(LIMIT) in error["error"]["message"]
     body = json.dumps(big).encode()
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 8192]), body[i:i + 8192]) for i in range(0, len(body), 8192))
-    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                                  b"Transfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 413")
     still_serving(tight, smol)
@@ -63,13 +63,13 @@ def test_a_body_past_the_limit_is_413(tight, smol):
 
 def test_a_head_that_never_finishes_is_cut_off(tight, smol):
     start = time.monotonic()
-    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
     assert reply == b"" and time.monotonic() - start < 8              # closed by the server, not by our timeout
     still_serving(tight, smol)
 
 
 def test_a_body_that_never_finishes_is_408(tight, smol):
-    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    reply = exchange(tight.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: 5000\r\n\r\n{\"model\": ")
     assert reply.startswith(b"HTTP/1.1 408")
     still_serving(tight, smol)
@@ -90,7 +90,7 @@ def whole_response(s: socket.socket) -> bytes:
 def test_a_keep_alive_connection_that_stalls_mid_head_is_cut_off(tight):
     with socket.create_connection(("127.0.0.1", tight.port)) as s:
         s.settimeout(10)
-        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert whole_response(s).startswith(b"HTTP/1.1 200")
         s.sendall(b"GET /v1/health HTTP/1.1\r\nHo")                   # the next request stalls
         start = time.monotonic()
@@ -156,7 +156,7 @@ def test_a_non_streaming_client_that_leaves_stops_its_generation(server, smol):
     body = json.dumps({**CHAT, "max_tokens": 2000, "messages": [{"role": "user", "content": "Tell a very long story."}],
                        "stop": ["never-said"]})
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         deadline = time.time() + 60
         while server.metric("soma_generated_tokens_total") < generated + 5 and time.time() < deadline:

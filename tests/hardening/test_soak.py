@@ -91,7 +91,7 @@ def wrong_type(port, rng, expected):
 def vanishing(port, rng, expected):
     body = json.dumps({**completion(rng.choice(PROMPTS), True), "max_tokens": 200}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=300) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         received = b""
         while b"data:" not in received:
@@ -101,7 +101,7 @@ def vanishing(port, rng, expected):
 
 def stalling(port, rng, expected):
     """Half a request, then silence: the server must cut it off (a 408 for a body, a close for a head)."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head[: rng.randrange(10, len(head))])
         received = b""

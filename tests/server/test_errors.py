@@ -51,7 +51,7 @@ def test_a_client_that_disconnects_frees_its_pages(server, smol):
     messages = [{"role": "user", "content": "Tell a long story."}]
     body = json.dumps({**CHAT, "max_tokens": 400, "stream": True, "messages": messages})
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         received = b""
         while b"data:" not in received:           # headers, then the first event: it is streaming; now vanish

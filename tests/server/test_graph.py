@@ -69,3 +69,17 @@ def test_an_onnx_file_is_served_on_v1_run_as_onnxruntime_runs_it():
         None, {"input": chunk, "state": state, "sr": np.array(16000, np.int64)})
     np.testing.assert_allclose(np.array(r.json()["outputs"]["output"], np.float32), want[0], atol=1e-5)
     np.testing.assert_allclose(np.array(r.json()["outputs"]["stateN"], np.float32), want[1], atol=1e-5)
+
+
+def test_a_run_past_the_servers_budget_is_a_400_before_it_computes():
+    from soma_runtime.ir.builder import GraphBuilder
+    from soma_runtime.ir.plan import RunBudget
+    g = GraphBuilder()
+    x = g.input("x", ("N", 16), "f32")
+    registry = ModelRegistry(Runtime("cpu"), memory_budget=2**30)
+    registry.load(g.output(g.gelu(x)), "gelu")
+    with TestClient(create_app(registry, run_budget=RunBudget(tensor_bytes=1024))) as c:
+        small, large = ([[0.5] * 16] * rows for rows in (16, 17))        # 16 rows of f32: 1024 bytes
+        assert c.post("/v1/run", json={"model": "gelu", "inputs": {"x": small}}).status_code == 200
+        r = c.post("/v1/run", json={"model": "gelu", "inputs": {"x": large}})
+        assert r.status_code == 400 and "past the 1024 a tensor may have" in r.json()["error"]["message"], r.text

@@ -117,7 +117,7 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
                     yield sse({**head, "choices": [delta]})
         except Exception as exc:              # headers are gone: the error travels as the last event
             log.exception("generation failed mid-stream")
-            yield sse(openai.error_body(str(exc), "server_error"))
+            yield sse(openai.error_body(state.scrub(str(exc)), "server_error"))
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": openai.usage(gen.prompt_tokens, sum(c.tokens for c in choices),
                                                                     gen.cached_tokens)})

@@ -6,6 +6,7 @@ of at most CHUNK_VALUES numbers (json.dumps holds the GIL for the whole of one c
 leaves the event loop free; an answer holds at most ANSWER_VALUES numbers."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -16,11 +17,13 @@ from starlette.concurrency import run_in_threadpool
 
 from soma_runtime.dtypes import DTYPES
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.plan import RunBudget
 from soma_runtime.server.http import ServerState, parse
 from soma_runtime.server.registry import Served
 from soma_runtime.server.routes.encode import locked
 
 ANSWER_VALUES = 1 << 21          # numbers one answer may hold (its JSON is at most ~25 bytes a number)
+WIDEST_VALUE = 8                 # bytes of a number in the widest dtype an output may have
 CHUNK_VALUES = 1 << 14           # numbers encoded by one json.dumps call (a few milliseconds of the GIL)
 
 
@@ -71,9 +74,11 @@ def encoded(value: np.ndarray) -> Iterator[str]:
     yield "]"
 
 
-def answer(served: Served, inputs: dict) -> bytes:
-    """The run's answer as JSON (in a worker thread): RequestError past ANSWER_VALUES numbers."""
-    outputs = locked(served, served.model.run, arrays(served.model, inputs))
+def answer(served: Served, inputs: dict, budget: RunBudget) -> bytes:
+    """The run's answer as JSON (in a worker thread): RequestError past ANSWER_VALUES numbers (outputs of more
+    bytes than the widest such answer are refused before they are computed)."""
+    budget = dataclasses.replace(budget, output_bytes=min(budget.output_bytes, ANSWER_VALUES * WIDEST_VALUE))
+    outputs = locked(served, served.model.run, arrays(served.model, inputs), budget)
     count = sum(int(v.size) for v in outputs.values())
     if count > ANSWER_VALUES:
         raise RequestError(f"the outputs hold {count} numbers, past the {ANSWER_VALUES} an answer may hold")
@@ -92,6 +97,6 @@ def router(state: ServerState) -> APIRouter:
     async def run(request: Request):
         body = await parse(request, RunRequest)
         served = state.model(body.model, "graph", "texts are generated on /v1/completions, encoded on /v1/embeddings")
-        return Response(await run_in_threadpool(answer, served, body.inputs), media_type="application/json")
+        return Response(await run_in_threadpool(answer, served, body.inputs, state.run_budget), media_type="application/json")
 
     return routes
