@@ -15,7 +15,7 @@ from soma_runtime.api import Runtime
 ort = pytest.importorskip("onnxruntime")
 rng = np.random.default_rng(53)
 TYPES = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8,
-         np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int32): TensorProto.INT32}
+         np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int64): TensorProto.INT64}
 
 
 def graph_model(nodes, inputs: dict, weights: dict, outputs: list[str], opset=21, ms_opset=None) -> onnx.ModelProto:
@@ -282,3 +282,33 @@ def test_onnxruntime_transformers_optimizer_output_for_a_bert_agrees_with_onnxru
         mask[1, length - 2:] = 0
         feeds = {"input_ids": rng.integers(0, 100, (batch, length)).astype(np.int64), "attention_mask": mask}
         np.testing.assert_allclose(model.run(feeds)["hidden"], session.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("rank,interleaved,partial,offset", [(3, 0, False, False), (3, 1, True, False), (4, 0, True, True),
+                                                             (4, 1, False, True)])
+def test_rotary_embedding_matches_onnxruntime(tmp_path, rank, interleaved, partial, offset):
+    b, s, heads, head = 2, 5, 3, 8
+    width = 4 if partial else head
+    x = f32(b, s, heads * head) if rank == 3 else f32(b, heads, s, head)
+    positions = np.array([3], np.int64) if offset else rng.integers(0, 16, (b, s)).astype(np.int64)
+    angles = np.arange(16)[:, None] * rng.uniform(0.1, 1, width // 2)[None]
+    weights = {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+    attrs = {"num_heads": heads, "rotary_embedding_dim": width} if partial else {}
+    model = contrib("RotaryEmbedding", {"x": x, "positions": positions}, weights, interleaved=interleaved, **attrs)
+    (ours,), (theirs,) = both(model, {"x": x, "positions": positions}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_rank,cross", [(0, False), (1, True), (2, False), (2, True)])
+def test_multi_head_attention_matches_onnxruntime(tmp_path, mask_rank, cross):
+    b, s, length, hidden, heads = 2, 4, 6 if cross else 4, 16, 2
+    inputs = {"q": f32(b, s, hidden), "k": f32(b, length, hidden), "v": f32(b, length, hidden)}
+    if mask_rank == 1:
+        inputs["mask"] = np.array([length, 2], np.int32)
+    elif mask_rank == 2:
+        inputs["mask"] = rng.integers(0, 2, (b, length)).astype(np.int32)
+        inputs["mask"][:, 0] = 1
+    model = contrib("MultiHeadAttention", inputs, {"bias": f32(3 * hidden)}, order=["q", "k", "v", "bias", "mask"],
+                    num_heads=heads)
+    (ours,), (theirs,) = both(model, inputs, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)

@@ -212,3 +212,97 @@ def attention(cv, n):
     y = cv.emit("sdpa", by_heads(q, sizes[0]), by_heads(k, sizes[1]), by_heads(v, sizes[2]), additive,
                 causal=bool(n.attr("unidirectional", 0)), scale=None if not scale else float(scale))
     return reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, sizes[2]))
+
+
+def rotated(cv, x, cos, sin, interleaved: bool):
+    """x's last axis rotated by the angles whose cos and sin (half its width) broadcast over it: halves
+    (x1, x2) or, `interleaved`, even and odd lanes, each pair (x1 cos - x2 sin, x1 sin + x2 cos)."""
+    rank, width = cv.meta(x).ndim, cv.meta(x).shape[-1]
+    half = width // 2
+    if interleaved:
+        x1 = cv.emit("slice", x, axis=rank - 1, start=0, stop=width, step=2)
+        x2 = cv.emit("slice", x, axis=rank - 1, start=1, stop=width, step=2)
+    else:
+        x1 = cv.emit("slice", x, axis=rank - 1, start=0, stop=half)
+        x2 = cv.emit("slice", x, axis=rank - 1, start=half, stop=width)
+    y1 = cv.emit("sub", cv.emit("mul", x1, cos), cv.emit("mul", x2, sin))
+    y2 = cv.emit("add", cv.emit("mul", x1, sin), cv.emit("mul", x2, cos))
+    if not interleaved:
+        return cv.emit("concat", y1, y2, axis=rank - 1)
+    lead = cv.meta(y1).shape[:-1]
+    pairs = cv.emit("concat", reshape_to(cv, y1, lead + (half, 1)), reshape_to(cv, y2, lead + (half, 1)), axis=rank)
+    return reshape_to(cv, pairs, lead + (width,))
+
+
+@onnx_op("RotaryEmbedding", domain=MS)
+def rotary_embedding(cv, n):
+    """Rotary position embedding of x [B, S, hidden] or [B, N, S, H] from cos/sin caches [positions, R/2]
+    read at position_ids ([B, S], or one offset for 0..S-1); the first R lanes of each head rotated."""
+    x, positions, cos_cache, sin_cache = n.inputs[:4]
+    if n.attr("is_packed_batching", 0):
+        raise cv.unsupported("packed batching")
+    shape = cv.meta(x).shape
+    half = cv.meta(cos_cache).shape[1]
+    heads = int(n.attr("num_heads", 0))
+    if len(shape) == 3:
+        heads = heads or shape[2] // (2 * half)           # without num_heads, a head is the caches' width
+        batch, rows = shape[0], shape[1]
+        view = reshape_to(cv, x, (batch, rows, heads, shape[2] // heads))
+    elif len(shape) == 4:
+        batch, rows = shape[0], shape[2]
+        view = cv.emit("permute", x, perm=(0, 2, 1, 3))
+    else:
+        raise cv.unsupported(f"a rank {len(shape)} input (3 or 4 are supported)")
+    head = cv.meta(view).shape[3]
+    width = int(n.attr("rotary_embedding_dim", 0)) or head
+    if width != 2 * half:
+        raise cv.invalid(f"rotary_embedding_dim {width} is not twice the caches' {half}")
+    if cv.meta(positions).ndim <= 1:
+        positions = cv.emit("add", reshape_to(cv, cv.arange(rows), (1, -1)),
+                            reshape_to(cv, cv.emit("cast", positions, dtype="i64"), (1, 1)))
+    cos = reshape_to(cv, cv.emit("take", cos_cache, positions, axis=0), (-1, rows, 1, half))
+    sin = reshape_to(cv, cv.emit("take", sin_cache, positions, axis=0), (-1, rows, 1, half))
+    turned = view if width == head else cv.emit("slice", view, axis=3, start=0, stop=width)
+    turned = rotated(cv, turned, cos, sin, bool(n.attr("interleaved", 0)))
+    if width != head:
+        turned = cv.emit("concat", turned, cv.emit("slice", view, axis=3, start=width, stop=head), axis=3)
+    return reshape_to(cv, turned, shape) if len(shape) == 3 else cv.emit("permute", turned, perm=(0, 2, 1, 3))
+
+
+@onnx_op("MultiHeadAttention", domain=MS)
+def multi_head_attention(cv, n):
+    """softmax((q + bq)(k + bk)^T * scale + masks)(v + bv) over `num_heads` heads, for query [B, S, D] and
+    key, value [B, L, D] (or already split [B, N, L, H]); key_padding_mask as key lengths [B] or a raw
+    [B, L] mask; attention_bias added. Packed inputs and past key/values are refused."""
+    q, k, v, bias, mask, extra = (n.input(i) for i in range(6))
+    if k is None or v is None or cv.meta(q).ndim != 3 or n.input(6) is not None or n.n_outputs > 1:
+        raise cv.unsupported("packed q/k/v, or past or present key/values (separate q, k, v without a cache "
+                             "are supported)")
+    heads = int(n.attr("num_heads"))
+    batch, rows, width = cv.meta(q).shape
+    split = cv.meta(k).ndim == 4
+    if bias is not None:
+        v_width = cv.meta(v).shape[1] * cv.meta(v).shape[3] if split else cv.meta(v).shape[2]
+        bq, bk, bv = cv.emit("split", bias, sizes=(width, width, v_width), axis=0)
+        q = cv.emit("add", q, bq)
+        if not split:
+            k, v = cv.emit("add", k, bk), cv.emit("add", v, bv)
+        else:
+            k = cv.emit("add", k, reshape_to(cv, bk, (1, heads, 1, -1)))
+            v = cv.emit("add", v, reshape_to(cv, bv, (1, heads, 1, -1)))
+
+    def by_heads(t):
+        if cv.meta(t).ndim == 4:
+            return t
+        b, length, size = cv.meta(t).shape
+        return cv.emit("permute", reshape_to(cv, t, (b, length, heads, size // heads)), perm=(0, 2, 1, 3))
+
+    q, k, v = by_heads(q), by_heads(k), by_heads(v)
+    keys = cv.meta(k).shape[2]
+    additive = key_mask(cv, n, mask, batch, rows, keys) if mask is not None else None
+    if extra is not None:
+        additive = extra if additive is None else cv.emit("add", additive, extra)
+    scale = n.attr("scale")
+    y = cv.emit("sdpa", q, k, v, additive, causal=bool(n.attr("unidirectional", 0)),
+                scale=None if not scale else float(scale))
+    return reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, cv.meta(y).shape[1] * cv.meta(y).shape[3]))
