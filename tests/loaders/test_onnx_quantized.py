@@ -312,3 +312,38 @@ def test_multi_head_attention_matches_onnxruntime(tmp_path, mask_rank, cross):
                     num_heads=heads)
     (ours,), (theirs,) = both(model, inputs, tmp_path)
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("past,rotary,packed", [(0, False, False), (0, True, True), (5, True, False), (5, False, True)])
+def test_group_query_attention_and_its_present_match_onnxruntime(tmp_path, past, rotary, packed):
+    b, s, heads, kv_heads, head = 2, 1 if past else 3, 4, 2, 16          # onnxruntime: a past takes one new token
+    inputs = {}
+    if packed:
+        inputs["q"] = f32(b, s, (heads + 2 * kv_heads) * head)
+    else:
+        inputs |= {"q": f32(b, s, heads * head), "k": f32(b, s, kv_heads * head), "v": f32(b, s, kv_heads * head)}
+    inputs |= {"past_k": f32(b, kv_heads, past, head), "past_v": f32(b, kv_heads, past, head),
+               "seqlens": np.full(b, past + s - 1, np.int32), "total": np.array(past + s, np.int32)}
+    angles = np.arange(32)[:, None] * rng.uniform(0.1, 1, head // 2)[None]
+    weights = {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)} if rotary else {}
+    model = contrib("GroupQueryAttention", inputs, weights, outputs=("y", "present_k", "present_v"),
+                    order=["q", "k", "v", "past_k", "past_v", "seqlens", "total", "cos", "sin"], num_heads=heads,
+                    kv_num_heads=kv_heads, do_rotary=int(rotary))
+    ours, theirs = both(model, inputs, tmp_path)
+    for a, r in zip(ours, theirs):
+        np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-5)
+
+
+def test_group_query_attention_over_a_right_padded_first_prompt_matches_onnxruntime(tmp_path):
+    b, s, heads, kv_heads, head = 2, 4, 4, 2, 16
+    inputs = {"q": f32(b, s, heads * head), "k": f32(b, s, kv_heads * head), "v": f32(b, s, kv_heads * head),
+              "past_k": f32(b, kv_heads, 0, head), "past_v": f32(b, kv_heads, 0, head),
+              "seqlens": np.array([3, 1], np.int32), "total": np.array(s, np.int32)}
+    angles = np.arange(32)[:, None] * rng.uniform(0.1, 1, head // 2)[None]
+    weights = {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+    model = contrib("GroupQueryAttention", inputs, weights, outputs=("y", "present_k", "present_v"),
+                    order=["q", "k", "v", "past_k", "past_v", "seqlens", "total", "cos", "sin"], num_heads=heads,
+                    kv_num_heads=kv_heads, do_rotary=1)
+    ours, theirs = both(model, inputs, tmp_path)
+    for a, r in zip(ours, theirs):
+        np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-5)

@@ -306,3 +306,61 @@ def multi_head_attention(cv, n):
     y = cv.emit("sdpa", q, k, v, additive, causal=bool(n.attr("unidirectional", 0)),
                 scale=None if not scale else float(scale))
     return reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, cv.meta(y).shape[1] * cv.meta(y).shape[3]))
+
+
+def heads_first(cv, t, heads: int):
+    b, rows, width = cv.meta(t).shape
+    return cv.emit("permute", reshape_to(cv, t, (b, rows, heads, width // heads)), perm=(0, 2, 1, 3))
+
+
+@onnx_op("GroupQueryAttention", domain=MS)
+def group_query_attention(cv, n):
+    """Causal attention of `num_heads` query heads over `kv_num_heads` key/value heads, the new keys and
+    values appended to the past ones (present = past + new). Batch b's keys are its first seqlens_k[b] + 1;
+    its queries sit at the end of those (the first prompt, without a past: at the start), where rotary
+    embeddings (do_rotary) read the caches. Packed q/k/v split first."""
+    q, k, v, past_k, past_v, seqlens = (n.input(i) for i in range(6))
+    cos_cache, sin_cache, positions = n.input(7), n.input(8), n.input(9)
+    for i, what in ((10, "attention_bias"), (11, "head_sink")):
+        if n.input(i) is not None:
+            raise cv.unsupported(f"a {what} input")
+    if n.attr("smooth_softmax", 0) or n.attr("softcap", 0.0) or n.attr("local_window_size", -1) not in (-1, 0):
+        raise cv.unsupported("smooth softmax, softcap or a local window")
+    if n.n_outputs > 3:
+        raise cv.unsupported("the output_qk output")
+    heads, kv_heads = int(n.attr("num_heads")), int(n.attr("kv_num_heads"))
+    batch, rows, width = cv.meta(q).shape
+    if k is None:
+        size = width // (heads + 2 * kv_heads)
+        q, k, v = cv.emit("split", q, sizes=(heads * size, kv_heads * size, kv_heads * size), axis=2)
+    q, k, v = heads_first(cv, q, heads), heads_first(cv, k, kv_heads), heads_first(cv, v, kv_heads)
+    first_prompt = past_k is None or cv.meta(past_k).shape[2] == 0
+    lengths = reshape_to(cv, cv.emit("add", cv.emit("cast", seqlens, dtype="i64"), np.array(1, np.int64)), (-1, 1, 1, 1))
+    start = np.zeros((1, 1, 1, 1), np.int64) if first_prompt else cv.emit("sub", lengths, np.array(rows, np.int64))
+    query_at = cv.emit("add", start, reshape_to(cv, cv.arange(rows), (1, 1, -1, 1)))            # [B, 1, S, 1]
+    if n.attr("do_rotary", 0):
+        if positions is None:
+            positions = reshape_to(cv, query_at, (-1, rows))
+        half = cv.meta(cos_cache).shape[1]
+        cos = reshape_to(cv, cv.emit("take", cos_cache, positions, axis=0), (-1, 1, rows, half))
+        sin = reshape_to(cv, cv.emit("take", sin_cache, positions, axis=0), (-1, 1, rows, half))
+        interleaved = bool(n.attr("rotary_interleaved", 0))
+        head = cv.meta(q).shape[3]
+
+        def turned(t):
+            if 2 * half == head:
+                return rotated(cv, t, cos, sin, interleaved)
+            part = rotated(cv, cv.emit("slice", t, axis=3, start=0, stop=2 * half), cos, sin, interleaved)
+            return cv.emit("concat", part, cv.emit("slice", t, axis=3, start=2 * half, stop=head), axis=3)
+        q, k = turned(q), turned(k)
+    if not first_prompt:
+        k, v = cv.emit("concat", past_k, k, axis=2), cv.emit("concat", past_v, v, axis=2)
+    keys = cv.meta(k).shape[2]
+    key_at = reshape_to(cv, cv.arange(keys), (1, 1, 1, -1))
+    keep = cv.emit("logical_and", cv.emit("less_equal", key_at, query_at), cv.emit("less", key_at, lengths))
+    additive = cv.emit("where", keep, np.float32(0.0), np.float32(-np.inf))
+    scale = n.attr("scale")
+    y = cv.emit("sdpa", q, k, v, cv.emit("cast", additive, dtype=cv.meta(q).dtype) if cv.meta(q).dtype != "f32" else additive,
+                scale=None if not scale else float(scale))
+    y = reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, heads * cv.meta(y).shape[3]))
+    return [y, k, v][:n.n_outputs]
