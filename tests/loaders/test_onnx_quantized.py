@@ -347,3 +347,70 @@ def test_group_query_attention_over_a_right_padded_first_prompt_matches_onnxrunt
     ours, theirs = both(model, inputs, tmp_path)
     for a, r in zip(ours, theirs):
         np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-5)
+
+
+def quantized_pair(x_zero=128, y_zero=100):
+    return {"xs": np.array(0.05, np.float32), "xz": np.array(x_zero, np.uint8), "ys": np.array(0.03, np.float32),
+            "yz": np.array(y_zero, np.uint8)}
+
+
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+def test_qlinear_add_and_mul_match_onnxruntime(tmp_path, op):
+    a, b = u8(2, 3, 5), u8(5)
+    weights = {"as": np.array(0.02, np.float32), "az": np.array(120, np.uint8), "b": b, "bs": np.array(0.04, np.float32),
+               "bz": np.array(10, np.uint8), "cs": np.array(0.05, np.float32), "cz": np.array(128, np.uint8)}
+    (ours,), (theirs,) = both(contrib(op, {"a": a}, weights), {"a": a}, tmp_path)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1 and (ours == theirs).mean() > 0.95
+
+
+@pytest.mark.parametrize("op", ["QLinearSigmoid", "QLinearLeakyRelu", "QLinearGlobalAveragePool"])
+def test_qlinear_activations_and_pool_match_onnxruntime(tmp_path, op):
+    x = u8(2, 4, 5, 6)
+    (ours,), (theirs,) = both(contrib(op, {"x": x}, quantized_pair(), order=["x", "xs", "xz", "ys", "yz"]), {"x": x}, tmp_path)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1 and (ours == theirs).mean() > 0.95
+
+
+def test_qlinear_concat_matches_onnxruntime(tmp_path):
+    a, b = u8(2, 3), u8(2, 4)
+    weights = {"ys": np.array(0.05, np.float32), "yz": np.array(128, np.uint8), "as": np.array(0.02, np.float32),
+               "az": np.array(120, np.uint8), "bs": np.array(0.07, np.float32), "bz": np.array(3, np.uint8)}
+    model = contrib("QLinearConcat", {"a": a, "b": b}, weights, order=["ys", "yz", "a", "as", "az", "b", "bs", "bz"], axis=1)
+    (ours,), (theirs,) = both(model, {"a": a, "b": b}, tmp_path)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1 and (ours == theirs).mean() > 0.95
+
+
+@pytest.mark.parametrize("quantized_out", [False, True])
+def test_qgemm_matches_onnxruntime(tmp_path, quantized_out):
+    a, b = u8(3, 300), i8(7, 300)
+    weights = {"as": np.array(0.02, np.float32), "az": np.array(120, np.uint8), "b": b,
+               "bs": rng.uniform(0.001, 0.01, 7).astype(np.float32), "bz": np.zeros(7, np.int8),
+               "c": rng.integers(-5000, 5000, 7).astype(np.int32)}
+    if quantized_out:
+        weights |= {"ys": np.array(0.3, np.float32), "yz": np.array(100, np.uint8)}
+    model = contrib("QGemm", {"a": a}, weights, order=["a", "as", "az", "b", "bs", "bz", "c", "ys", "yz"], transB=1, alpha=0.5)
+    (ours,), (theirs,) = both(model, {"a": a}, tmp_path)
+    if quantized_out:
+        assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1 and (ours == theirs).mean() > 0.95
+    else:
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_static_qoperator_output_of_a_torch_cnn_agrees_with_onnxruntime(tmp_path):
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    source, quantized = str(tmp_path / "float.onnx"), str(tmp_path / "qop.onnx")
+    small_cnn_onnx(source)
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantization.quantize_static(source, quantized, Calibration(), quant_format=quantization.QuantFormat.QOperator)
+    ops = {n.op_type for n in onnx.load(quantized).graph.node}
+    assert {"QLinearConv", "QGemm", "QLinearGlobalAveragePool"} <= ops
+    x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    ours = Runtime("cpu").load(quantized).run({"x": x})["y"]
+    theirs = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=2e-2 * np.abs(theirs).max())

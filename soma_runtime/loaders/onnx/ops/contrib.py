@@ -1,6 +1,7 @@
 """onnxruntime's contrib ops (the com.microsoft domain, and the few it registers in ai.onnx) that its own
-tools write: the gelus, the embedding, skip and simplified layer norms, MatMulNBits, FusedConv, Attention. Each as
-onnxruntime's ContribOperators.md defines it, in the IR's ops; it must not know onnxruntime's kernels."""
+tools write: the gelus, the embedding, skip and simplified layer norms, MatMulNBits, FusedConv, the attentions
+and rotary embeddings, and the QOperator format's quantized ops (QGemm, QLinearAdd, ...). Each as onnxruntime's
+ContribOperators.md defines it, in the IR's ops; it must not know onnxruntime's kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ from soma_runtime.ir.graph import same_dim
 from soma_runtime.loaders.onnx.ops import nn
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
+from soma_runtime.loaders.onnx.ops.quantize import as_f32, centered, integer_product, requantized, saturated
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 MS = "com.microsoft"
@@ -364,3 +366,89 @@ def group_query_attention(cv, n):
                 scale=None if not scale else float(scale))
     y = reshape_to(cv, cv.emit("permute", y, perm=(0, 2, 1, 3)), (batch, rows, heads * cv.meta(y).shape[3]))
     return [y, k, v][:n.n_outputs]
+
+
+# --- quantized operators (what quantize_static writes in its QOperator format) -----------------
+
+def dequantized(cv, x, scale, zero):
+    """(x - zero) * scale in f32."""
+    return cv.emit("mul", centered(cv, x, zero), as_f32(cv, scale))
+
+
+def requantize(cv, y, scale, zero, like):
+    """f32 y as `like`'s integer type: y / scale rounded half to even, plus the zero point, saturated."""
+    return requantized_float(cv, cv.emit("div", y, as_f32(cv, scale)), zero, cv.meta(like).dtype)
+
+
+def requantized_float(cv, y, zero, target):
+    y = cv.emit("round", y)
+    if zero is not None:
+        y = cv.emit("add", y, as_f32(cv, zero))
+    return saturated(cv, y, target)
+
+
+@onnx_op("QGemm", domain=MS)
+def qgemm(cv, n):
+    """alpha * (A - za)(B - zb) * a_scale * b_scale (+ C, an i32 bias at that scale): f32 out, or quantized
+    to y_scale and y_zero_point where they are given."""
+    a, a_scale, a_zero, b, b_scale, b_zero, c, y_scale, y_zero = (n.input(i) for i in range(9))
+    if n.attr("transA", 0):
+        a = cv.emit("permute", a, perm=(1, 0))
+    if n.attr("transB", 0):
+        b = cv.emit("permute", b, perm=(1, 0))
+    acc = integer_product(cv, a, a_zero, b, b_zero)
+    if c is not None:
+        acc = cv.emit("add", acc, cv.emit("cast", c, dtype="i32"))
+    scale = cv.emit("mul", cv.emit("mul", as_f32(cv, a_scale), as_f32(cv, b_scale)), np.float32(n.attr("alpha", 1.0)))
+    if y_scale is None:
+        return cv.emit("mul", cv.emit("cast", acc, dtype="f32"), scale)
+    return requantized(cv, acc, cv.emit("div", scale, as_f32(cv, y_scale)), y_zero, cv.meta(y_zero).dtype
+                       if y_zero is not None else cv.meta(a).dtype)
+
+
+@onnx_op("QLinearGlobalAveragePool", domain=MS)
+def qlinear_global_average_pool(cv, n):
+    """The mean over each channel's image of x - x_zero, requantized at x_scale / y_scale."""
+    x, x_scale, x_zero, y_scale, y_zero = n.inputs[:5]
+    rank = cv.meta(x).ndim
+    axes = tuple(range(1, rank - 1)) if n.attr("channels_last", 0) else tuple(range(2, rank))
+    size = 1
+    for a in axes:
+        size = size * cv.meta(x).shape[a]
+    total = cv.emit("reduce_sum", centered(cv, x, x_zero), axes=axes, keepdims=True)
+    scale = cv.emit("div", as_f32(cv, x_scale), cv.emit("mul", as_f32(cv, y_scale),
+                                                         cv.emit("cast", np.array(size, np.int64), dtype="f32")))
+    return requantized_float(cv, cv.emit("mul", total, scale), y_zero, cv.meta(x).dtype)
+
+
+@onnx_op("QLinearAdd", "QLinearMul", domain=MS)
+def qlinear_binary(cv, n):
+    a, a_scale, a_zero, b, b_scale, b_zero, c_scale, c_zero = (n.input(i) for i in range(8))
+    sa, sb, sc = as_f32(cv, a_scale), as_f32(cv, b_scale), as_f32(cv, c_scale)
+    if n.op_type == "QLinearMul":
+        y = cv.emit("mul", cv.emit("mul", centered(cv, a, a_zero), centered(cv, b, b_zero)),
+                    cv.emit("div", cv.emit("mul", sa, sb), sc))
+    else:
+        y = cv.emit("add", cv.emit("mul", centered(cv, a, a_zero), cv.emit("div", sa, sc)),
+                    cv.emit("mul", centered(cv, b, b_zero), cv.emit("div", sb, sc)))
+    return requantized_float(cv, y, c_zero, cv.meta(a).dtype)
+
+
+@onnx_op("QLinearSigmoid", "QLinearLeakyRelu", domain=MS)
+def qlinear_activation(cv, n):
+    x, x_scale, x_zero, y_scale, y_zero = (n.input(i) for i in range(5))
+    y = dequantized(cv, x, x_scale, x_zero)
+    if n.op_type == "QLinearSigmoid":
+        y = cv.emit("sigmoid", y)
+    else:
+        y = cv.emit("leaky_relu", y, negative_slope=float(n.attr("alpha", 0.01)))
+    return requantize(cv, y, y_scale, y_zero, x)
+
+
+@onnx_op("QLinearConcat", domain=MS)
+def qlinear_concat(cv, n):
+    """Each (x, scale, zero point) requantized to y's scale and zero point, joined along `axis`."""
+    y_scale, y_zero = n.inputs[:2]
+    parts = [requantize(cv, dequantized(cv, *n.inputs[i:i + 3]), y_scale, y_zero, n.inputs[i])
+             for i in range(2, len(n.inputs), 3)]
+    return cv.emit("concat", *parts, axis=cv.axis(n.attr("axis"), cv.meta(parts[0]).ndim))
