@@ -414,3 +414,38 @@ def test_quantize_static_qoperator_output_of_a_torch_cnn_agrees_with_onnxruntime
     ours = Runtime("cpu").load(quantized).run({"x": x})["y"]
     theirs = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=2e-2 * np.abs(theirs).max())
+
+
+def test_matmul_integer_to_float_and_dynamic_quantize_matmul_match_onnxruntime(tmp_path):
+    a, q = f32(3, 4, 300), u8(3, 4, 300)
+    weights = {"b": i8(300, 6), "bs": rng.uniform(0.001, 0.01, 6).astype(np.float32), "bz": np.zeros(6, np.int8),
+               "bias": f32(6)}
+    model = contrib("DynamicQuantizeMatMul", {"a": a}, weights, order=["a", "b", "bs", "bz", "bias"])
+    (ours,), (theirs,) = both(model, {"a": a}, tmp_path)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())
+    weights |= {"as": np.array(0.02, np.float32), "az": np.array(120, np.uint8)}
+    model = contrib("MatMulIntegerToFloat", {"q": q}, weights, order=["q", "b", "as", "bs", "az", "bz", "bias"])
+    (ours,), (theirs,) = both(model, {"q": q}, tmp_path, "to_float.onnx")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_models_onnxruntime_optimized_and_saved_agree_with_onnxruntime(tmp_path, quantized):
+    """What an onnxruntime session writes as its optimized model: FusedConv and FusedGemm for the float CNN,
+    DynamicQuantizeMatMul for its dynamically quantized variant."""
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    source, optimized = str(tmp_path / "float.onnx"), str(tmp_path / "optimized.onnx")
+    small_cnn_onnx(source)
+    if quantized:
+        quantization.quantize_dynamic(source, str(tmp_path / "dynamic.onnx"))
+        source = str(tmp_path / "dynamic.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = optimized
+    ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(optimized).graph.node}
+    assert ({"DynamicQuantizeMatMul"} if quantized else {"FusedConv", "FusedGemm"}) <= ops
+    x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    ours = Runtime("cpu").load(optimized).run({"x": x})["y"]
+    theirs = ort.InferenceSession(optimized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())

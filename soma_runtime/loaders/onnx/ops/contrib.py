@@ -11,7 +11,8 @@ from soma_runtime.ir.graph import same_dim
 from soma_runtime.loaders.onnx.ops import nn
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
-from soma_runtime.loaders.onnx.ops.quantize import as_f32, centered, integer_product, requantized, saturated
+from soma_runtime.loaders.onnx.ops.quantize import (as_f32, centered, dynamically_quantized, integer_product, requantized,
+                                                   saturated)
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 MS = "com.microsoft"
@@ -452,3 +453,39 @@ def qlinear_concat(cv, n):
     parts = [requantize(cv, dequantized(cv, *n.inputs[i:i + 3]), y_scale, y_zero, n.inputs[i])
              for i in range(2, len(n.inputs), 3)]
     return cv.emit("concat", *parts, axis=cv.axis(n.attr("axis"), cv.meta(parts[0]).ndim))
+
+
+def integer_product_to_float(cv, a, a_scale, a_zero, b, b_scale, b_zero, bias):
+    """(A - za)(B - zb) exactly, then * a_scale * b_scale (b's per column where given) + bias, in f32."""
+    acc = cv.emit("cast", integer_product(cv, a, a_zero, b, b_zero), dtype="f32")
+    y = cv.emit("mul", acc, cv.emit("mul", as_f32(cv, a_scale), as_f32(cv, b_scale)))
+    return biased(cv, y, bias)
+
+
+@onnx_op("MatMulIntegerToFloat", domain=MS)
+def matmul_integer_to_float(cv, n):
+    a, b, a_scale, b_scale, a_zero, b_zero, bias = (n.input(i) for i in range(7))
+    return integer_product_to_float(cv, a, a_scale, a_zero, b, b_scale, b_zero, bias)
+
+
+@onnx_op("DynamicQuantizeMatMul", domain=MS)
+def dynamic_quantize_matmul(cv, n):
+    """A quantized to u8 as DynamicQuantizeLinear does, then MatMulIntegerToFloat with B."""
+    a, b, b_scale, b_zero, bias = (n.input(i) for i in range(5))
+    q, a_scale, a_zero = dynamically_quantized(cv, a)
+    return integer_product_to_float(cv, q, a_scale, a_zero, b, b_scale, b_zero, bias)
+
+
+@onnx_op("FusedGemm", domain=MS)
+def fused_gemm(cv, n):
+    """activation(Gemm), the activation's parameters from activation_alpha / activation_beta."""
+    activation = n.attr("activation", "")
+    if activation and activation not in ACTIVATIONS:
+        raise cv.unsupported(f"FusedGemm's activation {activation!r}")
+    y = nn.gemm(cv, n)
+    if not activation:
+        return y
+    defaults = {"LeakyRelu": (0.01,), "HardSigmoid": (0.2, 0.5)}.get(activation, ())
+    params = [n.attr("activation_alpha", defaults[0] if defaults else None), n.attr("activation_beta", defaults[1]
+                                                                                    if len(defaults) > 1 else None)]
+    return ACTIVATIONS[activation](cv, y, [p for p in params if p is not None])

@@ -149,8 +149,12 @@ def qlinear_matmul(cv, n):
 
 @onnx_op("DynamicQuantizeLinear")
 def dynamic_quantize_linear(cv, n):
+    return dynamically_quantized(cv, n.inputs[0])
+
+
+def dynamically_quantized(cv, x):
     """x to u8 over [min(x, 0), max(x, 0)]: scale (max - min) / 255, zero point round(-min / scale) saturated."""
-    x = as_f32(cv, n.inputs[0])
+    x = as_f32(cv, x)
     rank = cv.meta(x).ndim
     axes = tuple(range(rank))
     zero = np.array(0.0, np.float32)
