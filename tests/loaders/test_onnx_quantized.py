@@ -248,12 +248,10 @@ def test_attention_with_each_mask_form_matches_onnxruntime(tmp_path, mask_rank, 
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-5)
 
 
-def test_onnxruntime_transformers_optimizer_output_for_a_bert_agrees_with_onnxruntime(tmp_path):
-    """The optimizer fuses a tiny random BERT into EmbedLayerNormalization, Attention (key lengths as its
-    mask), BiasGelu and SkipLayerNormalization; two batch and sequence sizes, one row padded."""
+def tiny_bert_onnx(path: str) -> None:
+    """A tiny random BERT (2 layers, hidden 32) exported by torch with dynamic batch and sequence axes."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")
@@ -267,16 +265,37 @@ def test_onnxruntime_transformers_optimizer_output_for_a_bert_agrees_with_onnxru
         def forward(self, ids, mask):
             return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
 
-    source, fused = str(tmp_path / "bert.onnx"), str(tmp_path / "bert_fused.onnx")
     axes = {0: "batch", 1: "sequence"}
-    torch.onnx.export(Encoder(), (torch.randint(0, 100, (2, 9)), torch.ones(2, 9, dtype=torch.int64)), source,
+    torch.onnx.export(Encoder(), (torch.randint(0, 100, (2, 9)), torch.ones(2, 9, dtype=torch.int64)), path,
                       input_names=["input_ids", "attention_mask"], output_names=["hidden"],
                       dynamic_axes={"input_ids": axes, "attention_mask": axes}, opset_version=17, dynamo=False)
-    optimizer.optimize_model(source, model_type="bert", num_heads=4, hidden_size=32, opt_level=0).save_model_to_file(fused)
-    ops = {n.op_type for n in onnx.load(fused).graph.node}
-    assert {"EmbedLayerNormalization", "Attention", "BiasGelu", "SkipLayerNormalization"} <= ops
-    model = Runtime("cpu").load(fused)
-    session = ort.InferenceSession(fused, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("fused,quantized", [(True, False), (True, True), (False, True)])
+def test_onnxruntime_transformers_optimizer_and_quantization_outputs_for_a_bert_agree_with_onnxruntime(tmp_path, fused,
+                                                                                                     quantized):
+    """The optimizer fuses a tiny random BERT into EmbedLayerNormalization, Attention (key lengths as its
+    mask), BiasGelu and SkipLayerNormalization; quantize_dynamic makes those QEmbedLayerNormalization and
+    QAttention (or, unfused, MatMulInteger). Two batch and sequence sizes, one row padded."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    path = str(tmp_path / "bert.onnx")
+    tiny_bert_onnx(path)
+    if fused:
+        optimizer.optimize_model(path, model_type="bert", num_heads=4, hidden_size=32, opt_level=0).save_model_to_file(
+            str(tmp_path / "fused.onnx"))
+        path = str(tmp_path / "fused.onnx")
+    if quantized:
+        quantization.quantize_dynamic(path, str(tmp_path / "dynamic.onnx"),
+                                      extra_options={"DefaultTensorType": TensorProto.FLOAT})
+        path = str(tmp_path / "dynamic.onnx")
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    wanted = {"SkipLayerNormalization", "BiasGelu"} if fused else set()
+    wanted |= ({"QEmbedLayerNormalization", "QAttention"} if fused else {"MatMulInteger"}) if quantized else \
+        {"EmbedLayerNormalization", "Attention"}
+    assert wanted <= ops
+    model = Runtime("cpu").load(path)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     for batch, length in ((2, 9), (3, 5)):
         mask = np.ones((batch, length), np.int64)
         mask[1, length - 2:] = 0

@@ -149,8 +149,10 @@ def matmul_nbits(cv, n):
 def embed_layer_norm(cv, n):
     """layernorm(word[ids] + position[position ids, else 0..S-1] + segment[segment ids]) * gamma + beta;
     outputs y, the mask's count of kept tokens per row (mask_index), and the embeddings' sum."""
-    ids, segments, word, position, segment, gamma, beta = (n.input(i) for i in range(7))
-    mask, positions = n.input(7), n.input(8)
+    return embedded(cv, n, *(n.input(i) for i in range(9)))
+
+
+def embedded(cv, n, ids, segments, word, position, segment, gamma, beta, mask, positions):
     if n.attr("mask_index_type", 1) != 1:
         raise cv.unsupported(f"mask_index_type {n.attr('mask_index_type')} (1 is supported)")
     total = cv.emit("take", word, ids, axis=0)
@@ -197,18 +199,21 @@ def attention(cv, n):
         raise cv.unsupported("past or present key/values (only self-attention without a cache is supported)")
     if n.attr("do_rotary", 0):
         raise cv.unsupported("Attention with do_rotary")
-    heads = int(n.attr("num_heads"))
-    width = cv.meta(weights).shape[1]
-    sizes = [int(s) for s in n.attr("qkv_hidden_sizes") or [width // 3] * 3]
-    batch, rows = cv.meta(x).shape[:2]
     qkv = biased(cv, nn.matrix_product(cv, x, weights, transposed=False), bias)
+    return attended(cv, n, qkv, mask, n.input(5))
+
+
+def attended(cv, n, qkv, mask, extra):
+    """Attention's heads over qkv [B, S, q + k + v widths]."""
+    heads = int(n.attr("num_heads"))
+    batch, rows, width = cv.meta(qkv).shape
+    sizes = [int(s) for s in n.attr("qkv_hidden_sizes") or [width // 3] * 3]
     q, k, v = cv.emit("split", qkv, sizes=tuple(sizes), axis=2)
 
     def by_heads(t, size):
         return cv.emit("permute", reshape_to(cv, t, (batch, rows, heads, size // heads)), perm=(0, 2, 1, 3))
 
     additive = key_mask(cv, n, mask, batch, rows, rows) if mask is not None else None
-    extra = n.input(5)
     if extra is not None:
         additive = extra if additive is None else cv.emit("add", additive, extra)
     scale = n.attr("scale")
@@ -489,3 +494,21 @@ def fused_gemm(cv, n):
     params = [n.attr("activation_alpha", defaults[0] if defaults else None), n.attr("activation_beta", defaults[1]
                                                                                     if len(defaults) > 1 else None)]
     return ACTIVATIONS[activation](cv, y, [p for p in params if p is not None])
+
+
+@onnx_op("QEmbedLayerNormalization", domain=MS)
+def qembed_layer_norm(cv, n):
+    """EmbedLayerNormalization over its tables and norm weights dequantized (scales at 8-12, zero points 13-17)."""
+    tables = [None if n.input(i) is None else dequantized(cv, n.input(i), n.input(i + 6), n.input(i + 11))
+              for i in range(2, 7)]
+    return embedded(cv, n, n.input(0), n.input(1), *tables, n.input(7), None)
+
+
+@onnx_op("QAttention", domain=MS)
+def qattention(cv, n):
+    """Attention whose input @ weights is the exact integer product at input_scale * weight_scale, + bias."""
+    x, weights, bias, x_scale, w_scale, mask, x_zero, w_zero = (n.input(i) for i in range(8))
+    if n.input(8) is not None or n.n_outputs > 1:
+        raise cv.unsupported("past or present key/values (only self-attention without a cache is supported)")
+    qkv = integer_product_to_float(cv, x, x_scale, x_zero, weights, w_scale, w_zero, bias)
+    return attended(cv, n, qkv, mask, None)
