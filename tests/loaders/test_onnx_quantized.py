@@ -468,3 +468,22 @@ def test_models_onnxruntime_optimized_and_saved_agree_with_onnxruntime(tmp_path,
     ours = Runtime("cpu").load(optimized).run({"x": x})["y"]
     theirs = ort.InferenceSession(optimized, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("axis,block", [(None, 0), (1, 0), (0, 4), (1, 3)])
+def test_quantize_and_dequantize_linear_per_tensor_axis_and_block_match_onnxruntime(tmp_path, axis, block):
+    x = (f32(6, 9) * 4).astype(np.float32)
+    if axis is None:
+        scale, zero = np.array(0.05, np.float32), np.array(7, np.int8)
+    else:
+        shape = [6, 9]
+        shape[axis] = -(-shape[axis] // block) if block else shape[axis]
+        shape = shape if block else [shape[axis]]
+        scale = rng.uniform(0.02, 0.1, shape).astype(np.float32)
+        zero = rng.integers(-5, 5, shape).astype(np.int8)
+    attrs = {} if axis is None else {"axis": axis} | ({"block_size": block} if block else {})
+    nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"], **attrs),
+             helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"], **attrs)]
+    (q, y), (rq, ry) = both(graph_model(nodes, {"x": x}, {"scale": scale, "zero": zero}, ["q", "y"]), {"x": x}, tmp_path)
+    np.testing.assert_array_equal(q, rq)
+    np.testing.assert_allclose(y, ry, rtol=1e-6)
