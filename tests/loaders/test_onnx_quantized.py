@@ -203,7 +203,8 @@ def test_fused_conv_with_activation_and_sum_matches_onnxruntime(tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits,block,zeros", [(4, 32, False), (4, 16, True), (4, 128, True), (8, 64, False), (8, 32, True)])
+@pytest.mark.parametrize("bits,block,zeros", [(4, 32, False), (4, 16, True), (4, 128, True), (8, 64, False), (8, 32, True),
+                                             (4, 32, "float")])
 def test_matmul_nbits_matches_onnxruntime(tmp_path, bits, block, zeros):
     k, n = 200, 24                                    # K not a multiple of the block: the last block padded
     blocks = -(-k // block)
@@ -211,7 +212,9 @@ def test_matmul_nbits_matches_onnxruntime(tmp_path, bits, block, zeros):
     per_byte = 8 // bits
     packed = sum(q[..., i::per_byte] << (bits * i) for i in range(per_byte)).astype(np.uint8)
     weights = {"w": packed, "scales": rng.uniform(0.01, 0.1, n * blocks).astype(np.float32)}
-    if zeros:
+    if zeros == "float":
+        weights["zeros"] = rng.uniform(0, (1 << bits) - 1, n * blocks).astype(np.float32)
+    elif zeros:
         z = rng.integers(0, 1 << bits, (n, blocks + (-blocks) % per_byte)).astype(np.uint8)
         weights["zeros"] = sum(z[:, i::per_byte] << (bits * i) for i in range(per_byte)).astype(np.uint8).reshape(-1)
     weights["bias"] = f32(n)

@@ -119,7 +119,8 @@ def unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
 @onnx_op("MatMulNBits", domain=MS)
 def matmul_nbits(cv, n):
     """A @ W.T + bias for W [N, K] stored as `bits`-bit integers in blocks of `block_size` along K, each
-    block (q - zero point) * its scale; the zero point 2^(bits-1) where none is given. Dequantized at load."""
+    block (q - zero point) * its scale (zero points packed like q, or floats; 2^(bits-1) where none are given).
+    Dequantized at load."""
     a, packed, scales, zeros = n.inputs[0], n.inputs[1], n.inputs[2], n.input(3)
     bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
     k, rows = int(n.attr("K")), int(n.attr("N"))
@@ -135,9 +136,12 @@ def matmul_nbits(cv, n):
         zero = np.float32(1 << (bits - 1))
     else:
         zeros = cv.known(zeros, "zero points")
-        if zeros.dtype != np.uint8:
-            raise cv.unsupported(f"{zeros.dtype} zero points (packed uint8 ones are supported)")
-        zero = unpacked(zeros.reshape(rows, -1), bits)[:, :blocks].astype(np.float32)[..., None]
+        if zeros.dtype == np.uint8:
+            zero = unpacked(zeros.reshape(rows, -1), bits)[:, :blocks].astype(np.float32)[..., None]
+        elif zeros.dtype.kind == "f":
+            zero = zeros.astype(np.float32).reshape(rows, blocks, 1)
+        else:
+            raise cv.unsupported(f"{zeros.dtype} zero points (packed uint8 or float ones are supported)")
     w = ((q - zero) * scales.reshape(rows, blocks, 1)).reshape(rows, -1)[:, :k]
     y = cv.emit("matmul", cv.emit("cast", a, dtype="f32") if cv.meta(a).dtype != "f32" else a,
                 np.ascontiguousarray(w), transpose_b=True)
