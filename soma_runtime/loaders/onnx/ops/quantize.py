@@ -71,21 +71,21 @@ def centered(cv, x, zero):
 
 
 def magnitude(cv, x, zero) -> np.ndarray | int:
-    """The largest |x - zero| x's type allows (or, x known, the values themselves)."""
-    z = 0 if zero is None or not isinstance(zero, np.ndarray) else zero.astype(np.int64)
-    if isinstance(x, np.ndarray):
+    """The largest |x - zero| x's type allows (or, x and zero known, the values themselves)."""
+    known = zero is None or isinstance(zero, np.ndarray)
+    z = zero.astype(np.int64) if isinstance(zero, np.ndarray) else np.int64(0)
+    if isinstance(x, np.ndarray) and known:
         return np.abs(x.astype(np.int64) - z)
     info = np.iinfo(dtype(cv.meta(x).dtype).numpy)
-    if isinstance(zero, np.ndarray) or zero is None:
-        return int(np.max(np.maximum(info.max - np.asarray(z), np.asarray(z) - info.min)))
+    if known:
+        return int(np.max(np.maximum(info.max - z, z - info.min)))
     return int(info.max) - int(info.min)
 
 
 def chunk_length(cv, a, a_zero, b, b_zero, k: int) -> int:
     """The most terms of the inner axis whose sum of |a| * |b| stays an exact f32 integer: from b's values
     where b is known (weights), else from both types' ranges."""
-    top = magnitude(cv, a, a_zero)
-    top = int(np.max(top)) if isinstance(top, np.ndarray) and top.size else int(np.max(top, initial=0))
+    top = int(np.max(magnitude(cv, a, a_zero), initial=0))
     bound = magnitude(cv, b, b_zero.reshape(-1) if isinstance(b_zero, np.ndarray) and b_zero.ndim == 1 else b_zero)
     if not isinstance(bound, np.ndarray):
         return max(1, (EXACT_F32 - 1) // max(1, top * bound))
@@ -169,8 +169,7 @@ def dynamically_quantized(cv, x):
 
 def channel_chunk(cv, x, x_zero, w, w_zero) -> int:
     """The most input channels of a group whose products (with the kernel's taps) sum exactly in f32."""
-    top = magnitude(cv, x, x_zero)
-    top = int(np.max(top, initial=0))
+    top = int(np.max(magnitude(cv, x, x_zero), initial=0))
     bound = magnitude(cv, w, w_zero)
     channels = cv.meta(w).shape[1]
     taps = product(cv.meta(w).shape[2:])
