@@ -37,6 +37,12 @@ def both(model: onnx.ModelProto, inputs: dict, tmp_path, name="model.onnx") -> t
     return [ours[o.name] for o in model.graph.output], theirs
 
 
+def save_model(model: onnx.ModelProto, directory, name: str) -> str:
+    path = os.path.join(directory, name)
+    onnx.save(model, path)
+    return path
+
+
 def u8(*shape):
     return rng.integers(0, 256, shape).astype(np.uint8)
 
@@ -488,5 +494,32 @@ def test_quantize_and_dequantize_linear_per_tensor_axis_and_block_match_onnxrunt
     nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"], **attrs),
              helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"], **attrs)]
     (q, y), (rq, ry) = both(graph_model(nodes, {"x": x}, {"scale": scale, "zero": zero}, ["q", "y"]), {"x": x}, tmp_path)
+    np.testing.assert_array_equal(q, rq)
+    np.testing.assert_allclose(y, ry, rtol=1e-6)
+
+
+def test_gemm_fast_gelu_and_bias_add_match_onnxruntime(tmp_path):
+    """onnxruntime runs these two only on GPUs: GemmFastGelu is compared with the MatMul and FastGelu it fuses."""
+    x, skip = f32(2, 3, 16), f32(2, 3, 16)
+    weights = {"w": f32(16, 24), "bias": f32(24)}
+    ours = Runtime("cpu").load(save_model(contrib("GemmFastGelu", {"x": x}, weights), tmp_path, "fused.onnx")).run({"x": x})
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("FastGelu", ["xw", "bias"], ["y"], domain="com.microsoft")]
+    (theirs,) = ort.InferenceSession(save_model(graph_model(nodes, {"x": x}, weights, ["y"], opset=17, ms_opset=1), tmp_path,
+                                                "unfused.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(ours["y"], theirs, rtol=1e-3, atol=1e-5)
+    bias = f32(16)                                    # BiasAdd too: the sum it fuses, in numpy
+    model = contrib("BiasAdd", {"x": x, "skip": skip}, {"bias": bias}, order=["x", "bias", "skip"])
+    ours = Runtime("cpu").load(save_model(model, tmp_path, "bias_add.onnx")).run({"x": x, "skip": skip})["y"]
+    np.testing.assert_allclose(ours, x + bias + skip, rtol=1e-6)
+
+
+def test_com_microsoft_quantize_and_dequantize_linear_match_onnxruntime(tmp_path):
+    x = f32(4, 6) * 3
+    weights = {"scale": rng.uniform(0.01, 0.1, 6).astype(np.float32), "zero": rng.integers(0, 9, 6).astype(np.uint8)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"], domain="com.microsoft", axis=1),
+             helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"], domain="com.microsoft", axis=1)]
+    model = graph_model(nodes, {"x": x}, weights, ["q", "y"], opset=17, ms_opset=1)
+    (q, y), (rq, ry) = both(model, {"x": x}, tmp_path)
     np.testing.assert_array_equal(q, rq)
     np.testing.assert_allclose(y, ry, rtol=1e-6)

@@ -8,7 +8,7 @@ import numpy as np
 
 from soma_runtime.dtypes import dtype
 from soma_runtime.ir.graph import same_dim
-from soma_runtime.loaders.onnx.ops import nn
+from soma_runtime.loaders.onnx.ops import nn, quantize
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
 from soma_runtime.loaders.onnx.ops.quantize import (as_f32, centered, dynamically_quantized, integer_product, requantized,
@@ -516,3 +516,20 @@ def qattention(cv, n):
         raise cv.unsupported("past or present key/values (only self-attention without a cache is supported)")
     qkv = integer_product_to_float(cv, x, x_scale, x_zero, weights, w_scale, w_zero, bias)
     return attended(cv, n, qkv, mask, None)
+
+
+onnx_op("QuantizeLinear", domain=MS)(quantize.quantize_linear)         # as ai.onnx's (16-bit types written here
+onnx_op("DequantizeLinear", domain=MS)(quantize.dequantize_linear)     # before ai.onnx had them)
+
+
+@onnx_op("GemmFastGelu", domain=MS)
+def gemm_fast_gelu(cv, n):
+    """FastGelu(x @ w + bias)."""
+    y = biased(cv, nn.matrix_product(cv, n.inputs[0], n.inputs[1], transposed=False), n.input(2))
+    return cv.emit("gelu", y, approximate="tanh")
+
+
+@onnx_op("BiasAdd", domain=MS)
+def bias_add(cv, n):
+    """x + bias + skip."""
+    return cv.emit("add", cv.emit("add", n.inputs[0], n.inputs[1]), n.inputs[2])
