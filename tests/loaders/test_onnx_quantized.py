@@ -236,7 +236,8 @@ def test_an_unknown_contrib_op_names_node_op_domain_and_opset(tmp_path):
     path = os.path.join(tmp_path, "m.onnx")
     onnx.save(contrib("NoSuchFusedOp", {"x": x}, {}), path)
     from soma_runtime.errors import UnsupportedModelError
-    with pytest.raises(UnsupportedModelError, match=r"node 'NoSuchFusedOp' \(NoSuchFusedOp, opset 1\).*com\.microsoft\.NoSuchFusedOp"):
+    named = r"node 'NoSuchFusedOp' \(NoSuchFusedOp, opset 1\).*com\.microsoft\.NoSuchFusedOp"
+    with pytest.raises(UnsupportedModelError, match=named):
         Runtime("cpu").load(path).run({"x": x})
 
 

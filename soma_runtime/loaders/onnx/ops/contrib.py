@@ -11,8 +11,14 @@ from soma_runtime.ir.graph import same_dim
 from soma_runtime.loaders.onnx.ops import nn, quantize
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
-from soma_runtime.loaders.onnx.ops.quantize import (as_f32, centered, dynamically_quantized, integer_product, requantized,
-                                                   saturated)
+from soma_runtime.loaders.onnx.ops.quantize import (
+    as_f32,
+    centered,
+    dynamically_quantized,
+    integer_product,
+    requantized,
+    saturated,
+)
 from soma_runtime.loaders.onnx.ops.table import onnx_op
 
 MS = "com.microsoft"
