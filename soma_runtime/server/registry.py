@@ -13,7 +13,6 @@ requests it holds before it is dropped. An unloaded model likewise drains before
 """
 from __future__ import annotations
 
-import gc
 import logging
 import numbers
 import os
@@ -26,7 +25,7 @@ from soma_runtime.api import Model, Runtime, TextModel
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.graph import Graph
-from soma_runtime.memory import give_back_freed
+from soma_runtime.memory import give_back_freed, settle_heap
 from soma_runtime.server.security import check_model_id, safe_model_id
 
 log = logging.getLogger("soma_runtime.server")
@@ -67,7 +66,7 @@ class Served:
             self.model.close()
             done(self)
             self.drained.set()
-            gc.collect()                    # the model's cycles (plans, graphs) go now, not at some later collection
+            settle_heap()                   # the model's cycles (plans, graphs) go now, not at some later collection
             give_back_freed()
         threading.Thread(target=drain, name=f"drain-{self.id}", daemon=True).start()
 
@@ -161,6 +160,7 @@ class ModelRegistry:
                     log.info("hot-swapped %s: new requests go to the new one; the old one drains", model_id)
                     self._retire(old)
             log.info("loaded %s from %s (%.1f MB, priority %d)", model_id, served.source, size / 1e6, priority)
+            settle_heap()
             return served
 
     def _make_room(self, model: Model, priority: int, keep: str) -> None:
