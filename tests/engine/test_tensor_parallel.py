@@ -107,8 +107,8 @@ def test_a_rank_that_dies_fails_the_next_step_with_a_typed_error(runtime, famili
 def test_what_cannot_be_split_says_why(runtime, families):
     with pytest.raises(ParallelError, match="4 kv heads cannot be shared by 8 ranks"):
         runtime.load(families["llama"][0], tensor_parallel=8, **EXACT)
-    for bad in (0, "2"):
-        with pytest.raises(ParallelError, match="whole number of ranks"):
+    for bad in (0, "2"):                                # refused at the API's edge, before any rank starts
+        with pytest.raises(RequestError, match="tensor_parallel must be an integer >= 1"):
             runtime.load(families["llama"][0], tensor_parallel=bad, **EXACT)
     g = GraphBuilder()
     graph = g.output(g.relu(g.input("x", (2,), "f32")))
