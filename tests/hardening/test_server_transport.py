@@ -32,17 +32,18 @@ SERVE = ("import json, sys\nfrom soma_runtime.server import serve\nfrom soma_run
 
 
 def onnx_model(path: str, node: str, output_shape: list) -> str:
-    """A one-node graph of x (float, N values)."""
+    """A one-node graph of x (float, N values), its output y declared float."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])
-    y = helper.make_tensor_value_info("y", TensorProto.INT64 if node == "Shape" else TensorProto.FLOAT, output_shape)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)
     graph = helper.make_graph([helper.make_node(node, ["x"], ["y"])], node, [x], [y])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 
 
 class Server:
-    """`serve()` in a subprocess with a graph model `relu` (and `shape`, whose declared output its run
-    contradicts), stopped through its handle with SIGTERM as a user's Ctrl-C would."""
+    """`serve()` in a subprocess with a graph model `relu` (and `shape`, whose output is declared float: its
+    run, building the graph for x's size, finds it i64), stopped through its handle with SIGTERM as a user's
+    Ctrl-C would."""
 
     def __init__(self, models_dir: str, uds: str | None = None, **policy):
         self.port, self.uds = free_port(), uds

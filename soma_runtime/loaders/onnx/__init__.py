@@ -26,8 +26,9 @@ def onnx_graph(model: onnx.ModelProto, directory: str = ".", where: str = "model
     """An ONNX model as an IR graph (or a family of them); `directory` holds its external data, `where`
     names it in errors."""
     initializers = initializers_of(model, directory, where)
+    warned: set[str] = set()                 # outputs declared with other shapes than they have, warned about once
     try:
-        return Converter(model, directory, where, initializers=initializers).convert()
+        return Converter(model, directory, where, initializers=initializers, warned=warned).convert()
     except DataDependent as e:
         signature = {vi.name: declared(vi, where) for vi in model.graph.input if vi.name not in initializers}
         value_inputs = tuple(name for name, meta in signature.items() if is_small(meta))
@@ -38,7 +39,7 @@ def onnx_graph(model: onnx.ModelProto, directory: str = ".", where: str = "model
                                 f"type and rank, and {undeclared[0]!r} does not") from None
 
     def build(values: dict, shapes: dict) -> Graph:
-        return Converter(model, directory, where, values, shapes, initializers).convert()
+        return Converter(model, directory, where, values, shapes, initializers, warned).convert()
     return GraphFamily(signature, outputs, value_inputs, build)
 
 

@@ -12,9 +12,14 @@ they convert); once the tensors computed now come to FOLDED_BYTES, what would pa
 graph, to be computed per run under the run's budget (ir/plan.py); a subgraph's initializers are read
 once, however many steps of a loop convert it. Subgraphs nest at most ~30 deep: protobuf parses 100
 messages deep.
+
+An output's declared type must be what its nodes compute; its declared shape is a hint (as onnxruntime
+takes it): where the nodes give another, theirs is the output's, and a warning says so (once for each such
+output of a model, however many of its graphs are built).
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -39,6 +44,7 @@ ANY_SIZE = -1                         # a dim some exporters write for "any size
 FOLDED_BYTES = 64 << 20               # what one conversion computes at load time, all its tensors together
 ATTRIBUTE_TYPES = {int(t): t.name for t in onnx.defs.OpSchema.AttrType.__members__.values()}
 Tensor = Value | np.ndarray
+log = logging.getLogger("soma_runtime.onnx")
 
 
 @dataclass
@@ -151,12 +157,14 @@ class DataDependent(UnsupportedModelError):
 
 class Converter:
     """One conversion. A GraphFamily's member is converted for `values` (inputs taken as known) and
-    `shapes` (the inputs' sizes); `initializers`, when given, are the model's tensors read already."""
+    `shapes` (the inputs' sizes); `initializers`, when given, are the model's tensors read already;
+    `warned`, the outputs whose declared shapes a conversion of the same model has warned about."""
 
     def __init__(self, model: onnx.ModelProto, directory: str, path: str, values: dict | None = None,
-                 shapes: dict | None = None, initializers: dict | None = None):
+                 shapes: dict | None = None, initializers: dict | None = None, warned: set | None = None):
         self.model, self.directory, self.path = model, directory, path
         self.values, self.shapes, self.initializers = values or {}, shapes or {}, initializers
+        self.warned = set() if warned is None else warned
         self.builder = GraphBuilder()
         self.env: dict[str, Tensor] = {}
         self.node: OnnxNode | None = None
@@ -299,6 +307,8 @@ class Converter:
         g.tensors[new] = g.tensors.pop(old)
 
     def check_declared(self, name: str, vi) -> None:
+        """An output's declared type must be the one its nodes compute; a declared shape they contradict is
+        warned about (once per model) and theirs kept."""
         if vi is None or not vi.type.HasField("tensor_type"):
             return
         meta = self.builder.graph.tensors.get(name) or meta_of(self.builder.graph.constants[name])
@@ -307,10 +317,13 @@ class Converter:
             raise UnsupportedModelError(f"{self.path}: output {name!r} is declared {dtype_name(elem, name)}, "
                                         f"computed as {meta.dtype}")
         shape = declared_shape(vi, self.path)
-        if shape is not None and (len(shape) != meta.ndim or any(isinstance(d, int) and isinstance(m, int) and d != m
-                                                                 for d, m in zip(shape, meta.shape))):
-            raise ModelLoadError(f"{self.path}: output {name!r} is declared {list(shape)}, its nodes give "
-                                 f"{list(meta.shape)}")
+        if shape is None or name in self.warned:
+            return
+        if len(shape) != meta.ndim or any(isinstance(d, int) and isinstance(m, int) and d != m
+                                          for d, m in zip(shape, meta.shape)):
+            self.warned.add(name)
+            log.warning("%s: output %r is declared %s, its nodes give %s: it is given as they compute it",
+                        self.path, name, list(shape), list(meta.shape))
 
     # --- what handlers call ---------------------------------------------------------------------
 

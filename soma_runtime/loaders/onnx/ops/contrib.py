@@ -1,14 +1,17 @@
 """onnxruntime's contrib ops (the com.microsoft domain, and the few it registers in ai.onnx) that its own
 tools write: the gelus, the embedding, skip and simplified layer norms, MatMulNBits, FusedConv, the attentions
-and rotary embeddings, and the QOperator format's quantized ops (QGemm, QLinearAdd, ...). Each as onnxruntime's
-ContribOperators.md defines it, in the IR's ops; it must not know onnxruntime's kernels."""
+and rotary embeddings, the QOperator format's quantized ops (QGemm, QLinearAdd, ...) and DynamicQuantizeLSTM.
+Each as onnxruntime's ContribOperators.md defines it (and, where that leaves the arithmetic open, as its CPU
+kernel is written), in the IR's ops; it never calls onnxruntime."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from soma_runtime.dtypes import dtype
 from soma_runtime.ir.graph import same_dim
-from soma_runtime.loaders.onnx.ops import nn, quantize
+from soma_runtime.loaders.onnx.ops import nn, quantize, recurrent
 from soma_runtime.loaders.onnx.ops.elementwise import hard_sigmoid_of, scalar
 from soma_runtime.loaders.onnx.ops.layout import reshape_to
 from soma_runtime.loaders.onnx.ops.quantize import (
@@ -489,6 +492,55 @@ def dynamic_quantize_matmul(cv, n):
     a, b, b_scale, b_zero, bias = (n.input(i) for i in range(5))
     q, a_scale, a_zero = dynamically_quantized(cv, a)
     return integer_product_to_float(cv, q, a_scale, a_zero, b, b_scale, b_zero, bias)
+
+
+@dataclass
+class QuantizedProducts:
+    """DynamicQuantizeLSTM's products as onnxruntime's kernel computes them: W [directions, input, 4 * hidden]
+    and R [directions, hidden, 4 * hidden] in int8 or uint8, with a scale per direction or per column and a
+    zero point per direction (the first where one per column is given, as onnxruntime reads them); the left
+    side quantized to u8 as DynamicQuantizeLinear does: X once over all its steps, h at each step over the
+    whole batch (as onnxruntime does unless it splits the batch across its threads: past 4 rows, or past 1
+    where hidden <= 256); each product exact in i32, then times the two scales' product."""
+    w: object
+    w_scale: object
+    w_zero: object
+    r: object
+    r_scale: object
+    r_zero: object
+    x: tuple | None = None          # X quantized once for both directions: (u8 values, scale, zero point)
+
+    def inputs(self, cv, x, d: int):
+        """x [rows, input] @ W[d], x quantized (once)."""
+        if self.x is None:
+            self.x = dynamically_quantized(cv, x)
+        return integer_product_to_float(cv, *self.x, *self.direction(cv, self.w, self.w_scale, self.w_zero, d), None)
+
+    def states(self, cv, d: int) -> tuple:
+        """No f32 R, and the function giving h @ R[d], h quantized."""
+        r = self.direction(cv, self.r, self.r_scale, self.r_zero, d)
+        return None, lambda cv, h: integer_product_to_float(cv, *dynamically_quantized(cv, h), *r, None)
+
+    @staticmethod
+    def direction(cv, weights, scale, zero, d: int) -> tuple:
+        """Direction d's weights, scale and zero point."""
+        zero = recurrent.part(cv, zero, d)
+        return (recurrent.part(cv, weights, d), recurrent.part(cv, scale, d),
+                recurrent.part(cv, zero, 0) if cv.meta(zero).ndim else zero)
+
+
+@onnx_op("DynamicQuantizeLSTM", domain=MS)
+def dynamic_quantize_lstm(cv, n):
+    """ONNX's LSTM over quantized weights (QuantizedProducts); W, R and their scales and zero points at 1, 2
+    and 8-11."""
+    if n.input(4) is not None:
+        raise cv.unsupported("sequence_lens is not supported (onnxruntime quantizes X over the longest sequence's "
+                             "steps alone)")
+    for zero in (n.input(9), n.input(11)):
+        if isinstance(zero, np.ndarray) and zero.ndim == 2 and (zero != zero[:, :1]).any():
+            raise cv.invalid("its weights' zero points differ within a direction (one per direction is taken)")
+    products = QuantizedProducts(n.input(1), n.input(8), n.input(9), n.input(2), n.input(10), n.input(11))
+    return recurrent.lstm(cv, n, products)
 
 
 @onnx_op("FusedGemm", domain=MS)

@@ -1,9 +1,11 @@
 """ONNX's recurrent layers (RNN, GRU, LSTM), unrolled over their known sequence length: the input's
 products with W for every step in one matmul, then per step the recurrent product with R and the
 gates, as the ONNX operator definitions write them (gate orders i-o-f-c and z-r-h). Sequences shorter
-than the input (sequence_lens, from the data too) are masked step by step."""
+than the input (sequence_lens, from the data too) are masked step by step. How the inputs and the states
+meet the weights is the frame's parameter: in f32 here, quantized for contrib.py's DynamicQuantizeLSTM."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +23,28 @@ ACTIVATIONS = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Relu": "relu"}
 class Layer:
     """One direction's view of a recurrent node: its weights, biases, peepholes and initial states."""
     x_w: object             # X @ W.T + Wb + Rb for every step: [seq, batch, gates * hidden]
-    r: object               # [gates * hidden, hidden]
+    r: object | None        # [gates * hidden, hidden] in f32 (None where R is quantized)
+    times_r: Callable       # (cv, h) -> h @ R.T: [batch, gates * hidden]
     r_bias: object | None   # GRU with linear_before_reset: Rb added to R's product (the h gate's scaled by r)
     peepholes: object | None
     states: list
+
+
+@dataclass
+class FloatProducts:
+    """A recurrent node's products in f32, W [directions, gates * hidden, input] and R [directions,
+    gates * hidden, hidden] as ONNX writes them."""
+    w: object
+    r: object
+
+    def inputs(self, cv, x, d: int):
+        """x [rows, input] @ W[d].T."""
+        return cv.emit("matmul", x, part(cv, self.w, d), transpose_b=True)
+
+    def states(self, cv, d: int) -> tuple:
+        """R[d] and the function giving h @ R[d].T."""
+        rd = part(cv, self.r, d)
+        return rd, lambda cv, h: cv.emit("matmul", h, rd, transpose_b=True)
 
 
 def part(cv, x, index: int, axis: int = 0):
@@ -43,11 +63,13 @@ def activation(cv, name: str, x):
     return cv.emit(ACTIVATIONS[name], x)
 
 
-def recurrent(cv, n, gates: int, n_states: int, step):
+def recurrent(cv, n, gates: int, n_states: int, step, products=None):
     """The frame every recurrent op shares: layout, directions, initial states, the unrolled steps and the
     outputs Y [seq, directions, batch, hidden] and each final state [directions, batch, hidden]. `step(cv,
-    layer, x_w_t, states, acts) -> states` computes one step of one direction (states[0] is H)."""
-    x, w, r, b = n.input(0), n.input(1), n.input(2), n.input(3)
+    layer, x_w_t, states, acts, hidden) -> states` computes one step of one direction (states[0] is H);
+    `products` (FloatProducts of W and R unless given) how the inputs and states meet the weights."""
+    x, b = n.input(0), n.input(3)
+    products = products or FloatProducts(n.input(1), n.input(2))
     lengths = n.input(4)
     layout = n.attr("layout", 0)
     if layout:
@@ -65,10 +87,11 @@ def recurrent(cv, n, gates: int, n_states: int, step):
     if n.attr("clip") is not None or n.attr("activation_alpha") or n.attr("activation_beta"):
         raise cv.unsupported("clipped cells and parametrized activations are not supported")
     initial = [n.input(5 + i) for i in range(n_states)]
+    rows = reshape_to(cv, x, (seq * batch, cv.meta(x).shape[2]))
     ys, finals = [], [[] for _ in range(n_states)]
     for d, way in enumerate(directions):
-        wd, rd = part(cv, w, d), part(cv, r, d)
-        x_w = cv.emit("matmul", reshape_to(cv, x, (seq * batch, cv.meta(x).shape[2])), wd, transpose_b=True)
+        x_w = products.inputs(cv, rows, d)
+        rd, times_r = products.states(cv, d)
         r_bias = None
         if b is not None:
             bd = part(cv, b, d)
@@ -81,8 +104,8 @@ def recurrent(cv, n, gates: int, n_states: int, step):
         states = [part(cv, s, d) if s is not None else cv.emit("expand", scalar(cv, 0, x), shape=(batch, hidden))
                   for s in initial]
         peepholes = n.input(7)
-        layer = Layer(reshape_to(cv, x_w, (seq, batch, gates * hidden)), rd, r_bias,
-                      None if peepholes is None or n.op_type != "LSTM" else part(cv, peepholes, d), states)
+        layer = Layer(reshape_to(cv, x_w, (seq, batch, gates * hidden)), rd, times_r, r_bias,
+                      None if peepholes is None else part(cv, peepholes, d), states)
         acts = names[d * per_direction:(d + 1) * per_direction] if names else None
         outputs = [None] * seq
         order = range(seq) if way == "forward" else range(seq - 1, -1, -1)
@@ -115,14 +138,14 @@ def running_at(cv, lengths, t: int, batch):
 
 def rnn_step(cv, layer, x_w, states, acts, hidden):
     (h,) = states
-    pre = cv.emit("add", x_w, cv.emit("matmul", h, layer.r, transpose_b=True))
+    pre = cv.emit("add", x_w, layer.times_r(cv, h))
     return [activation(cv, (acts or ["Tanh"])[0], pre)]
 
 
 def gru_step(cv, layer, x_w, states, acts, hidden):
     (h,) = states
     f, g = (acts or ["Sigmoid", "Tanh"])[:2]
-    h_r = cv.emit("matmul", h, layer.r, transpose_b=True)             # [batch, 3 * hidden]
+    h_r = layer.times_r(cv, h)                                        # [batch, 3 * hidden]
     if layer.r_bias is not None:                                      # linear_before_reset: Rb is in R's product
         h_r = cv.emit("add", h_r, layer.r_bias)
     z = activation(cv, f, cv.emit("add", columns(cv, x_w, 0, hidden), columns(cv, h_r, 0, hidden)))
@@ -141,7 +164,7 @@ def gru_step(cv, layer, x_w, states, acts, hidden):
 def lstm_step(cv, layer, x_w, states, acts, hidden):
     h, c = states
     f, g, out = (acts or ["Sigmoid", "Tanh", "Tanh"])[:3]
-    pre = cv.emit("add", x_w, cv.emit("matmul", h, layer.r, transpose_b=True))
+    pre = cv.emit("add", x_w, layer.times_r(cv, h))
     gate = [columns(cv, pre, i, hidden) for i in range(4)]            # i, o, f, c
     if layer.peepholes is not None:
         p = [columns(cv, layer.peepholes, i, hidden) for i in range(3)]   # i, o, f
@@ -166,7 +189,8 @@ def gru(cv, n):
 
 
 @onnx_op("LSTM")
-def lstm(cv, n):
+def lstm(cv, n, products=None):
+    """ONNX's LSTM (and, given its products, another op of the same inputs and attributes)."""
     if n.attr("input_forget", 0):
         raise cv.unsupported("input_forget (coupled input and forget gates) is not supported")
-    return recurrent(cv, n, 4, 2, lstm_step)
+    return recurrent(cv, n, 4, 2, lstm_step, products)
