@@ -37,7 +37,7 @@ from soma_runtime.loaders.onnx.functions import expand, function_of, schema_of
 from soma_runtime.loaders.onnx.ops import HANDLERS
 from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 
-OLDEST_OPSET = 7                      # before it, broadcasting was an attribute (Add's `broadcast`)
+OLDEST_OPSET = 1                      # every opset: a handler reads its op's older forms by the node's opset
 NEWEST_OPSET = onnx.defs.onnx_opset_version()
 MAX_NODES = 100_000                   # ONNX nodes converted (each unrolled step's body counted) or IR nodes built
 ANY_SIZE = -1                         # a dim some exporters write for "any size" (ONNX leaves it unnamed)

@@ -5,6 +5,7 @@ import functools
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from soma_runtime.dtypes import dtype
 from soma_runtime.loaders.onnx.ops.table import onnx_op
@@ -43,9 +44,26 @@ def in_f32(handler):
     return run
 
 
+def legacy_broadcast(cv, n, a, b):
+    """b as it broadcasts against a. Before opset 7 only where the `broadcast` attribute says so, with b's dims
+    lined up against a's from `axis` (by default, a's last dims); without it both shapes must be equal."""
+    if n.opset >= 7:
+        return b
+    rank, dims = cv.meta(a).ndim, cv.meta(b).shape
+    if not n.attr("broadcast", 0):
+        if cv.meta(a).shape != dims:
+            raise cv.invalid(f"shapes {list(cv.meta(a).shape)} and {list(dims)} differ and `broadcast` is not set")
+        return b
+    axis = rank - len(dims) if n.attr("axis") is None else cv.axis(n.attr("axis"), rank)
+    if axis + len(dims) > rank:
+        raise cv.invalid(f"{list(dims)} does not fit {list(cv.meta(a).shape)} from axis {axis}")
+    return cv.emit("reshape", b, shape=(*dims, *[1] * (rank - axis - len(dims))))
+
+
 @onnx_op(*BINARY)
 def binary(cv, n):
     a, b = n.inputs[:2]
+    b = legacy_broadcast(cv, n, a, b)
     if n.op_type == "Pow":
         b = cast_to(cv, b, a)                     # the exponent may be of another type than the base
     return cv.emit(BINARY[n.op_type], a, b)
@@ -103,6 +121,7 @@ def bit_shift(cv, n):
 @onnx_op("Xor")
 def xor(cv, n):
     a, b = n.inputs
+    b = legacy_broadcast(cv, n, a, b)
     return cv.emit("logical_and", cv.emit("logical_or", a, b), cv.emit("logical_not", cv.emit("logical_and", a, b)))
 
 
@@ -185,12 +204,14 @@ def dropout(cv, n):
         raise cv.unsupported("training-mode dropout draws a random mask: only inference is supported")
     if n.n_outputs < 2:
         return x
-    return x, cv.emit("expand", np.ones([1] * cv.meta(x).ndim, np.bool_), shape=cv.meta(x).shape)
+    kept = np.ones([1] * cv.meta(x).ndim, np.bool_ if n.opset >= 10 else dtype(cv.meta(x).dtype).numpy)
+    return x, cv.emit("expand", kept, shape=cv.meta(x).shape)        # (before opset 10, a mask of x's type)
 
 
 @onnx_op("Cast")
 def cast(cv, n):
-    x, target = n.inputs[0], dtype_name(n.attr("to"), cv.where())
+    to = n.attr("to")                      # Cast-1 names the type ("FLOAT"); later opsets give its number
+    x, target = n.inputs[0], dtype_name(TensorProto.DataType.Value(to) if isinstance(to, str) else to, cv.where())
     if isinstance(x, np.ndarray) and x.dtype == object and target not in ("i32", "i64"):
         x = cv.value(x)                   # symbolic sizes as other numbers: counted when the graph runs
     return x if cv.meta(x).dtype == target else cv.emit("cast", x, dtype=target)
@@ -339,3 +360,36 @@ def binarizer(cv, n):
     x = n.inputs[0]
     above = cv.emit("greater", x, scalar(cv, n.attr("threshold", 0.0), x))
     return cv.emit("cast", above, dtype=cv.meta(x).dtype)
+
+
+# --- the experimental ops of opset 1 that onnxruntime still runs (ONNX dropped their schemas) ---------
+
+@onnx_op("ImageScaler")
+def image_scaler(cv, n):
+    """x * scale + bias, a bias per channel of [N, C, H, W]."""
+    x, bias = n.inputs[0], n.attr("bias")
+    if bias is None or len(bias) != cv.meta(x).shape[1]:
+        raise cv.invalid(f"its bias {bias} is not one per channel of {list(cv.meta(x).shape)}")
+    bias = np.array(bias, dtype(cv.meta(x).dtype).numpy).reshape(-1, *[1] * (cv.meta(x).ndim - 2))
+    return cv.emit("add", cv.emit("mul", x, scalar(cv, n.attr("scale", 1.0), x)), bias)
+
+
+@onnx_op("Scale", "Affine")
+def affine(cv, n):
+    """Scale: x * scale; Affine: x * alpha + beta."""
+    x = n.inputs[0]
+    if n.op_type == "Scale":
+        return cv.emit("mul", x, scalar(cv, n.attr("scale", 1.0), x))
+    return cv.emit("add", cv.emit("mul", x, scalar(cv, n.attr("alpha", 1.0), x)), scalar(cv, n.attr("beta", 0.0), x))
+
+
+@onnx_op("ScaledTanh", "ParametricSoftplus")
+@in_f32
+def scaled(cv, n):
+    """alpha * f(beta * x), f tanh or softplus; both attributes required, as onnxruntime has them."""
+    x, alpha, beta = n.inputs[0], n.attr("alpha"), n.attr("beta")
+    if alpha is None or beta is None:
+        raise cv.invalid("it needs both `alpha` and `beta`")
+    inner = cv.emit("mul", x, scalar(cv, beta, x))
+    f = cv.emit("tanh", inner) if n.op_type == "ScaledTanh" else softplus_of(cv, inner)
+    return cv.emit("mul", f, scalar(cv, alpha, x))

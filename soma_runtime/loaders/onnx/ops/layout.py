@@ -130,7 +130,7 @@ def unsqueeze(cv, n):
 @onnx_op("Concat")
 def concat(cv, n):
     xs = [x for x in n.inputs if x is not None]
-    return joined(cv, xs, cv.axis(n.attr("axis"), cv.meta(xs[0]).ndim))
+    return joined(cv, xs, cv.axis(n.attr("axis", 1 if n.opset < 4 else None), cv.meta(xs[0]).ndim))
 
 
 def joined(cv, xs: list, axis: int):
@@ -147,7 +147,8 @@ def split(cv, n):
     x = n.inputs[0]
     dims = cv.meta(x).shape
     axis = cv.axis(n.attr("axis", 0), len(dims))
-    sizes = n.attr("split") if n.opset < 13 else cv.ints(n.input(1), "split sizes")
+    sizes = cv.ints(n.input(1), "split sizes") if n.opset >= 13 or n.opset == 1 and n.input(1) is not None \
+        else n.attr("split")                   # Split-1 took its sizes as an input or an attribute
     if not sizes:
         if not isinstance(dims[axis], int):
             raise SymbolicError(f"an even split of symbolic axis {dims[axis]}")
@@ -199,6 +200,21 @@ def slice_(cv, n):
     return x
 
 
+@onnx_op("Crop")
+def crop(cv, n):
+    """The experimental Crop of opset 1 (onnxruntime still runs it): [N, C, H, W] less `border` (left, top,
+    right, bottom); with `scale` (height, width), that size from the top-left corner of the border."""
+    x, border, size = n.inputs[0], n.attr("border"), n.attr("scale")
+    if border is None or len(border) != 4 or cv.meta(x).ndim != 4 or size is not None and len(size) != 2:
+        raise cv.invalid(f"a border of 4 ints (and a scale of 2) over [N, C, H, W] are needed, given {border}, {size}")
+    left, top, right, bottom = border
+    h, w = cv.meta(x).shape[2:]
+    height, width = size if size is not None else (h - top - bottom, w - left - right)
+    for axis, start, length in ((2, top, height), (3, left, width)):
+        x = cv.emit("slice", x, axis=axis, start=start, stop=start + length, step=1)
+    return x
+
+
 @onnx_op("Gather")
 def gather(cv, n):
     x, index = n.inputs
@@ -218,7 +234,13 @@ def expand(cv, n):
 
 @onnx_op("Tile")
 def tile(cv, n):
-    return cv.emit("tile", n.inputs[0], repeats=tuple(cv.ints(n.inputs[1], "repeats")))
+    """Tile-1 repeats along one axis (`tiles` times along `axis`, both inputs); Tile-6, along every axis."""
+    x = n.inputs[0]
+    if n.opset >= 6:
+        return cv.emit("tile", x, repeats=tuple(cv.ints(n.inputs[1], "repeats")))
+    repeats = [1] * cv.meta(x).ndim
+    repeats[cv.axis(cv.ints(n.inputs[2], "axis")[0], len(repeats))] = cv.ints(n.inputs[1], "tiles")[0]
+    return cv.emit("tile", x, repeats=tuple(repeats))
 
 
 @onnx_op("Range")

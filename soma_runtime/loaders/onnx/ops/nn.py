@@ -398,9 +398,13 @@ def channel_param(cv, p, rank):
 def batch_norm(cv, n):
     x, scale, bias, mean, var = n.inputs[:5]
     eps = float(n.attr("epsilon", 1e-5))
-    if not n.attr("training_mode", 0):
+    if not n.attr("training_mode", 0):          # (before opset 7, `is_test` too: inference, as ONNX's converter reads it)
         if n.n_outputs > 1:
             raise cv.unsupported("batch normalization's running statistics outside training mode")
+        if not n.attr("spatial", 1):            # before opset 9: statistics per activation, shaped as x less its batch
+            scale, bias, mean, var = (reshape_to(cv, p, (1, *cv.meta(p).shape)) for p in (scale, bias, mean, var))
+            inv = cv.emit("mul", scale, cv.emit("rsqrt", cv.emit("add", var, scalar(cv, eps, var))))
+            return cv.emit("add", cv.emit("mul", cv.emit("sub", x, mean), inv), bias)
         return cv.emit("batchnorm", x, mean, var, scale, bias, eps=eps)
     rank = cv.meta(x).ndim                      # training: this batch's statistics, and the running ones updated
     y, batch_mean, inv = normalized(cv, x, (0, *range(2, rank)), eps)

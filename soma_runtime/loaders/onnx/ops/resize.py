@@ -189,6 +189,8 @@ def resize_op(cv, n):
 
 @onnx_op("Upsample")
 def upsample(cv, n):
+    if n.opset < 7:
+        raise cv.unsupported("the experimental Upsample of opset 1 (height_scale, width_scale) is not supported")
     scales = n.attr("scales") if n.opset < 9 else floats(cv, n.inputs[1], "scales")
     return resize(cv, n, n.inputs[0], scales, None, None)
 
