@@ -59,7 +59,7 @@ def x(*shape) -> np.ndarray:
 
 
 def node(op: str, inputs, outputs=("y",), **attrs) -> onnx.NodeProto:
-    return helper.make_node(op, list(inputs), list(outputs), name=f"{op.lower()}_node", **attrs)
+    return helper.make_node(op, list(inputs), list(outputs), name=f"{op.lower()}_{outputs[0]}", **attrs)
 
 
 X = x(2, 3, 4, 5)
@@ -201,3 +201,86 @@ def test_split_1_takes_its_sizes_as_an_input():
 def test_an_old_form_the_importer_cannot_take_names_node_op_and_opset(op, opset, error, why):
     with pytest.raises(error, match=why):
         onnx_graph(model([op], {"x": X}, opset, constants={"b": B3}), ".", "legacy.onnx")
+
+
+# --- sequences ------------------------------------------------------------------------------------
+
+def i64(*values) -> np.ndarray:
+    return np.array(values[0] if len(values) == 1 else values, np.int64)
+
+
+SEQUENCES = {   # id: (nodes, outputs, initializers); x is [2, 6, 4]
+    "split into ones, at and length": (
+        [node("SplitToSequence", ["x"], ["s"], axis=1, keepdims=0), node("SequenceAt", ["s", "minus1"], ["last"]),
+         node("SequenceLength", ["s"], ["n"]), node("ConcatFromSequence", ["s"], ["y"], axis=-1, new_axis=1)],
+        ["last", "n", "y"], {"minus1": i64(-1)}),
+    "split by a chunk size, the last one shorter": (
+        [node("SplitToSequence", ["x", "four"], ["s"], axis=1), node("SequenceAt", ["s", "one"], ["tail"]),
+         node("ConcatFromSequence", ["s"], ["y"], axis=1)], ["tail", "y"], {"four": i64(4), "one": i64(1)}),
+    "split by sizes, reordered": (
+        [node("SplitToSequence", ["x", "sizes"], ["s"], axis=2), node("SequenceAt", ["s", "one"], ["b"]),
+         node("SequenceAt", ["s", "zero"], ["a"]), node("SequenceConstruct", ["b", "a", "b"], ["t"]),
+         node("ConcatFromSequence", ["t"], ["y"], axis=2)], ["y"],
+        {"sizes": i64(1, 3), "one": i64(1), "zero": i64(0)}),
+    "construct, insert, erase": (
+        [node("Relu", ["x"], ["r"]), node("SequenceConstruct", ["x", "r"], ["s"]),
+         node("SequenceInsert", ["s", "x", "one"], ["t"]), node("SequenceErase", ["t", "zero"], ["u"]),
+         node("SequenceErase", ["u"], ["v"]), node("SequenceInsert", ["v", "r"], ["w"]),
+         node("ConcatFromSequence", ["w"], ["y"], axis=0, new_axis=1), node("SequenceLength", ["w"], ["n"])],
+        ["y", "n"], {"one": i64(1), "zero": i64(0)}),
+    "empty, then appended to": (
+        [helper.make_node("SequenceEmpty", [], ["e"], dtype=TensorProto.FLOAT), node("SequenceInsert", ["e", "x"], ["s"]),
+         node("Neg", ["x"], ["m"]), node("SequenceInsert", ["s", "m", "zero"], ["t"]),
+         node("ConcatFromSequence", ["t"], ["y"], axis=1)], ["y"], {"zero": i64(0)}),
+}
+
+
+@pytest.mark.parametrize("case", SEQUENCES)
+def test_a_sequence_whose_positions_the_graph_settles_agrees_with_onnxruntime(case):
+    nodes, outputs, constants = SEQUENCES[case]
+    inputs = {"x": x(2, 6, 4)}
+    assert_agrees(model(nodes, inputs, 17, outputs, constants), inputs)
+
+
+def test_a_torchscript_export_of_a_list_agrees_with_onnxruntime_at_two_sizes(tmp_path):
+    """A list built and indexed in script: TorchScript's exporter writes SplitToSequence, a Loop appending to a
+    SequenceEmpty, ConcatFromSequence and SequenceAt for it."""
+    torch = pytest.importorskip("torch")
+
+    class Pieces(torch.nn.Module):
+        def forward(self, x):
+            parts = torch.split(x, 2, dim=1)
+            scaled = [p * (i + 1) for i, p in enumerate(parts)]
+            return torch.cat(scaled, dim=1), torch.stack([parts[0], parts[-1]], 0)
+
+    path = str(tmp_path / "pieces.onnx")
+    torch.onnx.export(torch.jit.script(Pieces()), (torch.randn(3, 6, 4),), path, dynamo=False, opset_version=17,
+                      input_names=["x"], output_names=["cat", "stack"], dynamic_axes={"x": {0: "batch"}})
+    m = onnx.load(path)
+    assert {"SplitToSequence", "SequenceEmpty", "ConcatFromSequence", "SequenceAt"} <= {n.op_type for n in m.graph.node}
+    for batch in (1, 5):
+        inputs = {"x": x(batch, 6, 4)}
+        assert_agrees(m, inputs)
+
+
+def test_a_split_only_the_data_decides_names_node_op_and_opset():
+    nodes = [node("ReduceMax", ["x"], ["top"], keepdims=0), node("Cast", ["top"], ["k"], to=TensorProto.INT64),
+             helper.make_node("SplitToSequence", ["x", "k"], ["s"], name="pieces", axis=1),
+             node("ConcatFromSequence", ["s"], ["y"], axis=1)]
+    inputs = {"x": np.full((2, 6), 3, np.float32)}
+    with pytest.raises(UnsupportedModelError, match=r"node 'pieces' \(SplitToSequence, opset 17\): its split is computed"):
+        ours(model(nodes, inputs, 17), inputs)
+
+
+def test_a_sequence_as_an_output_or_given_to_an_op_that_takes_tensors_is_refused_by_name():
+    inputs = {"x": x(2, 3)}
+    as_output = model([node("SequenceConstruct", ["x", "x"], ["y"])], inputs, 17)
+    with pytest.raises(UnsupportedModelError, match=r"output 'y' is a sequence \(of 2 tensors\)"):
+        onnx_graph(as_output, ".", "legacy.onnx")
+    mapped = model([node("SequenceConstruct", ["x", "x"], ["s"]),
+                    helper.make_node("SequenceMap", ["s"], ["t"], name="map", body=helper.make_graph(
+                        [node("Relu", ["a"], ["b"])], "body", [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
+                        [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])),
+                    node("ConcatFromSequence", ["t"], ["y"], axis=0)], inputs, 17)
+    with pytest.raises(UnsupportedModelError, match=r"node 'map' \(SequenceMap, opset 17\): input 's' is a sequence"):
+        onnx_graph(mapped, ".", "legacy.onnx")

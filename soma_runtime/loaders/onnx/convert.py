@@ -1,7 +1,8 @@
 """An ONNX graph as an IR Graph: nodes converted one by one through the op table (ops.py).
 
 A tensor during conversion is a `Value` (the builder's handle: computed when the graph runs) or a
-numpy array (known now: an initializer, a Constant, a Shape). Ops on known arrays are evaluated here
+numpy array (known now: an initializer, a Constant, a Shape); a sequence of them is a `Sequence`, resolved
+at import (ops/sequence.py). Ops on known arrays are evaluated here
 (fold.py), so shape arithmetic (Shape -> Gather -> Concat -> Reshape) becomes the static attributes
 the IR's ops take; a dim the model leaves symbolic is a `Sym` inside an object array, and arithmetic
 on it stays symbolic. Every failure names the file, the node, its op type and opset.
@@ -34,7 +35,7 @@ from soma_runtime.ir.ops import OPS
 from soma_runtime.ir.plan import meta_bytes
 from soma_runtime.loaders.onnx.fold import FOLD, SymbolicError
 from soma_runtime.loaders.onnx.functions import expand, function_of, schema_of
-from soma_runtime.loaders.onnx.ops import HANDLERS
+from soma_runtime.loaders.onnx.ops import HANDLERS, TAKES_SEQUENCES, Sequence
 from soma_runtime.loaders.onnx.reader import dtype_name, tensor_array
 
 OLDEST_OPSET = 1                      # every opset: a handler reads its op's older forms by the node's opset
@@ -227,6 +228,8 @@ class Converter:
             for name in proto.input:
                 if name and name not in self.env:
                     raise ModelLoadError(f"{self.where()}: input {name!r} is not produced by any node")
+                if name and isinstance(self.env[name], Sequence) and (domain, proto.op_type) not in TAKES_SEQUENCES:
+                    raise self.unsupported(f"input {name!r} is a sequence, which the op is not supported on")
             if (domain, proto.op_type) not in HANDLERS:
                 self.convert_function(proto, domain)
                 continue
@@ -279,6 +282,9 @@ class Converter:
         producers = g.producers()
         for name in names:
             value = self.output(name)
+            if isinstance(value, Sequence):
+                raise UnsupportedModelError(f"{self.path}: output {name!r} is a sequence (of {len(value.items)} tensors): "
+                                            f"only tensors are supported as outputs")
             if isinstance(value, np.ndarray) and value.dtype == object:      # Shape(x) of a symbolic x: built per shape
                 raise DataDependent(f"{self.path}: output {name!r} holds sizes the model leaves symbolic "
                                     f"({', '.join(map(str, value.flat))})")

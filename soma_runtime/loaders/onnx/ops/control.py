@@ -64,7 +64,7 @@ def scan(cv, n):
     return states + scanned
 
 
-@onnx_op("Loop")
+@onnx_op("Loop", sequences=True)
 def loop(cv, n):
     """Runs while the trip count and the condition allow; both must be known at every step."""
     trip = cv.known(n.input(0), "trip count")

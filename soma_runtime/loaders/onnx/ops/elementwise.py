@@ -190,7 +190,7 @@ def random(cv, n):
     return cv.emit("reshape", cv.emit("take", values, index, axis=0), shape=tuple(shape))
 
 
-@onnx_op("Identity")
+@onnx_op("Identity", sequences=True)
 def identity(cv, n):
     return n.inputs[0]
 
