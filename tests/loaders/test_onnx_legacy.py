@@ -284,3 +284,71 @@ def test_a_sequence_as_an_output_or_given_to_an_op_that_takes_tensors_is_refused
                     node("ConcatFromSequence", ["t"], ["y"], axis=0)], inputs, 17)
     with pytest.raises(UnsupportedModelError, match=r"node 'map' \(SequenceMap, opset 17\): input 's' is a sequence"):
         onnx_graph(mapped, ".", "legacy.onnx")
+
+
+# --- strings: settled at import (the IR has no string dtype) ---------------------------------------
+
+WORDS = np.array(["Monday", "the", "ÉTÉ", "Straße", "İstanbul", "and", "ΣΑΣ"], dtype=object)
+
+
+def strings(name: str, values) -> onnx.TensorProto:
+    return helper.make_tensor(name, TensorProto.STRING, np.shape(values), [v.encode() for v in np.ravel(values)])
+
+
+def normalizer(inputs, output, **attrs) -> onnx.NodeProto:
+    """onnxruntime's default locale (en_US.UTF-8) is not installed on every machine: C.UTF-8 cases alike."""
+    return helper.make_node("StringNormalizer", inputs, [output], name=f"normalize_{output}", locale="C.UTF-8", **attrs)
+
+
+STRING_GRAPHS = {   # id: (nodes, initializers); the graph's output y = where(mask, x, -x), mask from strings
+    "moved, then compared": (
+        [node("Gather", ["words", "picks"], ["picked"]), node("Unsqueeze", ["picked", "zero"], ["row"]),
+         node("Concat", ["row", "row"], ["two"], axis=0), node("Reshape", ["two", "flat"], ["all"]),
+         node("Slice", ["all", "one", "five"], ["some"]), node("Identity", ["some"], ["same"]),
+         node("Equal", ["same", "want"], ["mask"]), node("Where", ["mask", "x", "minus_x"])],
+        {"picks": i64(4, 0, 2, 4), "zero": i64(0).reshape(1), "flat": i64(-1).reshape(1), "one": i64(1).reshape(1),
+         "five": i64(5).reshape(1), "want": np.array(["Monday", "ÉTÉ", "İstanbul", "İstanbul"], dtype=object)}),
+    "lowered less stopwords": (
+        [normalizer(["words"], "clean", case_change_action="LOWER", stopwords=["THE", "and"]),
+         node("Equal", ["clean", "want"], ["mask"]), node("Where", ["mask", "x", "minus_x"])],
+        {"want": np.array(["monday", "x", "straße", "istanbul", "σασ"], dtype=object)}),
+    "uppered, case-sensitive stopwords, [1, C]": (
+        [node("Unsqueeze", ["words", "zero"], ["row"]),
+         normalizer(["row"], "clean", case_change_action="UPPER", is_case_sensitive=1, stopwords=["the", "AND"]),
+         node("Squeeze", ["clean", "zero"], ["flat"]), node("Equal", ["flat", "want"], ["mask"]),
+         node("Where", ["mask", "x", "minus_x"])],
+        {"zero": i64(0).reshape(1), "want": np.array(["MONDAY", "ÉTÉ", "STRAßE", "x", "AND", "ΣΑΣ"], dtype=object)}),
+    "all stopwords: one empty string": (
+        [node("Slice", ["words", "one", "two"], ["the"]), normalizer(["the"], "clean", stopwords=["The"]),
+         node("Shape", ["clean"], ["n"]), node("Equal", ["clean", "empty"], ["hit"]), node("Cast", ["n"], ["size"], to=1),
+         node("Where", ["hit", "x", "size"], ["z"]), node("Mul", ["z", "minus_x"])],
+        {"one": i64(1).reshape(1), "two": i64(2).reshape(1), "empty": np.array([""], dtype=object)}),
+}
+
+
+@pytest.mark.parametrize("case", STRING_GRAPHS)
+def test_string_constants_moved_and_normalized_at_import_agree_with_onnxruntime(case):
+    nodes, constants = STRING_GRAPHS[case]
+    inputs = {"x": x(len(constants["want"]) if "want" in constants else 1)}
+    m = model([node("Neg", ["x"], ["minus_x"]), *nodes], inputs, 19)          # Equal takes strings from opset 19
+    for name, value in {"words": WORDS, **constants}.items():
+        m.graph.initializer.append(strings(name, value) if value.dtype == object else numpy_helper.from_array(value, name))
+    assert_agrees(m, inputs)
+
+
+def test_strings_the_graph_cannot_settle_at_import_are_refused_by_name():
+    text = {"t": np.array(["a", "b"], dtype=object)}
+    with pytest.raises(UnsupportedModelError, match=r"input 't': element type STRING is not supported"):
+        onnx_graph(model([node("Identity", ["t"])], text, 17), ".", "legacy.onnx")
+    m = model([node("Gather", ["words", "i"], ["y"])], {"i": i64(0, 1)}, 17)
+    m.graph.initializer.append(strings("words", WORDS))
+    with pytest.raises(UnsupportedModelError, match=r"node 'gather_y' \(Gather, opset 17\): string tensors reach take"):
+        onnx_graph(m, ".", "legacy.onnx")
+    m = model([normalizer(["words"], "y", case_change_action="LOWER")], {}, 17)
+    m.graph.initializer.append(strings("words", WORDS))
+    with pytest.raises(UnsupportedModelError, match=r"output 'y' holds strings"):
+        onnx_graph(m, ".", "legacy.onnx")
+    m = model([helper.make_node("StringNormalizer", ["words"], ["y"], name="tr", locale="tr_TR.UTF-8")], {}, 17)
+    m.graph.initializer.append(strings("words", WORDS))
+    with pytest.raises(UnsupportedModelError, match=r"node 'tr' \(StringNormalizer, opset 17\): locale 'tr_TR.UTF-8'"):
+        onnx_graph(m, ".", "legacy.onnx")

@@ -1,11 +1,15 @@
 """An ONNX graph as an IR Graph: nodes converted one by one through the op table (ops.py).
 
 A tensor during conversion is a `Value` (the builder's handle: computed when the graph runs) or a
-numpy array (known now: an initializer, a Constant, a Shape); a sequence of them is a `Sequence`, resolved
-at import (ops/sequence.py). Ops on known arrays are evaluated here
+numpy array (known now: an initializer, a Constant, a Shape). Ops on known arrays are evaluated here
 (fold.py), so shape arithmetic (Shape -> Gather -> Concat -> Reshape) becomes the static attributes
 the IR's ops take; a dim the model leaves symbolic is a `Sym` inside an object array, and arithmetic
 on it stays symbolic. Every failure names the file, the node, its op type and opset.
+
+A sequence of tensors is a `Sequence`, resolved at import (ops/sequence.py). String tensors exist only as
+known arrays: the IR has no string dtype, so the ops that move, select or compare strings (STRING_OPS)
+are computed here on constants, and strings that would reach a graph's input or output, or an op computed
+as it runs, are an UnsupportedModelError.
 
 What one conversion may build is bounded (a hostile file must not take minutes or gigabytes to refuse):
 MAX_NODES nodes converted (counted before converting, loops by the trip counts the file writes, and as
@@ -44,6 +48,8 @@ MAX_NODES = 100_000                   # ONNX nodes converted (each unrolled step
 ANY_SIZE = -1                         # a dim some exporters write for "any size" (ONNX leaves it unnamed)
 FOLDED_BYTES = 64 << 20               # what one conversion computes at load time, all its tensors together
 ATTRIBUTE_TYPES = {int(t): t.name for t in onnx.defs.OpSchema.AttrType.__members__.values()}
+STRING = "str"                        # a string tensor's dtype while the graph converts (never the IR's)
+STRING_OPS = {"reshape", "take", "gather", "concat", "slice", "split", "permute", "expand", "tile", "equal"}
 Tensor = Value | np.ndarray
 log = logging.getLogger("soma_runtime.onnx")
 
@@ -139,6 +145,10 @@ def trip_count(tensor: onnx.TensorProto | None) -> int:
         return max(1, int(numpy_helper.to_array(tensor).reshape(-1)[0]))
     except (ValueError, IndexError):
         return 1
+
+
+def is_strings(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype.kind == "U"
 
 
 def initializers_of(model: onnx.ModelProto, directory: str, path: str) -> dict[str, np.ndarray]:
@@ -285,6 +295,9 @@ class Converter:
             if isinstance(value, Sequence):
                 raise UnsupportedModelError(f"{self.path}: output {name!r} is a sequence (of {len(value.items)} tensors): "
                                             f"only tensors are supported as outputs")
+            if is_strings(value):
+                raise UnsupportedModelError(f"{self.path}: output {name!r} holds strings: string tensors are supported "
+                                            f"only inside a graph, settled at import")
             if isinstance(value, np.ndarray) and value.dtype == object:      # Shape(x) of a symbolic x: built per shape
                 raise DataDependent(f"{self.path}: output {name!r} holds sizes the model leaves symbolic "
                                     f"({', '.join(map(str, value.flat))})")
@@ -336,6 +349,8 @@ class Converter:
     def emit(self, op: str, *inputs: Tensor | None, **attrs) -> Tensor | tuple:
         """An IR op on these inputs: evaluated now when every input is known (and fold.py knows the op, and
         no attribute is a symbolic size), else a node of the graph (known inputs become its constants)."""
+        if any(is_strings(x) for x in inputs):
+            return self.fold_strings(op, inputs, attrs)
         sized = any(isinstance(d, Sym) for v in attrs.values() for d in (v if isinstance(v, (tuple, list)) else [v]))
         if all(x is None or isinstance(x, np.ndarray) for x in inputs) and op in FOLD and not sized:
             try:
@@ -349,6 +364,20 @@ class Converter:
                 raise GraphError(f"{op} of known values: {e}") from None
         values = [None if x is None else self.value(x) for x in inputs]
         return self.builder.op(op, *values, name=self.node.name, **attrs)
+
+    def fold_strings(self, op: str, inputs: tuple, attrs: dict):
+        """An IR op on string tensors, computed now (one of STRING_OPS, on known inputs); its bytes counted
+        against FOLDED_BYTES from the op's shape rule, bytes standing in for the strings."""
+        if op not in STRING_OPS or not all(x is None or isinstance(x, np.ndarray) for x in inputs):
+            raise self.unsupported(f"string tensors reach {op}, computed as the graph runs: strings are supported only "
+                                   f"where the graph settles them at import (moved, selected or compared constants)")
+        width = max(x.itemsize for x in inputs if is_strings(x))
+        stand_ins = [None if x is None else TensorMeta(x.shape, "u8") if is_strings(x) else self.meta(x) for x in inputs]
+        size = sum(meta_bytes(m) * width for m in OPS[op].infer(stand_ins, attrs, self.node.name))
+        if self.folded + size > FOLDED_BYTES:
+            raise self.unsupported(f"string tensors of {size} bytes: past the {FOLDED_BYTES} computed at import")
+        self.folded += size
+        return FOLD[op](*inputs, **OPS[op].full_attrs(attrs))
 
     def result_bytes(self, op: str, inputs: tuple, attrs: dict) -> int:
         """The bytes of an op's outputs on known inputs, before they are computed (0 where the IR's shape rule
@@ -366,6 +395,9 @@ class Converter:
         (a sequence length used as data) are counted when the graph runs."""
         if isinstance(x, Value):
             return x
+        if is_strings(x):
+            raise self.unsupported("a string tensor given to an op computed as the graph runs (strings are supported "
+                                   "only where the graph settles them at import)")
         if x.dtype != object:
             return self.builder.const(self.node.name + "/const", x)
         b, one = self.builder, self.builder.const(self.node.name + "/one", np.ones(1, np.int64))
@@ -414,6 +446,8 @@ class Converter:
             return x.meta
         if x.dtype == object:
             return TensorMeta(x.shape, "i64")
+        if is_strings(x):
+            return TensorMeta(x.shape, STRING)
         return meta_of(x)
 
     def subgraph_tensor(self, tensor: onnx.TensorProto) -> np.ndarray:

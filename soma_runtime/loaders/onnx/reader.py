@@ -47,7 +47,13 @@ def read_model(path: str) -> onnx.ModelProto:
 
 
 def tensor_array(tensor: TensorProto, directory: str, where: str) -> np.ndarray:
-    """A tensor's values: from the protobuf, or mapped from its external data file."""
+    """A tensor's values: from the protobuf, or mapped from its external data file. Strings come as a numpy
+    str array (the graph settles them at import: convert.py)."""
+    if tensor.data_type == TensorProto.STRING and tensor.data_location != TensorProto.EXTERNAL:
+        try:
+            return np.array([s.decode() for s in tensor.string_data], dtype=str).reshape(tuple(tensor.dims))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: string tensor {tensor.name!r} is not UTF-8 of its shape ({e})") from None
     dt = dtype_name(tensor.data_type, where)
     if any(d < 0 for d in tensor.dims):
         raise ModelLoadError(f"{where}: tensor {tensor.name!r} has negative dims {list(tensor.dims)}")

@@ -35,10 +35,11 @@ def axes_of(cv, n, rank: int, attr_until: int, index: int = 1) -> list[int] | No
 def constant(cv, n):
     for key, make in (("value", lambda t: tensor_array(t, cv.directory, cv.where())), ("value_float", np.float32),
                       ("value_floats", lambda v: np.array(v, np.float32)), ("value_int", np.int64),
-                      ("value_ints", lambda v: np.array(v, np.int64))):
+                      ("value_ints", lambda v: np.array(v, np.int64)), ("value_string", lambda v: np.array(v, str)),
+                      ("value_strings", lambda v: np.array([s.decode() for s in v], str))):
         if key in n.attrs:
             return np.array(make(n.attrs[key]))
-    raise cv.unsupported(f"a constant given as {', '.join(n.attrs) or 'nothing'} (sparse tensors and strings are not supported)")
+    raise cv.unsupported(f"a constant given as {', '.join(n.attrs) or 'nothing'} (sparse tensors are not supported)")
 
 
 @onnx_op("ConstantOfShape")
