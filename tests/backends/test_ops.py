@@ -515,6 +515,31 @@ case("conv2d", mk((1, 3, 7, 6), (4, 3, 3, 2), (4,)), lambda x, w, b: F.conv2d(x,
      id="stride-pad", stride=(2, 1), padding=(1, 0))
 case("conv2d", mk((2, 3, 5, 5), (3, 1, 3, 3)), lambda x, w: F.conv2d(x, w, None, 1, 1, 1, 3), id="depthwise",
      padding=1, groups=3)
+case("conv2d", mk((2, 6, 9, 8), (12, 1, 3, 3), (12,)), lambda x, w, b: F.conv2d(x, w, b, 2, 1, 1, 6),
+     id="depthwise-multiplier-stride", stride=2, padding=1, groups=6)
+case("conv2d", mk((1, 4, 11, 10), (4, 1, 5, 3)), lambda x, w: F.conv2d(x, w, None, (1, 2), (2, 1), (2, 1), 4),
+     id="depthwise-dilation-stride", stride=(1, 2), padding=(2, 1), dilation=(2, 1), groups=4)
+case("conv2d", mk((2, 8, 6, 7), (8, 2, 2, 2), (8,)), lambda x, w, b: F.conv2d(x, w, b, 1, 1, 2, 4),
+     id="grouped-direct", padding=1, dilation=2, groups=4)
+case("conv2d", mk((2, 16, 9, 9), (8, 4, 3, 3), (8,)), lambda x, w, b: F.conv2d(x, w, b, 3, 2, 1, 4),
+     id="grouped-gemm", stride=3, padding=2, groups=4)
+case("conv2d", mk((2, 24, 5, 6), (10, 24, 1, 1), (10,)), lambda x, w, b: F.conv2d(x, w, b), id="pointwise")
+case("conv2d", mk((2, 64, 7, 6), (64, 64, 3, 3), (64,), (2, 64, 7, 6)), lambda x, w, b, r: F.relu(F.conv2d(x, w, b, 1, 1) + r),
+     id="winograd-odd-residual-relu", padding=1, epilogue="relu")
+case("conv2d", mk((1, 64, 6, 9), (72, 64, 3, 3)), lambda x, w: F.conv2d(x, w, None, 1, 2), id="winograd-pad-2", padding=2)
+case("conv2d", mk((1, 64, 5, 4), (64, 64, 3, 3), (64,)), lambda x, w, b: F.conv2d(x, w, b), id="winograd-no-pad")
+case("conv1d", mk((2, 6, 40), (6, 1, 5)), lambda x, w: F.conv1d(x, w, None, 2, 2, 1, 6), id="depthwise",
+     stride=2, padding=2, groups=6)
+for _epilogue, _act in {"relu": F.relu, "relu6": F.relu6, "silu": F.silu}.items():
+    case("conv2d", mk((2, 8, 7, 6), (5, 8, 3, 3), (5,), (2, 5, 7, 6)),
+         lambda x, w, b, r, act=_act: act(F.conv2d(x, w, b, 1, 1) + r), id=f"residual-{_epilogue}", padding=1,
+         epilogue=_epilogue)
+    case("conv2d", mk((1, 4, 8, 8), (4, 1, 3, 3)), lambda x, w, act=_act: act(F.conv2d(x, w, None, 2, 1, 1, 4)),
+         id=f"depthwise-{_epilogue}", stride=2, padding=1, groups=4, epilogue=_epilogue)
+case("conv2d", lambda dt: [*mk((1, 3, 6, 6), (4, 3, 1, 1), (1, 4, 6, 6))(dt)[:2], None, mk((1, 4, 6, 6), seed=1)(dt)[0]],
+     lambda x, w, b, r: F.conv2d(x, w) + r, id="residual-no-bias")
+case("conv1d", mk((2, 4, 1100), (6, 4, 3), (6,), (2, 6, 1100)), lambda x, w, b, r: F.silu(F.conv1d(x, w, b, 1, 1) + r),
+     id="long-residual-silu", padding=1, epilogue="silu")
 case("conv_transpose1d", mk((2, 4, 9), (4, 3, 8), (6,)),
      lambda x, w, b: F.conv_transpose1d(x, w, b, 4, 2, 1, 2), id="groups-stride-pad-extra", stride=4, groups=2,
      crop=((2, 1),))
@@ -529,6 +554,9 @@ case("conv_transpose3d", mk((1, 2, 3, 2, 3), (2, 4, 2, 3, 2), (4,)),
 case("max_pool", mk((1, 2, 7, 6)), lambda x: F.max_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2),
      padding=(1, 0))
 case("max_pool", mk((2, 3, 8)), lambda x: F.max_pool1d(x, 3), id="1d", kernel=(3,))
+case("max_pool", mk((1, 3, 9, 9)), lambda x: F.max_pool2d(x, 3, 2, 1), id="resnet-stem", kernel=(3, 3), stride=(2, 2),
+     padding=(1, 1))
+case("avg_pool", mk((2, 3, 9)), lambda x: F.avg_pool1d(x, 3, 2, 1), id="1d", kernel=(3,), stride=(2,), padding=(1,))
 case("avg_pool", mk((1, 2, 7, 6)), lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 0)), kernel=(3, 2), stride=(2, 2),
      padding=(1, 0))
 case("interpolate", mk((1, 2, 4, 5)), lambda x: F.interpolate(x, (8, 7), mode="nearest"), id="nearest", size=(8, 7))

@@ -1,15 +1,18 @@
-"""CPU jets for convolution (im2col + batched BLAS over groups), transposed convolution, pooling and interpolation."""
+"""CPU jets for convolution (im2col blocks into BLAS, depthwise by direct loops), transposed convolution,
+pooling and interpolation."""
 from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import numpy as np
+from numba import njit, prange
 
-from soma_runtime.backends.cpu.common import CPU, F, float_kernel
-from soma_runtime.backends.cpu.linear import product
+from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
+from soma_runtime.ir.ops.conv import CONV_EPILOGUES
 
 
 def pad(x, pads, value):
@@ -31,30 +34,333 @@ def windows(x, kernel, stride, dilation):
     return np.lib.stride_tricks.as_strided(x, x.shape[:2] + outs + tuple(kernel), strides, writeable=False)
 
 
+@njit(cache=True, inline="always")
+def _span(n_out, n_in, start, stride):
+    """The outputs [lo, hi) whose input start + o * stride falls inside [0, n_in)."""
+    lo = 0 if start >= 0 else (-start + stride - 1) // stride
+    hi = 0 if start >= n_in else min(n_out, (n_in - 1 - start) // stride + 1)
+    return lo, max(lo, hi)
+
+
+@njit(cache=True, inline="always")
+def _activate(v, code):
+    """CONV_EPILOGUES[code] of one sum."""
+    if code == 1:
+        return max(v, np.float32(0))
+    if code == 2:
+        return min(max(v, np.float32(0)), np.float32(6))
+    if code == 3:
+        return v / (np.float32(1) + np.exp(-v))
+    return v
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _finish(y, bias, residual, code, first, last):
+    """y[:, first:last] = epilogue(y + bias + residual) over a block of columns still in cache: y [O, P] (one
+    image's rows), bias [O] and residual [O, P] (or empty)."""
+    for o in prange(y.shape[0]):
+        b = bias[o] if bias.size else np.float32(0)
+        row = y[o, first:last]
+        if residual.size:
+            joined = residual[o, first:last]
+            for k in range(last - first):
+                row[k] = _activate(row[k] + b + joined[k], code)
+        else:
+            for k in range(last - first):
+                row[k] = _activate(row[k] + b, code)
+
+
+@njit(parallel=True, cache=True)
+def _im2col(x, kh, kw, sh, sw, ph, pw, dh, dw, first, last, width, cols):
+    """cols[c * kh * kw + i * kw + j, (oh - first) * width + ow] = x[c, oh * sh - ph + i * dh, ow * sw - pw + j * dw]
+    (zero outside x) for output rows first <= oh < last: x [C, H, W] -> cols [C * kh * kw, (last - first) * width]."""
+    C, H, W = x.shape
+    for r in prange(C * kh * kw):
+        c, i, j = r // (kh * kw), (r // kw) % kh, r % kw
+        lo, hi = _span(width, W, j * dw - pw, sw)
+        for oh in range(first, last):
+            base = (oh - first) * width
+            h = oh * sh - ph + i * dh
+            if h < 0 or h >= H:
+                cols[r, base:base + width] = 0
+                continue
+            cols[r, base:base + lo] = 0
+            start = j * dw - pw
+            row, src = cols[r, base + lo:base + hi], x[c, h, lo * sw + start::sw]
+            for k in range(hi - lo):
+                row[k] = src[k]
+            cols[r, base + hi:base + width] = 0
+
+
+@njit(parallel=True, cache=True)
+def _phases(x, sh, sw, ph, pw, fill, planes):
+    """The padded x split by stride phase: planes[n, c, a * sw + b, u, v] = x[n, c, u * sh + a - ph,
+    v * sw + b - pw] (`fill` outside x), so that a strided convolution or pooling reads each phase at stride 1."""
+    N, C, H, W = x.shape
+    Hq, Wq = planes.shape[3], planes.shape[4]
+    for t in prange(N * C):
+        n, c = t // C, t % C
+        for a in range(sh):
+            for b in range(sw):
+                plane = planes[n, c, a * sw + b]
+                lo, hi = _span(Wq, W, b - pw, sw)
+                for u in range(Hq):
+                    h, row = u * sh + a - ph, plane[u]
+                    if h < 0 or h >= H:
+                        row[:] = fill
+                        continue
+                    row[:lo] = fill
+                    row[hi:] = fill
+                    if sw == 1:
+                        row[lo:hi] = x[n, c, h, lo + b - pw:hi + b - pw]
+                    else:
+                        into, src = row[lo:hi], x[n, c, h, lo * sw + b - pw::sw]
+                        for k in range(hi - lo):
+                            into[k] = src[k]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, y):
+    """A convolution of few products per output (depthwise) by direct loops over stride phases: each tap adds
+    a weighted phase plane, read as one flat run, to a row-padded output plane (its pad columns dropped after)."""
+    N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
+    O, Cg, KH, KW = w.shape
+    OH, OW = y.shape[2], y.shape[3]
+    Og = O // (C // Cg)
+    span = OH * Wq
+    for t in prange(N * O):
+        n, o = t // O, t % O
+        c0 = (o // Og) * Cg
+        wide = np.empty(span, np.float32)
+        wide[:] = bias[o] if bias.size else np.float32(0)
+        for c in range(Cg):
+            for i in range(KH):
+                for j in range(KW):
+                    weight = w[o, c, i, j]
+                    plane = planes[n, c0 + c, ((i * dh) % sh) * sw + (j * dw) % sw].ravel()
+                    first = ((i * dh) // sh) * Wq + (j * dw) // sw
+                    run = plane[first:first + span]
+                    for k in range(span):
+                        wide[k] += weight * run[k]
+        for oh in range(OH):
+            row, sums = y[n, o, oh], wide[oh * Wq:oh * Wq + OW]
+            if residual.size:
+                joined = residual[n, o, oh]
+                for k in range(OW):
+                    row[k] = _activate(sums[k] + joined[k], code)
+            else:
+                for k in range(OW):
+                    row[k] = _activate(sums[k], code)
+
+
+def phases(x, st, pd, fill) -> np.ndarray:
+    """x [N, C, H, W] f32 padded by `fill` and split by stride phase (_phases)."""
+    (sh, sw), (ph, pw) = st, pd
+    N, C, H, W = x.shape
+    rows = -(-(H + 2 * ph) // sh) + 1                 # a row of slack: the last taps read past the plane's end
+    width = -(-(W + 2 * pw) // sw)
+    planes = np.empty((N, C, sh * sw, rows, width), np.float32)
+    _phases(x, sh, sw, ph, pw, np.float32(fill), planes)
+    return planes
+
+
+def direct(x, w, bias, residual, code, st, pd, dl, y):
+    """y = epilogue(conv(x, w) + bias + residual) by stride phases (x [N, C, H, W] f32)."""
+    _direct(phases(x, st, pd, 0), w, bias, residual, code, *st, *dl, y)
+
+
+# --- Winograd F(2x2, 3x3): a 3x3 stride-1 convolution as 16 products over 4x4 input tiles, 2.25x fewer
+# multiplies than its im2col product (Lavin & Gray, 2015); the transforms' constants are exact in binary.
+WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+WINOGRAD_MIN_CHANNELS = 64     # below this many input or output channels the transforms cost more than they save,
+WINOGRAD_MIN_OUTPUTS = 100     # ... and below this many outputs an image (its products too narrow for BLAS)
+TILE_BYTES = 1 << 20           # a block of tile rows whose transformed inputs stay in cache through the products
+_transformed: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def winograd_weights(w: np.ndarray) -> np.ndarray:
+    """U[4a + b, o, c] = (G w[o, c] G^T)[a, b], made once per weight (the model's constant) and kept beside it."""
+    key = id(w)
+    if key in _transformed and _transformed[key][0]() is w:
+        return _transformed[key][1]
+    U = np.einsum("ai,ocij,bj->aboc", WINOGRAD_G, w.astype(np.float64), WINOGRAD_G)
+    U = np.ascontiguousarray(U.reshape(16, *w.shape[:2]).astype(np.float32))
+    _transformed[key] = (weakref.ref(w, lambda _, key=key: _transformed.pop(key, None)), U)
+    return U
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _winograd_in(x, pad, first, last, TW, V):
+    """V[4a + b, c, (th - first) * TW + tw] = (B^T d B)[a, b] for the 4x4 tile d of x [C, H, W] at
+    (2 th - pad, 2 tw - pad) (zero outside x), tile rows first <= th < last: rows combined first, then
+    columns, each a loop over whole rows."""
+    C, H, W = x.shape
+    width = 2 * TW + 2
+    lo, hi = pad, min(width, W + pad)
+    for c in prange(C):
+        rows = np.zeros((4, width), np.float32)
+        comb = np.empty((4, width), np.float32)
+        for th in range(first, last):
+            for i in range(4):
+                h = 2 * th - pad + i
+                rows[i, :] = 0
+                if 0 <= h < H:
+                    rows[i, lo:hi] = x[c, h, :hi - lo]
+            for k in range(width):
+                comb[0, k] = rows[0, k] - rows[2, k]
+                comb[1, k] = rows[1, k] + rows[2, k]
+                comb[2, k] = rows[2, k] - rows[1, k]
+                comb[3, k] = rows[1, k] - rows[3, k]
+            t0 = (th - first) * TW
+            for a in range(4):
+                r = comb[a]
+                v0, v1 = V[4 * a, c, t0:t0 + TW], V[4 * a + 1, c, t0:t0 + TW]
+                v2, v3 = V[4 * a + 2, c, t0:t0 + TW], V[4 * a + 3, c, t0:t0 + TW]
+                for tw in range(TW):
+                    v0[tw] = r[2 * tw] - r[2 * tw + 2]
+                    v1[tw] = r[2 * tw + 1] + r[2 * tw + 2]
+                    v2[tw] = r[2 * tw + 2] - r[2 * tw + 1]
+                    v3[tw] = r[2 * tw + 1] - r[2 * tw + 3]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _winograd_out(M, bias, residual, code, first, last, TW, y):
+    """y [O, OH, OW] rows 2 first <= h < 2 last = epilogue(A^T m A + bias + residual) of each tile's 16
+    products m = M[:, o, (th - first) * TW + tw]."""
+    O, OH, OW = y.shape
+    for o in prange(O):
+        b = bias[o] if bias.size else np.float32(0)
+        s = np.empty((2, 4, TW), np.float32)
+        for th in range(first, last):
+            t0 = (th - first) * TW
+            for j in range(4):
+                m0, m1, m2, m3 = M[j, o, t0:t0 + TW], M[4 + j, o, t0:t0 + TW], M[8 + j, o, t0:t0 + TW], M[12 + j, o, t0:t0 + TW]
+                for tw in range(TW):
+                    s[0, j, tw] = m0[tw] + m1[tw] + m2[tw]
+                    s[1, j, tw] = m1[tw] - m2[tw] - m3[tw]
+            for a in range(min(2, OH - 2 * th)):
+                row = y[o, 2 * th + a]
+                for ow in range(OW):
+                    tw = ow // 2
+                    if ow % 2:
+                        v = s[a, 1, tw] - s[a, 2, tw] - s[a, 3, tw] + b
+                    else:
+                        v = s[a, 0, tw] + s[a, 1, tw] + s[a, 2, tw] + b
+                    if residual.size:
+                        v += residual[o, 2 * th + a, ow]
+                    row[ow] = _activate(v, code)
+
+
+def winograd(x, w, bias, residual, code, pad, y):
+    """y = epilogue(conv(x, w) + bias + residual), w 3x3 at stride 1: per image, blocks of tile rows
+    transformed, multiplied (16 BLAS products [O, C] @ [C, tiles]) and transformed back."""
+    N, C = x.shape[:2]
+    OH, OW = y.shape[2:]
+    TH, TW = -(-OH // 2), -(-OW // 2)
+    U = winograd_weights(w)
+    rows = max(1, min(TH, TILE_BYTES // (64 * C * TW)))
+    V = np.empty((16, C, rows * TW), np.float32)
+    M = np.empty((16, U.shape[1], rows * TW), np.float32)
+    for n in range(N):
+        for first in range(0, TH, rows):
+            last = min(TH, first + rows)
+            tiles = (last - first) * TW
+            _winograd_in(x[n], pad, first, last, TW, V[:, :, :tiles])
+            np.matmul(U, V[:, :, :tiles], out=M[:, :, :tiles])
+            _winograd_out(M[:, :, :tiles], bias, residual[n] if residual.size else NO_IMAGE, code, first, last, TW, y[n])
+
+
 LONG_SEQUENCE = 1024           # a 1-D convolution this long sums per-tap matmuls: its im2col would not fit a cache
 BLOCK_BYTES = 1 << 20          # ... over blocks of outputs whose inputs and sums stay in cache across the taps
+COLUMN_BYTES = 4 << 20         # a 2-D convolution's im2col is built this many bytes of columns at a time
+NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
+DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS),
+DIRECT_DEPTH = 16              # ... or up to this many products per output: direct loops
 
 
-@jet("conv1d", CPU, [(F, F, F), (F, F, "none")])
-@jet("conv2d", CPU, [(F, F, F), (F, F, "none")])
-@float_kernel
-def conv(x, weight, bias, stride, padding, dilation, groups):
+@jet("conv1d", CPU, [(F, F, b, r) for b in (F, "none") for r in (F, "none")])
+@jet("conv2d", CPU, [(F, F, b, r) for b in (F, "none") for r in (F, "none")])
+def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue, out=None):
     """conv1d and conv2d share one formula (hence one jet): the spatial rank comes from x."""
+    nd = x.ndim - 2
+    st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
+    given = [t for t in (x, weight, bias, residual) if t is not None]
+    if not all_f32(*given) or (nd == 1 and x.shape[2] >= LONG_SEQUENCE):
+        return _conv_numpy(x, weight, bias, residual, stride=st, padding=pd, dilation=dl, groups=groups,
+                           epilogue=epilogue, out=out)
+    planar = (lambda a: a[:, :, None]) if nd == 1 else (lambda a: a)     # a 1-D convolution is a 2-D one of height 1
+    x4, w4 = planar(dense(x)), planar(dense(weight))
+    st, pd, dl = ((1,) + st, (0,) + pd, (1,) + dl) if nd == 1 else (st, pd, dl)
+    N, H, W = x4.shape[0], *x4.shape[2:]
+    O, Cg, KH, KW = w4.shape
+    OH, OW = ((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip((H, W), (KH, KW), st, pd, dl))
+    y = out_f32(out, (N, O) + ((OW,) if nd == 1 else (OH, OW)))
+    y4 = y.reshape(N, O, OH, OW)
+    b = np.zeros(0, np.float32) if bias is None else dense(bias)
+    r = np.zeros((0,) * 4, np.float32) if residual is None else dense(residual).reshape(y4.shape)
+    code = CONV_EPILOGUES.index(epilogue)
+    if O // groups <= DIRECT_OUTPUTS or Cg * KH * KW <= DIRECT_DEPTH:
+        direct(x4, w4, b, r, code, st, pd, dl, y4)
+    elif (KH, KW, groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
+            and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
+        winograd(x4, w4, b, r, code, pd[0], y4)
+    else:
+        _im2col_gemm(x4, w4, b, r, code, st, pd, dl, groups, y4)
+    return y
+
+
+def _im2col_gemm(x, w, bias, residual, code, st, pd, dl, groups, y):
+    """Per image and group: output rows' im2col columns, a block at a time, times the group's [O/G, C/G * k]
+    weight by BLAS straight into y's rows, then bias, residual and epilogue on the block while it is in cache
+    (a 1x1 stride-1 convolution reads x itself as its columns)."""
+    N, H, W = x.shape[0], *x.shape[2:]
+    O, Cg, KH, KW = w.shape
+    OH, OW = y.shape[2:]
+    Og, depth = O // groups, Cg * KH * KW
+    weights = w.reshape(groups, Og, depth)
+    pointwise = KH == KW == 1 and st == (1, 1) and pd == (0, 0)
+    rows = OH if pointwise else max(1, min(OH, COLUMN_BYTES // (4 * depth * OW)))
+    cols = None if pointwise else np.empty((depth, rows * OW), np.float32)
+    finish = bias.size or residual.size or code
+    for n, g in itertools.product(range(N), range(groups)):
+        into = y[n, g * Og:(g + 1) * Og].reshape(Og, OH * OW)
+        image = x[n, g * Cg:(g + 1) * Cg]
+        for first in range(0, OH, rows):
+            last = min(OH, first + rows)
+            if pointwise:
+                np.matmul(weights[g], image.reshape(Cg, H * W), out=into)
+            else:
+                block = cols[:, :(last - first) * OW]
+                _im2col(image, KH, KW, *st, *pd, *dl, first, last, OW, block)
+                np.matmul(weights[g], block, out=into[:, first * OW:last * OW])
+            if finish:
+                joined = residual[n, g * Og:(g + 1) * Og].reshape(Og, OH * OW) if residual.size else NO_ROWS
+                _finish(into, bias[g * Og:(g + 1) * Og] if bias.size else bias, joined, code, first * OW, last * OW)
+
+
+ACTIVATIONS = {"none": lambda y: y, "relu": lambda y: np.maximum(y, 0), "relu6": lambda y: np.clip(y, 0, 6),
+               "silu": lambda y: y / (1 + np.exp(-y))}
+
+
+@float_kernel
+def _conv_numpy(x, weight, bias, residual, stride, padding, dilation, groups, epilogue):
+    """Half inputs and long 1-D sequences, with their epilogue after."""
+    y = _conv_sum(x, weight, bias, stride, padding, dilation, groups)
+    return ACTIVATIONS[epilogue](y if residual is None else y + residual)
+
+
+def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
+    """Windows of the padded input through batched BLAS, or per-tap sums over a long sequence."""
     nd = x.ndim - 2
     N, C = x.shape[:2]
     O, kernel = weight.shape[0], weight.shape[2:]
-    st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
     if nd == 1 and x.shape[2] >= LONG_SEQUENCE:
-        return tap_sum(pad(x, pd, 0), weight, bias, st[0], dl[0], groups)
-    cols = windows(pad(x, pd, 0), kernel, st, dl)                    # [N, C, *out, *k]
+        return tap_sum(pad(x, padding, 0), weight, bias, stride[0], dilation[0], groups)
+    cols = windows(pad(x, padding, 0), kernel, stride, dilation)                    # [N, C, *out, *k]
     spatial = cols.shape[2:2 + nd]
     P, K, G = math.prod(spatial), math.prod(kernel), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
-    w = weight.reshape(G, O // G, (C // G) * K)
-    if G == 1:             # the matmul jet's product: a few rows (a streaming model's chunk) without BLAS's threads
-        y = product(cols[0], w[0], None, True, "f32")[None]
-    else:
-        y = np.matmul(cols, w.transpose(0, 2, 1))                   # [G, N*P, O/G]
+    y = np.matmul(cols, weight.reshape(G, O // G, (C // G) * K).transpose(0, 2, 1))        # [G, N*P, O/G]
     y = y.reshape(G, N, P, O // G).transpose(1, 0, 3, 2).reshape(N, O, *spatial)
     return y if bias is None else y + bias.reshape((O,) + (1,) * nd)
 
@@ -110,21 +416,61 @@ def conv_transpose(x, weight, bias, stride, dilation, groups, crop):
     return y if bias is None else y + bias.reshape((-1,) + (1,) * nd)
 
 
-def pool(x, kernel, stride, padding, reduce, pad_value):
+@njit(parallel=True, cache=True, error_model="numpy")
+def _pool(planes, kh, kw, sh, sw, average, y):
+    """Max or mean (padding counted, as the atoms' zero-padded windows) over kh x kw windows, each tap a flat
+    run of a stride phase plane (as _direct's), y [N, C, OH, OW]."""
+    N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
+    OH, OW = y.shape[2], y.shape[3]
+    span = OH * Wq
+    for t in prange(N * C):
+        n, c = t // C, t % C
+        wide = np.empty(span, np.float32)
+        wide[:] = np.float32(0) if average else np.float32(-np.inf)
+        for i in range(kh):
+            for j in range(kw):
+                plane = planes[n, c, (i % sh) * sw + j % sw].ravel()
+                first = (i // sh) * Wq + j // sw
+                run = plane[first:first + span]
+                if average:
+                    for k in range(span):
+                        wide[k] += run[k]
+                else:
+                    for k in range(span):
+                        wide[k] = max(wide[k], run[k])
+        scale = np.float32(1 / (kh * kw)) if average else np.float32(1)
+        for oh in range(OH):
+            row, sums = y[n, c, oh], wide[oh * Wq:oh * Wq + OW]
+            for k in range(OW):
+                row[k] = sums[k] * scale if average else sums[k]
+
+
+def pool(x, kernel, stride, padding, average, out):
     nd = len(kernel)
     st, pd = as_tuple(stride or kernel, nd), as_tuple(padding, nd)
-    w = windows(pad(x, pd, pad_value), kernel, st, (1,) * nd)
-    return reduce(w, axis=tuple(range(-nd, 0)))
+    if nd == 3 or not all_f32(x):
+        return _pool_numpy(x, kernel=kernel, stride=st, padding=pd, average=average, out=out)
+    planar = (lambda a, unit: (unit,) + tuple(a)) if nd == 1 else (lambda a, unit: tuple(a))
+    (kh, kw), (sh, sw), (ph, pw) = planar(kernel, 1), planar(st, 1), planar(pd, 0)
+    x4 = dense(x).reshape(x.shape[:2] + (1,) * (2 - nd) + x.shape[2:])
+    OH, OW = ((n + 2 * p - k) // s + 1 for n, k, s, p in zip(x4.shape[2:], (kh, kw), (sh, sw), (ph, pw)))
+    y = out_f32(out, x.shape[:2] + ((OW,) if nd == 1 else (OH, OW)))
+    _pool(phases(x4, (sh, sw), (ph, pw), 0 if average else -np.inf), kh, kw, sh, sw, average, y.reshape(x.shape[:2] + (OH, OW)))
+    return y
+
+
+@float_kernel
+def _pool_numpy(x, kernel, stride, padding, average):
+    w = windows(pad(x, padding, 0.0 if average else -np.inf), kernel, stride, (1,) * len(kernel))
+    return (np.mean if average else np.max)(w, axis=tuple(range(-len(kernel), 0)))
 
 
 @jet("max_pool", CPU, [(F,)])
-@float_kernel
-def max_pool(x, **attrs): return pool(x, reduce=np.max, pad_value=-np.inf, **attrs)
+def max_pool(x, out=None, **attrs): return pool(x, average=False, out=out, **attrs)
 
 
 @jet("avg_pool", CPU, [(F,)])
-@float_kernel
-def avg_pool(x, **attrs): return pool(x, reduce=np.mean, pad_value=0.0, **attrs)
+def avg_pool(x, out=None, **attrs): return pool(x, average=True, out=out, **attrs)
 
 
 def resample(x, axis, n_out, mode, align_corners):

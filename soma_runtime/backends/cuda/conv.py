@@ -9,7 +9,7 @@ import math
 import torch
 
 from soma_runtime.backends.cuda.device import CUDA, F, device_jet
-from soma_runtime.backends.cuda.elementwise import BINARY, binary
+from soma_runtime.backends.cuda.elementwise import BINARY, UNARY, binary, unary
 from soma_runtime.backends.cuda.linear import dense_matmul
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple
@@ -19,10 +19,18 @@ def biased(y: torch.Tensor, bias, nd: int) -> torch.Tensor:
     return y if bias is None else binary(y, bias.reshape((-1,) + (1,) * nd), BINARY["add"])
 
 
-@jet("conv1d", CUDA, [(F, F, F), (F, F, "none")])
-@jet("conv2d", CUDA, [(F, F, F), (F, F, "none")])
+def finished(y: torch.Tensor, residual, epilogue: str) -> torch.Tensor:
+    """epilogue(y + residual), a convolution's fused tail (ir/ops/conv.py's CONV_EPILOGUES)."""
+    y = y if residual is None else binary(y, residual, BINARY["add"])
+    if epilogue == "relu6":
+        return unary(y, UNARY["clip"], min=0.0, max=6.0)
+    return y if epilogue == "none" else unary(y, UNARY[epilogue])
+
+
+@jet("conv1d", CUDA, [(F, F, b, r) for b in (F, "none") for r in (F, "none")])
+@jet("conv2d", CUDA, [(F, F, b, r) for b in (F, "none") for r in (F, "none")])
 @device_jet
-def conv(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+def conv(x, weight, bias=None, residual=None, stride=1, padding=0, dilation=1, groups=1, epilogue="none"):
     nd = x.ndim - 2
     st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
     if any(pd):
@@ -37,7 +45,7 @@ def conv(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     P, K = math.prod(outs), math.prod(kernel)
     cols = windows.reshape(N, G, C // G, P, K).permute(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
     y = dense_matmul(cols, weight.reshape(G, O // G, (C // G) * K), transpose_b=True)       # [G, N*P, O/G]
-    return biased(y.reshape(G, N, P, O // G).permute(1, 0, 3, 2).reshape(N, O, *outs), bias, nd)
+    return finished(biased(y.reshape(G, N, P, O // G).permute(1, 0, 3, 2).reshape(N, O, *outs), bias, nd), residual, epilogue)
 
 
 @jet("conv_transpose1d", CUDA, [(F, F, F), (F, F, "none")])

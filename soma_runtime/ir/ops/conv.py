@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from soma_runtime.ir.graph import Sym, TensorMeta
-from soma_runtime.ir.ops.base import as_tuple, check, float_dtype, op, same_dtype
+from soma_runtime.ir.ops.base import as_tuple, check, float_dtype, op, same_dtype, sigmoid_atoms
 
 
 def conv_out(n, k, stride, pad, dil):
@@ -27,7 +27,15 @@ def conv_rule(nd):
         st, pd, dl = (as_tuple(attrs[k], nd) for k in ("stride", "padding", "dilation"))
         spatial = tuple(conv_out(n, k, s, p, d) for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], st, pd, dl))
         check(all(not isinstance(s, int) or s > 0 for s in spatial), "kernel larger than padded input")
-        return [TensorMeta((x.shape[0], w.shape[0]) + spatial, dt)]
+        shape = (x.shape[0], w.shape[0]) + spatial
+        if len(metas) > 3 and metas[3] is not None:
+            r = metas[3]
+            check(r.dtype == dt and r.ndim == len(shape) and all(
+                not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(r.shape, shape)),
+                f"a convolution's residual must be its output's shape {list(shape)} and dtype {dt}")
+        check(attrs.get("epilogue", "none") in CONV_EPILOGUES,
+              f"epilogue must be one of {', '.join(CONV_EPILOGUES)}, got {attrs.get('epilogue')!r}")
+        return [TensorMeta(shape, dt)]
     return rule
 
 
@@ -36,6 +44,17 @@ def pad_atoms(A, x, pads, value, x_shape=None):
     shape = tuple(x_shape[:-nd]) + tuple(n + 2 * p for n, p in zip(x_shape[-nd:], pads))
     dst = A.read("fill", shape=shape, value=value)
     return A.write("place", dst, x, axes=tuple(range(-nd, 0)), starts=tuple(pads), steps=(1,) * nd)
+
+
+CONV_EPILOGUES = ("none", "relu", "relu6", "silu")      # what a convolution may apply to its sum (bias and residual in)
+
+
+def epilogue_atoms(A, y, epilogue):
+    if epilogue == "relu":
+        return A.cmp("max", y, A.lit(0))
+    if epilogue == "relu6":
+        return A.cmp("min", A.cmp("max", y, A.lit(0)), A.lit(6))
+    return A.mul(y, sigmoid_atoms(A, y)) if epilogue == "silu" else y
 
 
 def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd, x_shape=None, w_shape=None):
@@ -54,15 +73,23 @@ def conv_atoms(A, x, w, b, stride, padding, dilation, groups, nd, x_shape=None, 
     return y if b is None else A.add(y, A.read("reshape", b, shape=(O,) + (1,) * nd))
 
 
-CONV_ATTRS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+def fused_conv_atoms(A, x, w, b, residual, epilogue, nd, **attrs):
+    """epilogue(conv(x, w) + b + residual): a block's convolution with the stream it joins and its activation."""
+    y = conv_atoms(A, x, w, b, nd=nd, **attrs)
+    return epilogue_atoms(A, y if residual is None else A.add(y, residual), epilogue)
 
 
-@op("conv1d", ["x", "weight", "bias?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0, ranks=(3, 3, 1))
-def conv1d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=1, **attrs)
+CONV_ATTRS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1, "epilogue": "none"}
 
 
-@op("conv2d", ["x", "weight", "bias?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0, ranks=(4, 4, 1))
-def conv2d(A, x, weight, bias, **attrs): return conv_atoms(A, x, weight, bias, nd=2, **attrs)
+@op("conv1d", ["x", "weight", "bias?", "residual?"], conv_rule(1), attrs=CONV_ATTRS, tol=4.0, ranks=(3, 3, 1, 3),
+    struct={"epilogue": CONV_EPILOGUES})
+def conv1d(A, x, weight, bias, residual, **attrs): return fused_conv_atoms(A, x, weight, bias, residual, nd=1, **attrs)
+
+
+@op("conv2d", ["x", "weight", "bias?", "residual?"], conv_rule(2), attrs=CONV_ATTRS, tol=4.0, ranks=(4, 4, 1, 4),
+    struct={"epilogue": CONV_EPILOGUES})
+def conv2d(A, x, weight, bias, residual, **attrs): return fused_conv_atoms(A, x, weight, bias, residual, nd=2, **attrs)
 
 
 def transposed_out(n, k, stride, dil, crop):

@@ -18,7 +18,8 @@ import numpy as np
 
 from soma_runtime.dtypes import QTensor
 from soma_runtime.ir.graph import Graph, Node, meta_of
-from soma_runtime.ir.ops import GATED, OPS
+from soma_runtime.ir.ops import GATED, OPS, as_tuple
+from soma_runtime.ir.passes.dce import eliminate_dead_nodes
 from soma_runtime.ir.passes.recognize import recognize
 from soma_runtime.memory import release
 
@@ -169,6 +170,57 @@ def activation_into_matmul(r: Rewriter, m: Match):
     return "matmul", list(mm.inputs), {**mm.attrs, "epilogue": epilogue}
 
 
+CONV_ACTIVATIONS = {"relu": "relu", "silu": "silu", "clip": "relu6"}     # an activation op -> the conv epilogue it is
+
+
+def residual_into_conv(r: Rewriter, m: Match):
+    """conv(...) + r -> conv(..., residual=r): a residual block's sum, added as the output block is finished."""
+    cv = m.nodes[1]
+    out, residual = r.graph.tensors.get(cv.outputs[0]), r.graph.tensors.get(m.tensors["r"])
+    if not plain(cv, 3) or cv.attrs.get("epilogue", "none") != "none" or out is None or residual is None \
+            or residual.shape != out.shape or residual.dtype != out.dtype:
+        return None
+    return cv.op, list(cv.inputs[:3]) + [m.tensors["r"]], dict(cv.attrs)
+
+
+def activation_into_conv(r: Rewriter, m: Match):
+    """relu / silu / clip(0, 6) of a convolution -> conv(..., epilogue=...), applied before its output leaves cache."""
+    act, cv = m.nodes
+    if cv.attrs.get("epilogue", "none") != "none":
+        return None
+    if act.op == "clip" and (act.attrs.get("min"), act.attrs.get("max")) != (0, 6):
+        return None
+    return cv.op, list(cv.inputs), {**cv.attrs, "epilogue": CONV_ACTIVATIONS[act.op]}
+
+
+def scalar(r: Rewriter, name: str | None, value: float) -> bool:
+    """Whether `name` is a constant holding only `value`."""
+    c = r.constant(name)
+    return c is not None and not isinstance(c, QTensor) and np.size(c) >= 1 and bool(np.all(np.asarray(c) == value))
+
+
+def bounds_into_conv(r: Rewriter, m: Match):
+    """minimum(maximum(conv(...), 0), 6) (a clip to [0, 6] as exporters write it) -> conv(..., epilogue=relu6)."""
+    cv = m.nodes[2]
+    out = r.graph.tensors.get(cv.outputs[0])
+    if cv.attrs.get("epilogue", "none") != "none" or not (scalar(r, m.tensors["lo"], 0) and scalar(r, m.tensors["hi"], 6)) \
+            or any(r.graph.tensors[m.tensors[k]].ndim > out.ndim or np.size(r.constant(m.tensors[k])) != 1 for k in ("lo", "hi")):
+        return None
+    return cv.op, list(cv.inputs), {**cv.attrs, "epilogue": "relu6"}
+
+
+def pad_into_conv(r: Rewriter, m: Match):
+    """conv(pad(x) by zeros, the same either side of each spatial axis) -> conv(x, padding + pad)."""
+    cv, pd = m.nodes
+    pads = [tuple(p) for p in pd.attrs["pads"]]
+    nd = len(pads) - 2
+    if pd.attrs["mode"] != "constant" or pd.attrs["value"] != 0 or pads[:2] != [(0, 0), (0, 0)] \
+            or any(a != b or a < 0 for a, b in pads[2:]):
+        return None
+    padding = tuple(p + a for p, (a, _) in zip(as_tuple(cv.attrs["padding"], nd), pads[2:]))
+    return cv.op, [m.tensors["x"]] + list(cv.inputs[1:]), {**cv.attrs, "padding": padding}
+
+
 def gate_and_up(r: Rewriter, gated: Node) -> tuple[list[Node], list[str]] | None:
     """The products a gated activation joins, and their two weights' halves by name: one matmul split in
     halves (phi3's gate_up), or two matmuls of one input (gate, up) alike but for their weights."""
@@ -240,6 +292,13 @@ TREE_RULES = [
     Rule("norm->matmul", ("matmul", ("rmsnorm", "x", "w"), "W"), norm_into_matmul),
     Rule("matmul->residual", ("add", ("matmul", "_", "_"), "r"), residual_into_matmul, commutative=True),
     Rule("matmul+gelu", ("gelu", ("matmul", "_", "_")), activation_into_matmul),
+    *(Rule(f"{conv}->residual", ("add", (conv, "_", "_"), "r"), residual_into_conv, commutative=True)
+      for conv in ("conv1d", "conv2d")),
+    *(Rule(f"{conv}+{act}", (act, (conv, "_", "_")), activation_into_conv)
+      for conv in ("conv1d", "conv2d") for act in CONV_ACTIVATIONS),
+    *(Rule(f"{conv}+relu6", ("minimum", ("maximum", (conv, "_", "_"), "lo"), "hi"), bounds_into_conv)
+      for conv in ("conv1d", "conv2d")),
+    *(Rule(f"pad->{conv}", (conv, ("pad", "x"), "_"), pad_into_conv) for conv in ("conv1d", "conv2d")),
     Rule("rope->kv_append", ("kv_append", "pages", ("rope", "k", "pos", "freq"), "slots", None, None), rope_into_kv_append),
     Rule("rope->attention", ("paged_attention", ("rope", "q", "pos", "freq"), "_", "_", "_", "_", "_", None, None),
          rope_into_attention),
@@ -332,6 +391,7 @@ def fuse(graph: Graph, recognition: bool = True) -> Counter:
     from soma_runtime.ir.builder import validate
     validate(graph)
     report = recognize(graph) if recognition else Counter()
+    eliminate_dead_nodes(graph)                  # what recognized subgraphs replaced: a rule counts a tensor's readers
     r = Rewriter(graph)
     changed = True
     while changed:
