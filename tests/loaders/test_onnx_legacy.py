@@ -58,6 +58,10 @@ def x(*shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
 
+def i64(*values) -> np.ndarray:
+    return np.array(values[0] if len(values) == 1 else values, np.int64)
+
+
 def node(op: str, inputs, outputs=("y",), **attrs) -> onnx.NodeProto:
     return helper.make_node(op, list(inputs), list(outputs), name=f"{op.lower()}_{outputs[0]}", **attrs)
 
@@ -131,6 +135,13 @@ LEGACY = {      # id: (opset, nodes, inputs, initializers)
     "crop (experimental)": (7, [node("Crop", ["x"], border=[1, 0, 2, 1])], {"x": x(2, 3, 6, 7)}, {}),
     "crop to a size (experimental)": (7, [node("Crop", ["x"], border=[1, 2, 0, 0], scale=[3, 4])], {"x": x(2, 3, 6, 7)},
                                       {}),
+    "mean_variance_normalization (experimental)": (7, [node("MeanVarianceNormalization", ["x"])], {"x": X}, {}),
+    "mean_variance_normalization across channels, not divided (experimental)": (
+        7, [node("MeanVarianceNormalization", ["x"], across_channels=1, normalize_variance=0)], {"x": X}, {}),
+    "mean_variance_normalization-9": (9, [node("MeanVarianceNormalization", ["x"], axes=[1, 3])], {"x": X}, {}),
+    "thresholded_relu (experimental)": (7, [node("ThresholdedRelu", ["x"], alpha=0.5)], {"x": X}, {}),
+    "dynamic_slice (experimental)": (7, [node("DynamicSlice", ["x", "s", "e", "a"])], {"x": X},
+                                     {"s": i64(1, -3), "e": i64(3, 1000), "a": i64(1, 3)}),
     "scale (experimental)": (7, [node("Scale", ["x"], scale=3.0)], {"x": X}, {}),
     "affine (experimental)": (7, [node("Affine", ["x"], alpha=2.0, beta=-1.0)], {"x": X}, {}),
     "scaled_tanh (experimental)": (7, [node("ScaledTanh", ["x"], alpha=2.0, beta=0.5)], {"x": X}, {}),
@@ -204,10 +215,6 @@ def test_an_old_form_the_importer_cannot_take_names_node_op_and_opset(op, opset,
 
 
 # --- sequences ------------------------------------------------------------------------------------
-
-def i64(*values) -> np.ndarray:
-    return np.array(values[0] if len(values) == 1 else values, np.int64)
-
 
 SEQUENCES = {   # id: (nodes, outputs, initializers); x is [2, 6, 4]
     "split into ones, at and length": (

@@ -183,11 +183,13 @@ def slice_axis(cv, x, axis, start, end, step):
     return cv.emit("slice", x, axis=axis, start=start, stop=stop, step=step)
 
 
-@onnx_op("Slice")
+@onnx_op("Slice", "DynamicSlice")
 def slice_(cv, n):
+    """Bounds as attributes before opset 10, as inputs after (and in DynamicSlice, onnxruntime's experimental
+    Slice of opset 1)."""
     x = n.inputs[0]
     rank = cv.meta(x).ndim
-    if n.opset < 10:
+    if n.opset < 10 and n.op_type == "Slice":
         starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
     else:
         starts, ends = cv.ints(n.inputs[1], "starts", symbolic=True), cv.ints(n.inputs[2], "ends", symbolic=True)

@@ -418,6 +418,24 @@ def batch_norm(cv, n):
     return y, running(mean, batch_mean), running(var, batch_var)
 
 
+@onnx_op("MeanVarianceNormalization")
+def mean_variance_normalization(cv, n):
+    """(x - mean) / (std + 1e-9) over `axes` (by default all but the channels'), as ONNX's function defines it
+    from opset 9; before, the experimental op onnxruntime still runs: over all but the channels' axes (all of
+    them with `across_channels`), the division left out where `normalize_variance` is 0."""
+    x = n.inputs[0]
+    rank = cv.meta(x).ndim
+    if n.opset >= 9:
+        axes, divide = tuple(cv.axis(a, rank) for a in n.attr("axes", (0, 2, 3))), True
+    else:
+        axes, divide = (0, *range(1 if n.attr("across_channels", 0) else 2, rank)), n.attr("normalize_variance", 1)
+    centered = cv.emit("sub", x, cv.emit("reduce_mean", x, axes=axes, keepdims=True))
+    if not divide:
+        return centered
+    std = cv.emit("sqrt", cv.emit("reduce_mean", cv.emit("mul", centered, centered), axes=axes, keepdims=True))
+    return cv.emit("div", centered, cv.emit("add", std, scalar(cv, 1e-9, x)))
+
+
 @onnx_op("InstanceNormalization")
 def instance_norm(cv, n):
     x, scale, bias = n.inputs
