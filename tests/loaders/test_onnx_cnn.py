@@ -133,3 +133,51 @@ def test_a_yolo_style_block_folds_silu_but_not_what_differs_from_the_epilogue_fo
     assert fused["recognized silu"] == 2 and fused["conv2d+silu"] == 2 and not fused["conv2d->residual"], fused
     assert not fused["conv2d+relu6"] and not fused["conv2d+relu"], fused
     agrees(path, model, [(1, 32, 40), (3, 21, 17)])
+
+
+def tiny(name: str):
+    """A transformers vision model of a few small layers, and the size its exporter traces at."""
+    if name == "vit":
+        return transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                            intermediate_size=64, image_size=32, patch_size=8)), (32, 32)
+    if name == "clip_vision":
+        return transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+            patch_size=8)), (32, 32)
+    if name == "convnext":
+        return transformers.ConvNextModel(transformers.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
+                                                                      num_stages=2)), TRACED
+    return transformers.EfficientNetModel(transformers.EfficientNetConfig(
+        width_coefficient=0.25, depth_coefficient=0.25, image_size=32, hidden_dim=320)), TRACED
+
+
+@pytest.mark.parametrize("name", ["vit", "clip_vision", "convnext", "efficientnet"])
+def test_transformers_vision_backbones_exported_with_a_dynamic_batch_agree_with_onnxruntime_and_torch(tmp_path, name):
+    """Patch embeddings (a convolution strided by its kernel), attention, layernorm and gelu; ConvNeXt's 7x7
+    depthwise blocks and channels-last norms; EfficientNet's 5x5 depthwise, silu and squeeze-excitation."""
+    model, size = tiny(name)
+    model = randomized(Features(model))
+    path = exported(tmp_path, model, size)
+    agrees(path, model, [(1, *size), (3, *size)] + ([(2, 45, 29)] if size == TRACED and name == "convnext" else []))
+
+
+def test_a_whisper_encoder_exported_with_a_dynamic_batch_agrees_with_onnxruntime_and_torch(tmp_path):
+    config = transformers.WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                                        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+                                        num_mel_bins=16, max_source_positions=40)
+    model = randomized(transformers.WhisperModel(config).get_encoder())
+    features = torch.randn(1, 16, 80)
+    path = str(tmp_path / "encoder.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Features(model), (features,), path, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17, dynamo=False)
+    ours = graph_runner(load_onnx(path).graph, get("cpu"))
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for batch in (1, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 16, 80)).astype(np.float32)
+        got, want = ours.run({"x": x})["y"], session.run(None, {"x": x})[0]
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * scale)
+        with torch.no_grad():
+            np.testing.assert_allclose(got, model(torch.from_numpy(x)).last_hidden_state.numpy(), rtol=0, atol=1e-4 * scale)
