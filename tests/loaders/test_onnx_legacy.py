@@ -196,6 +196,22 @@ def test_an_op_onnxruntime_runs_only_from_opset_7_computes_its_older_form(case):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def running_sum_body() -> onnx.GraphProto:
+    """One step of a scan: the state plus this step's slice of a, times b's; the new state is the output too."""
+    values = {name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("s", "a", "b", "s2", "out")}
+    steps = [node("Mul", ["a", "b"], ["ab"]), node("Add", ["s", "ab"], ["s2"]), node("Identity", ["s2"], ["out"])]
+    return helper.make_graph(steps, "step", [values["s"], values["a"], values["b"]], [values["s2"], values["out"]])
+
+
+@pytest.mark.parametrize("directions, lengths", [([0, 0], None), ([1, 0], None), ([0, 1], [3, 3])])
+def test_scan_8_over_a_batch_agrees_with_onnxruntime(directions, lengths):
+    inputs = {"s": x(2, 4), "a": x(2, 3, 4), "b": x(2, 3, 4)}
+    constants = {} if lengths is None else {"lengths": np.array(lengths, np.int64)}
+    scan = helper.make_node("Scan", ["lengths" if lengths else "", "s", "a", "b"], ["final", "y"], name="scan",
+                            body=running_sum_body(), num_scan_inputs=2, directions=directions)
+    assert_agrees(model([scan], inputs, 8, ["final", "y"], constants), inputs)
+
+
 def test_split_1_takes_its_sizes_as_an_input():
     m = model([node("Split", ["x", "s"], ["a", "b"], axis=3)], {"x": X}, 1, ["a", "b"], {"s": np.array([1, 4], np.int64)})
     a, b = ours(m, {"x": X})
@@ -358,4 +374,13 @@ def test_strings_the_graph_cannot_settle_at_import_are_refused_by_name():
     m = model([helper.make_node("StringNormalizer", ["words"], ["y"], name="tr", locale="tr_TR.UTF-8")], {}, 17)
     m.graph.initializer.append(strings("words", WORDS))
     with pytest.raises(UnsupportedModelError, match=r"node 'tr' \(StringNormalizer, opset 17\): locale 'tr_TR.UTF-8'"):
+        onnx_graph(m, ".", "legacy.onnx")
+
+
+def test_scan_8_over_sequences_shorter_than_their_batch_is_refused_by_name():
+    inputs = {"s": x(2, 4), "a": x(2, 3, 4), "b": x(2, 3, 4)}
+    scan = helper.make_node("Scan", ["lengths", "s", "a", "b"], ["final", "y"], name="scan", body=running_sum_body(),
+                            num_scan_inputs=2)
+    m = model([scan], inputs, 8, ["final", "y"], {"lengths": i64(3, 2)})
+    with pytest.raises(UnsupportedModelError, match=r"node 'scan' \(Scan, opset 8\): sequence lengths \[3, 2\]"):
         onnx_graph(m, ".", "legacy.onnx")

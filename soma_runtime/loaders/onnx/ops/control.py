@@ -37,31 +37,57 @@ def if_(cv, n):
     return cv.call(branch)
 
 
-@onnx_op("Scan")
-def scan(cv, n):
-    """Opset 9+: states carried through the body, which also reads one slice of each scan input per step
-    and writes one slice of each scan output."""
-    if n.opset < 9:
-        raise cv.unsupported("Scan before opset 9 (with a batch axis and sequence lengths) is not supported")
-    body, m = n.attr("body"), n.attr("num_scan_inputs")
-    states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
-    in_axes = [cv.axis(a, cv.meta(x).ndim) for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
-    in_reverse = n.attr("scan_input_directions", [0] * m)
-    length = step_count(cv, cv.meta(xs[0]).shape[in_axes[0]])
+def scanned(cv, body, states: list, xs: list, axes: list, reverse: list) -> tuple[list, list[list]]:
+    """The body run once per slice of the scan inputs along their `axes` (from the end where `reverse`): the
+    final states, and each step's scan outputs."""
+    length = step_count(cv, cv.meta(xs[0]).shape[axes[0]])
     outputs: list[list] = []
     for t in range(length):
         slices = [cv.emit("take", x, np.array(length - 1 - t if rev else t, np.int64), axis=axis)
-                  for x, axis, rev in zip(xs, in_axes, in_reverse)]
+                  for x, axis, rev in zip(xs, axes, reverse)]
         results = cv.call(body, states + slices)
         states, ys = results[:len(states)], results[len(states):]
         outputs.append(ys)
+    return states, outputs
+
+
+@onnx_op("Scan")
+def scan(cv, n):
+    """States carried through the body, which also reads one slice of each scan input per step and writes one
+    slice of each scan output. Opset 8 scans axis 1 of inputs batched on axis 0 (each batch item scanned on
+    its own; sequence_lens, where given, must be every item's full length); opset 9 on, the axes given."""
+    body, m = n.attr("body"), n.attr("num_scan_inputs")
+    if n.opset < 9:
+        return scan_batched(cv, n, body, m)
+    states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
+    in_axes = [cv.axis(a, cv.meta(x).ndim) for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
+    states, outputs = scanned(cv, body, states, xs, in_axes, n.attr("scan_input_directions", [0] * m))
     k = len(outputs[0]) if outputs else 0
     out_axes, out_reverse = n.attr("scan_output_axes", [0] * k), n.attr("scan_output_directions", [0] * k)
-    scanned = []
+    scans = []
     for j in range(k):
         steps = [ys[j] for ys in outputs]
-        scanned.append(stacked(cv, steps[::-1] if out_reverse[j] else steps, out_axes[j]))
-    return states + scanned
+        scans.append(stacked(cv, steps[::-1] if out_reverse[j] else steps, out_axes[j]))
+    return states + scans
+
+
+def scan_batched(cv, n, body, m: int) -> list:
+    lengths, states, xs = n.inputs[0], list(n.inputs[1:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
+    batch, length = cv.meta(xs[0]).shape[:2]
+    if not isinstance(batch, int):
+        raise SymbolicError(f"its batch {batch} is not known before the inputs' sizes are")
+    if lengths is not None and np.any(np.asarray(cv.known(lengths, "sequence lengths")) != length):
+        raise cv.unsupported(f"sequence lengths {np.asarray(lengths).tolist()} other than the full {length}")
+    finals, scans = [], []
+    for b in range(batch):
+        index = np.array(b, np.int64)
+        item_states, outputs = scanned(cv, body, [cv.emit("take", s, index, axis=0) for s in states],
+                                       [cv.emit("take", x, index, axis=0) for x in xs], [0] * m,
+                                       n.attr("directions", [0] * m))
+        finals.append(item_states)
+        scans.append([stacked(cv, [ys[j] for ys in outputs], 0) for j in range(len(outputs[0]) if outputs else 0)])
+    return [stacked(cv, [f[i] for f in finals], 0) for i in range(len(states))] + \
+        [stacked(cv, [s[j] for s in scans], 0) for j in range(len(scans[0]))]
 
 
 @onnx_op("Loop", sequences=True)
