@@ -331,6 +331,15 @@ STRING_GRAPHS = {   # id: (nodes, initializers); the graph's output y = where(ma
          node("Equal", ["same", "want"], ["mask"]), node("Where", ["mask", "x", "minus_x"])],
         {"picks": i64(4, 0, 2, 4), "zero": i64(0).reshape(1), "flat": i64(-1).reshape(1), "one": i64(1).reshape(1),
          "five": i64(5).reshape(1), "want": np.array(["Monday", "ÉTÉ", "İstanbul", "İstanbul"], dtype=object)}),
+    "transposed, split, tiled, expanded": (
+        [node("Slice", ["words", "zero", "six"], ["six_words"]), node("Reshape", ["six_words", "two_by_three"], ["grid"]),
+         node("Transpose", ["grid"], ["turned"], perm=[1, 0]), node("Split", ["turned", "sizes"], ["top", "rest"], axis=0),
+         node("Tile", ["top", "twice"], ["tiled"]), node("Expand", ["tiled", "wide"], ["wider"]),
+         node("Reshape", ["wider", "flat"], ["flat_words"]), node("Equal", ["flat_words", "want"], ["mask"]),
+         node("Where", ["mask", "x", "minus_x"])],
+        {"zero": i64(0).reshape(1), "six": i64(6).reshape(1), "two_by_three": i64(2, 3), "sizes": i64(1, 2),
+         "twice": i64(1, 2), "wide": i64(2, 1), "flat": i64(-1).reshape(1),
+         "want": np.array(["Monday", "Straße", "Monday", "x", "Monday", "Straße", "Monday", "Straße"], dtype=object)}),
     "lowered less stopwords": (
         [normalizer(["words"], "clean", case_change_action="LOWER", stopwords=["THE", "and"]),
          node("Equal", ["clean", "want"], ["mask"]), node("Where", ["mask", "x", "minus_x"])],
