@@ -181,6 +181,14 @@ BEFORE_7 = {    # forms onnxruntime no longer runs (it has no kernel before opse
     "tile-1 along one axis": (1, node("Tile", ["x", "t", "a"]), {"t": np.array(3, np.int64), "a": np.array(2, np.int64)},
                               np.tile(X, (1, 1, 3, 1))),
     "cast-1 by type name": (1, node("Cast", ["x"], to="INT32"), {}, X.astype(np.int32)),
+    "pad-1 by paddings": (1, node("Pad", ["x"], paddings=[0, 0, 1, 2, 0, 0, 2, 1], value=1.5), {},
+                          np.pad(X, ((0, 0), (0, 0), (1, 2), (2, 1)), constant_values=1.5)),
+    "pad-1 edge": (1, node("Pad", ["x"], paddings=[0, 1, 0, 2, 0, 0, 3, 0], mode="edge"), {},
+                   np.pad(X, ((0, 0), (1, 0), (0, 3), (2, 0)), mode="edge")),
+    "batch_norm-1 with consumed_inputs": (1, node("BatchNormalization", ["x", "s", "b", "m", "v"], is_test=1,
+                                                  consumed_inputs=[0, 0, 0, 1, 1]), {"s": C, "b": B3, "m": B3, "v": C},
+                                          (X - B3.reshape(3, 1, 1)) / np.sqrt(C.reshape(3, 1, 1) + 1e-5) * C.reshape(3, 1, 1)
+                                          + B3.reshape(3, 1, 1)),
     "batch_norm-6 in test mode": (6, node("BatchNormalization", ["x", "s", "b", "m", "v"], is_test=1, epsilon=1e-3),
                                   {"s": C, "b": B3, "m": B3, "v": C},
                                   (X - B3.reshape(3, 1, 1)) / np.sqrt(C.reshape(3, 1, 1) + 1e-3) * C.reshape(3, 1, 1)

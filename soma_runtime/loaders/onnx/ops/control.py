@@ -72,6 +72,7 @@ def scan(cv, n):
 
 
 def scan_batched(cv, n, body, m: int) -> list:
+    """Scan-8: each batch item's states and scan inputs scanned on their own, the results stacked on axis 0."""
     lengths, states, xs = n.inputs[0], list(n.inputs[1:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
     batch, length = cv.meta(xs[0]).shape[:2]
     if not isinstance(batch, int):
