@@ -1,8 +1,9 @@
-"""Convolution networks as exporters write them (issue 53, item 4): transformers' ResNet and MobileNetV2 and a
-YOLO-style block exported by torch with dynamic batch and image axes, each at two sizes against onnxruntime
-and torch; the fuse pass folds each block's residual, activation (relu, relu6 written as a clip or as
-maximum/minimum, silu written as x * sigmoid(x)) and symmetric zero pad into its convolution, and leaves
-alone what is not that formula."""
+"""Convolution networks as exporters write them (issue 53, item 4): transformers' ResNet, MobileNetV2, ViT,
+CLIP vision, ConvNeXt, EfficientNet and whisper encoder, and a YOLO-style block, exported by torch's two
+exporters (TorchScript with dynamic batch and image axes; dynamo, opset 18, with a dynamic batch), each at two
+sizes against onnxruntime and torch. The fuse pass folds each block's residual, activation (relu; relu6
+written as a clip or as maximum/minimum; silu written as x * sigmoid(x)) and symmetric zero pad into its
+convolution, and leaves alone what is not that formula."""
 from __future__ import annotations
 
 import warnings
@@ -51,13 +52,20 @@ class Features(nn.Module):
 TRACED = (32, 40)          # the image size the exporter traces at
 
 
-def exported(tmp_path, module: nn.Module, size=TRACED) -> str:
-    path = str(tmp_path / "model.onnx")
+EXPORTERS = ("torchscript", "dynamo")
+
+
+def exported(tmp_path, module: nn.Module, size=TRACED, exporter: str = "torchscript") -> str:
+    path = str(tmp_path / f"{exporter}.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.randn(1, 3, *size),), path, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}, "y": {0: "batch"}},
-                          opset_version=17, dynamo=False)
+        if exporter == "dynamo":          # traced at a batch of 2: dynamo specializes a dimension of 1
+            torch.onnx.export(module, (torch.randn(2, 3, *size),), path, input_names=["x"], output_names=["y"],
+                              dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=64)}}, dynamo=True)
+        else:
+            torch.onnx.export(module, (torch.randn(1, 3, *size),), path, input_names=["x"], output_names=["y"],
+                              dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}, "y": {0: "batch"}},
+                              opset_version=17, dynamo=False)
     return path
 
 
@@ -82,13 +90,14 @@ def agrees(path: str, module: nn.Module, sizes, traced_only=False) -> None:
                 np.testing.assert_allclose(got, module(torch.from_numpy(x)).numpy(), rtol=0, atol=1e-4 * scale)
 
 
-def test_a_resnet_runs_each_block_as_convolutions_with_their_residual_and_relu_folded_in(tmp_path):
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_resnet_runs_each_block_as_convolutions_with_their_residual_and_relu_folded_in(tmp_path, exporter):
     config = transformers.ResNetConfig(layer_type="basic", depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8)
     model = randomized(Features(transformers.ResNetModel(config)))
-    path = exported(tmp_path, model)
+    path = exported(tmp_path, model, exporter=exporter)
     fused = fusions_of(path)
     assert fused["conv2d->residual"] == 2 and fused["conv2d+relu"] == 5, fused
-    agrees(path, model, [(1, 32, 40), (2, 45, 29)])
+    agrees(path, model, [(1, 32, 40), (2, 45, 29)] if exporter == "torchscript" else [(1, 32, 40), (3, 32, 40)])
 
 
 def test_a_mobilenet_v2_folds_relu6_and_its_symmetric_pads_and_keeps_the_asymmetric_ones(tmp_path):
@@ -126,13 +135,14 @@ class YoloBlock(nn.Module):
         return F.max_pool2d(torch.relu(t) + t, 3, 2, 1)                # a conv whose output is read twice
 
 
-def test_a_yolo_style_block_folds_silu_but_not_what_differs_from_the_epilogue_formula(tmp_path):
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_yolo_style_block_folds_silu_but_not_what_differs_from_the_epilogue_formula(tmp_path, exporter):
     model = randomized(YoloBlock())
-    path = exported(tmp_path, model)
+    path = exported(tmp_path, model, exporter=exporter)
     fused = fusions_of(path)
     assert fused["recognized silu"] == 2 and fused["conv2d+silu"] == 2 and not fused["conv2d->residual"], fused
     assert not fused["conv2d+relu6"] and not fused["conv2d+relu"], fused
-    agrees(path, model, [(1, 32, 40), (3, 21, 17)])
+    agrees(path, model, [(1, 32, 40), (3, 21, 17)] if exporter == "torchscript" else [(1, 32, 40), (3, 32, 40)])
 
 
 def tiny(name: str):
@@ -151,13 +161,15 @@ def tiny(name: str):
         width_coefficient=0.25, depth_coefficient=0.25, image_size=32, hidden_dim=320)), TRACED
 
 
-@pytest.mark.parametrize("name", ["vit", "clip_vision", "convnext", "efficientnet"])
-def test_transformers_vision_backbones_exported_with_a_dynamic_batch_agree_with_onnxruntime_and_torch(tmp_path, name):
+@pytest.mark.parametrize("name,exporter", [(n, "torchscript") for n in ("vit", "clip_vision", "convnext", "efficientnet")]
+                         + [("vit", "dynamo"), ("efficientnet", "dynamo")])
+def test_transformers_vision_backbones_exported_with_a_dynamic_batch_agree_with_onnxruntime_and_torch(tmp_path, name,
+                                                                                                      exporter):
     """Patch embeddings (a convolution strided by its kernel), attention, layernorm and gelu; ConvNeXt's 7x7
     depthwise blocks and channels-last norms; EfficientNet's 5x5 depthwise, silu and squeeze-excitation."""
     model, size = tiny(name)
     model = randomized(Features(model))
-    path = exported(tmp_path, model, size)
+    path = exported(tmp_path, model, size, exporter)
     agrees(path, model, [(1, *size), (3, *size)] + ([(2, 45, 29)] if size == TRACED and name == "convnext" else []))
 
 
