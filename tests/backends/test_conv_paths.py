@@ -1,6 +1,6 @@
 """The CPU convolution's paths (backends/cpu/conv.py) against torch, each forced where the op test's small
-cases take it whole: im2col columns and Winograd tile rows split into several blocks, a Winograd
-weight's transform kept while the weight lives and let go with it."""
+cases take it whole: im2col columns (2-D, and a long 1-D sequence) and Winograd tile rows split into several
+blocks, a Winograd weight's transform kept while the weight lives and let go with it."""
 from __future__ import annotations
 
 import gc
@@ -24,13 +24,22 @@ def agree(got, want):
 
 
 @pytest.mark.parametrize("stride,dilation", [(1, 1), (2, 1), (1, 2)])
-def test_im2col_columns_built_a_few_output_rows_at_a_time_agree_with_torch(monkeypatch, stride, dilation):
-    monkeypatch.setattr(cpu_conv, "COLUMN_BYTES", 4 * 27 * 13 * 2)         # two output rows a block
+def test_im2col_columns_built_a_few_output_positions_at_a_time_agree_with_torch(monkeypatch, stride, dilation):
+    monkeypatch.setattr(cpu_conv, "COLUMN_BYTES", 4 * 27 * 20)              # 20 positions a block: rows split mid-row
     x, w, b = tensors((2, 3, 25, 13), (5, 3, 3, 3), (5,))
     summed = F.conv2d(*map(torch.from_numpy, (x, w, b)), stride=stride, padding=1, dilation=dilation)
     r = np.random.default_rng(1).standard_normal(summed.shape).astype(np.float32)
     got = cpu_conv.conv(x, w, b, r, stride=stride, padding=1, dilation=dilation, groups=1, epilogue="silu")
     agree(got, F.silu(summed + torch.from_numpy(r)).numpy())
+
+
+def test_a_long_1d_convolution_in_blocks_of_positions_agrees_with_torch(monkeypatch):
+    monkeypatch.setattr(cpu_conv, "COLUMN_BYTES", 4 * 4 * 7 * 300)
+    x, w, b = tensors((2, 8, 2000), (6, 4, 7), (6,))
+    summed = F.conv1d(*map(torch.from_numpy, (x, w, b)), stride=2, padding=9, dilation=3, groups=2)
+    r = np.random.default_rng(1).standard_normal(summed.shape).astype(np.float32)
+    got = cpu_conv.conv(x, w, b, r, stride=2, padding=9, dilation=3, groups=2, epilogue="relu")
+    agree(got, F.relu(summed + torch.from_numpy(r)).numpy())
 
 
 def test_winograd_tile_rows_in_several_blocks_agree_with_torch(monkeypatch):

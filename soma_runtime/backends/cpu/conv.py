@@ -1,5 +1,6 @@
-"""CPU jets for convolution (im2col blocks into BLAS, depthwise by direct loops), transposed convolution,
-pooling and interpolation."""
+"""CPU jets for convolution (im2col blocks into BLAS; Winograd for 3x3 stride 1; depthwise and other thin
+ones by direct loops over stride phases), each with its residual and activation applied to an output block
+while it is in cache; transposed convolution, pooling and interpolation."""
 from __future__ import annotations
 
 import itertools
@@ -72,24 +73,27 @@ def _finish(y, bias, residual, code, first, last):
 
 @njit(parallel=True, cache=True)
 def _im2col(x, kh, kw, sh, sw, ph, pw, dh, dw, first, last, width, cols):
-    """cols[c * kh * kw + i * kw + j, (oh - first) * width + ow] = x[c, oh * sh - ph + i * dh, ow * sw - pw + j * dw]
-    (zero outside x) for output rows first <= oh < last: x [C, H, W] -> cols [C * kh * kw, (last - first) * width]."""
+    """cols[c * kh * kw + i * kw + j, p - first] = x[c, oh * sh - ph + i * dh, ow * sw - pw + j * dw] (zero
+    outside x) for output positions first <= p = oh * width + ow < last: x [C, H, W] -> cols [C * kh * kw,
+    last - first] (a block of a long 1-D convolution's positions, or of an image's rows)."""
     C, H, W = x.shape
     for r in prange(C * kh * kw):
         c, i, j = r // (kh * kw), (r // kw) % kh, r % kw
-        lo, hi = _span(width, W, j * dw - pw, sw)
-        for oh in range(first, last):
-            base = (oh - first) * width
+        start = j * dw - pw
+        lo, hi = _span(width, W, start, sw)
+        for oh in range(first // width, (last - 1) // width + 1):
+            a, b = max(first - oh * width, 0), min(last - oh * width, width)      # this row's outputs in the block
+            base = oh * width - first
             h = oh * sh - ph + i * dh
             if h < 0 or h >= H:
-                cols[r, base:base + width] = 0
+                cols[r, base + a:base + b] = 0
                 continue
-            cols[r, base:base + lo] = 0
-            start = j * dw - pw
-            row, src = cols[r, base + lo:base + hi], x[c, h, lo * sw + start::sw]
-            for k in range(hi - lo):
+            inner_lo, inner_hi = min(max(lo, a), b), max(min(hi, b), min(max(lo, a), b))
+            cols[r, base + a:base + inner_lo] = 0
+            row, src = cols[r, base + inner_lo:base + inner_hi], x[c, h, inner_lo * sw + start::sw]
+            for k in range(inner_hi - inner_lo):
                 row[k] = src[k]
-            cols[r, base + hi:base + width] = 0
+            cols[r, base + inner_hi:base + b] = 0
 
 
 @njit(parallel=True, cache=True)
@@ -270,9 +274,7 @@ def winograd(x, w, bias, residual, code, pad, y):
             _winograd_out(M[:, :, :tiles], bias, residual[n] if residual.size else NO_IMAGE, code, first, last, TW, y[n])
 
 
-LONG_SEQUENCE = 1024           # a 1-D convolution this long sums per-tap matmuls: its im2col would not fit a cache
-BLOCK_BYTES = 1 << 20          # ... over blocks of outputs whose inputs and sums stay in cache across the taps
-COLUMN_BYTES = 4 << 20         # a 2-D convolution's im2col is built this many bytes of columns at a time
+COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
 DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS),
 DIRECT_DEPTH = 16              # ... or up to this many products per output: direct loops
@@ -285,7 +287,7 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
     nd = x.ndim - 2
     st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
     given = [t for t in (x, weight, bias, residual) if t is not None]
-    if not all_f32(*given) or (nd == 1 and x.shape[2] >= LONG_SEQUENCE):
+    if not all_f32(*given):
         return _conv_numpy(x, weight, bias, residual, stride=st, padding=pd, dilation=dl, groups=groups,
                            epilogue=epilogue, out=out)
     planar = (lambda a: a[:, :, None]) if nd == 1 else (lambda a: a)     # a 1-D convolution is a 2-D one of height 1
@@ -319,23 +321,24 @@ def _im2col_gemm(x, w, bias, residual, code, st, pd, dl, groups, y):
     Og, depth = O // groups, Cg * KH * KW
     weights = w.reshape(groups, Og, depth)
     pointwise = KH == KW == 1 and st == (1, 1) and pd == (0, 0)
-    rows = OH if pointwise else max(1, min(OH, COLUMN_BYTES // (4 * depth * OW)))
-    cols = None if pointwise else np.empty((depth, rows * OW), np.float32)
+    P = OH * OW
+    span = P if pointwise else max(1, min(P, COLUMN_BYTES // (4 * depth)))
+    cols = None if pointwise else np.empty((depth, span), np.float32)
     finish = bias.size or residual.size or code
     for n, g in itertools.product(range(N), range(groups)):
-        into = y[n, g * Og:(g + 1) * Og].reshape(Og, OH * OW)
+        into = y[n, g * Og:(g + 1) * Og].reshape(Og, P)
         image = x[n, g * Cg:(g + 1) * Cg]
-        for first in range(0, OH, rows):
-            last = min(OH, first + rows)
+        for first in range(0, P, span):
+            last = min(P, first + span)
             if pointwise:
                 np.matmul(weights[g], image.reshape(Cg, H * W), out=into)
             else:
-                block = cols[:, :(last - first) * OW]
+                block = cols[:, :last - first]
                 _im2col(image, KH, KW, *st, *pd, *dl, first, last, OW, block)
-                np.matmul(weights[g], block, out=into[:, first * OW:last * OW])
+                np.matmul(weights[g], block, out=into[:, first:last])
             if finish:
-                joined = residual[n, g * Og:(g + 1) * Og].reshape(Og, OH * OW) if residual.size else NO_ROWS
-                _finish(into, bias[g * Og:(g + 1) * Og] if bias.size else bias, joined, code, first * OW, last * OW)
+                joined = residual[n, g * Og:(g + 1) * Og].reshape(Og, P) if residual.size else NO_ROWS
+                _finish(into, bias[g * Og:(g + 1) * Og] if bias.size else bias, joined, code, first, last)
 
 
 ACTIVATIONS = {"none": lambda y: y, "relu": lambda y: np.maximum(y, 0), "relu6": lambda y: np.clip(y, 0, 6),
@@ -344,18 +347,16 @@ ACTIVATIONS = {"none": lambda y: y, "relu": lambda y: np.maximum(y, 0), "relu6":
 
 @float_kernel
 def _conv_numpy(x, weight, bias, residual, stride, padding, dilation, groups, epilogue):
-    """Half inputs and long 1-D sequences, with their epilogue after."""
+    """Half inputs, with their epilogue after."""
     y = _conv_sum(x, weight, bias, stride, padding, dilation, groups)
     return ACTIVATIONS[epilogue](y if residual is None else y + residual)
 
 
 def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
-    """Windows of the padded input through batched BLAS, or per-tap sums over a long sequence."""
+    """Windows of the padded input through batched BLAS."""
     nd = x.ndim - 2
     N, C = x.shape[:2]
     O, kernel = weight.shape[0], weight.shape[2:]
-    if nd == 1 and x.shape[2] >= LONG_SEQUENCE:
-        return tap_sum(pad(x, padding, 0), weight, bias, stride[0], dilation[0], groups)
     cols = windows(pad(x, padding, 0), kernel, stride, dilation)                    # [N, C, *out, *k]
     spatial = cols.shape[2:2 + nd]
     P, K, G = math.prod(spatial), math.prod(kernel), groups
@@ -363,31 +364,6 @@ def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
     y = np.matmul(cols, weight.reshape(G, O // G, (C // G) * K).transpose(0, 2, 1))        # [G, N*P, O/G]
     y = y.reshape(G, N, P, O // G).transpose(1, 0, 3, 2).reshape(N, O, *spatial)
     return y if bias is None else y + bias.reshape((O,) + (1,) * nd)
-
-
-def tap_sum(x, weight, bias, stride, dilation, groups):
-    """A 1-D convolution of a padded x as the sum over kernel taps of [O/g, C/g] @ [C/g, P] matmuls, each
-    on a strided view of x (no im2col copy), a block of outputs at a time."""
-    N, C, length = x.shape
-    O, _, K = weight.shape
-    G = groups
-    P = (length - (K - 1) * dilation - 1) // stride + 1
-    xs = x.reshape(N, G, C // G, length)
-    w = weight.reshape(G, O // G, C // G, K)
-    y = np.empty((N, G, O // G, P), np.float32)
-    block = max(256, BLOCK_BYTES // (4 * max(C, O)))
-    part = np.empty((G, O // G, min(block, P)), np.float32)
-    for n, first in itertools.product(range(N), range(0, P, block)):
-        last = min(P, first + block)
-        out = y[n, :, :, first:last]
-        for k in range(K):
-            start = first * stride + k * dilation
-            view = xs[n, :, :, start:start + stride * (last - first - 1) + 1:stride]
-            np.matmul(w[:, :, :, k], view, out=out if k == 0 else part[:, :, :last - first])
-            if k:
-                out += part[:, :, :last - first]
-    y = y.reshape(N, O, P)
-    return y if bias is None else y + bias.reshape(O, 1)
 
 
 @jet("conv_transpose1d", CPU, [(F, F, F), (F, F, "none")])
