@@ -62,6 +62,18 @@ class PagedKV:
         last, dtype = kv.page_meta(self.layout.kinds[layer][which], self.head_dim)
         return (pages, block, self.kv_heads, last), dtype
 
+    def copies(self, layer: int) -> bool:
+        """Whether a layer keeps float copies of its sinks' and window's keys and values (quant/kv.py)."""
+        return self.layout.float_copies(layer)
+
+    @property
+    def keeps_copies(self) -> bool:
+        return any(self.copies(i) for i in range(self.layers))
+
+    def copy_page_shape(self, pages, block) -> tuple[tuple, str]:
+        """The shape and dtype of a layer's copy pages: f16 vectors in the basis its codes are in."""
+        return (pages, block, self.kv_heads, self.head_dim), "f16"
+
     def token_bytes(self, layers: range | None = None) -> int:
         """The cache's bytes for one token, over `layers` (default: all)."""
         kinds = self.layout.kinds
@@ -73,34 +85,42 @@ class PagedKV:
 class Attention:
     """What every layer's attention reads in one step, for its rows: their positions, the cache slots
     their keys and values go to, the slots of the context attention reads, and per window size each
-    row's span [start, stop) of that context (its own sequence's, causal, within the window)."""
+    row's span [start, stop) of that context (its own sequence's, causal, within the window). Where the
+    cache keeps float copies: the copy slot of each context slot a row may read there (or -1), and the
+    copy slot each row's key and value go to."""
     positions: object
     slots: object
     ctx_slots: object
     spans: dict[int, object]
+    copy_slots: object = None
+    copy_written: object = None
 
 
 @dataclass
 class DecoderStep:
     """One forward of a decoder: token ids, attention inputs, the rows whose logits are wanted with their
-    sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer); for a
-    graph of later layers, the hidden rows the layers before it gave instead of the ids."""
+    sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer) and copy
+    pages (k, v per layer, None where a layer keeps none); for a graph of later layers, the hidden rows
+    the layers before it gave instead of the ids."""
     ids: object
     attention: Attention
     logit_rows: object
     sampling: object
     pages: list = field(default_factory=list)
     hidden: object = None
+    copies: list = field(default_factory=list)
 
 
 @dataclass
 class DecoderOutputs:
-    """logits [R, vocab] of the wanted rows, each row's chosen token [R], and the updated pages; a graph
-    of earlier layers gives its hidden rows [S, width] instead of logits and choices."""
+    """logits [R, vocab] of the wanted rows, each row's chosen token [R], and the updated pages (and copy
+    pages, of the layers that keep them); a graph of earlier layers gives its hidden rows [S, width]
+    instead of logits and choices."""
     logits: object
     choices: object
     pages: list
     hidden: object = None
+    copies: list = field(default_factory=list)
 
 
 class DecoderIO:
@@ -130,17 +150,28 @@ class DecoderIO:
         attention = Attention(g.input("positions", ("S",), "i64"), g.input("slots", ("S",), "i64"),
                               g.input("ctx_slots", ("T",), "i64"),
                               {w: g.input(self.spans_name(w), ("S", 2), "i64") for w in c.window_sizes})
+        if self.copy_layers:
+            attention.copy_slots = g.input("copy_slots", ("T",), "i64")
+            attention.copy_written = g.input("copy_written", ("S",), "i64")
         pages = [g.input(f"{name}_pages.{i}", *c.page_shape(i, j, "P", "BLK")) for i in self.layers
                  for j, name in enumerate("kv")]
+        copies = [g.input(f"{name}_copies.{i}", *c.copy_page_shape("P", "BLK")) if i in self.copy_layers else None
+                  for i in self.layers for name in "kv"]
         ids = g.input("ids", ("S",), "i64") if self.first else None
         hidden = None if self.first else g.input("hidden", ("S", self.width), "f32")
         rows, sampling = None, None
         if self.last:
             rows, sampling = g.input("logit_rows", ("R",), "i64"), g.input("sampling", ("R", 5), "f32")
-        return DecoderStep(ids, attention, rows, sampling, pages, hidden)
+        return DecoderStep(ids, attention, rows, sampling, pages, hidden, copies)
 
-    def outputs(self, g: GraphBuilder, pages: list[Value], logits: Value = None, choices: Value = None, hidden: Value = None):
-        return g.output(*((logits, choices) if self.last else (hidden,)), *pages)
+    @functools.cached_property
+    def copy_layers(self) -> list[int]:
+        """This graph's layers that keep float copies."""
+        return [i for i in self.layers if self.cache.copies(i)]
+
+    def outputs(self, g: GraphBuilder, pages: list[Value], logits: Value = None, choices: Value = None, hidden: Value = None,
+                copies: list[Value] = ()):
+        return g.output(*((logits, choices) if self.last else (hidden,)), *pages, *copies)
 
     def feed(self, step: DecoderStep) -> dict:
         """The graph's inputs by name, for one step (`step.pages`: every layer's)."""
@@ -151,19 +182,23 @@ class DecoderIO:
             named.update(logit_rows=step.logit_rows, sampling=step.sampling)
         named.update({self.spans_name(w): span for w, span in a.spans.items()})
         named.update({f"{kv}_pages.{i}": step.pages[2 * i + j] for i in self.layers for j, kv in enumerate("kv")})
+        if self.copy_layers:
+            named.update(copy_slots=a.copy_slots, copy_written=a.copy_written)
+            named.update({f"{kv}_copies.{i}": step.copies[2 * i + j] for i in self.copy_layers for j, kv in enumerate("kv")})
         return named
 
     def shared(self) -> set[str]:
-        """The inputs that are the same tensors every step (the pages, updated in place)."""
-        return {f"{kv}_pages.{i}" for i in self.layers for kv in "kv"}
+        """The inputs that are the same tensors every step (the pages and copy pages, updated in place)."""
+        return {f"{kv}_{what}.{i}" for i in self.layers for kv in "kv" for what in ("pages", "copies")
+                if what == "pages" or i in self.copy_layers}
 
     def read(self, outputs: list) -> DecoderOutputs:
-        """The step's results; `pages`, this graph's layers' (k, v per layer)."""
+        """The step's results; `pages`, this graph's layers' (k, v per layer), then `copies`, its copy layers'."""
+        head, outputs = (outputs[:2], outputs[2:]) if self.last else (outputs[:1], outputs[1:])
+        pages, copies = outputs[:2 * len(self.layers)], outputs[2 * len(self.layers):]
         if self.last:
-            logits, choices, *pages = outputs
-            return DecoderOutputs(logits, choices, pages)
-        hidden, *pages = outputs
-        return DecoderOutputs(None, None, pages, hidden)
+            return DecoderOutputs(*head, pages, copies=copies)
+        return DecoderOutputs(None, None, pages, head[0], copies)
 
 
 @dataclass

@@ -135,10 +135,11 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             x = g.mul(x, g.const("embed_scale", np.full(1, cfg.embed_scale, np.float32)))
     else:                                         # a later part of a split model: the rows its earlier part gave
         x = step.hidden
-    pages_out = []
+    pages_out, copies_out = [], []
     for i in io.layers:
         p = f"blk.{i}"
         k_pages, v_pages = step.pages[2 * (i - io.layers.start): 2 * (i - io.layers.start) + 2]
+        k_copies, v_copies = step.copies[2 * (i - io.layers.start): 2 * (i - io.layers.start) + 2]
         h = norm(x, f"{p}.attn_norm")
         if f"{p}.attn_qkv.weight" in weights:
             q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
@@ -163,15 +164,23 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         k_pages = g.kv_append(k_pages, k, att.slots, **coded(codec=k_codec))
         v_pages = g.kv_append(v_pages, v, att.slots, **coded(codec=v_codec))
         pages_out += [k_pages, v_pages]
-        attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, att.spans[cfg.window(i)], scale=cfg.score_scale(),
-                                 softcap=cfg.attn_softcap, **coded(k_codec=k_codec, v_codec=v_codec))
+        spans = att.spans[cfg.window(i)]
+        if k_copies is not None:              # f16 copies of the sinks and each row's window, read instead of codes
+            k_copies, v_copies = g.kv_append(k_copies, k, att.copy_written, None, None, v_copies, v)
+            copies_out += [k_copies, v_copies]
+            attn = g.paged_attention_copies(q, k_pages, v_pages, att.ctx_slots, spans, k_copies, v_copies, att.copy_slots,
+                                            scale=cfg.score_scale(), softcap=cfg.attn_softcap, k_codec=k_codec, v_codec=v_codec,
+                                            sinks=io.cache.layout.sinks, window=io.cache.layout.window)
+        else:
+            attn = g.paged_attention(q, k_pages, v_pages, att.ctx_slots, None, spans, scale=cfg.score_scale(),
+                                     softcap=cfg.attn_softcap, **coded(k_codec=k_codec, v_codec=v_codec))
         if kv.rotated(v_codec):             # sum p vR = (sum p v) R: back from the values' rotated basis
             attn = g.matmul(attn, kv_basis(), transpose_b=True)
         attn = linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", True)
         x = g.add(x, block_output(attn, f"{p}.post_attention_norm"))
         x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down", True), f"{p}.post_ffw_norm"))
     if not io.last:
-        return io.outputs(g, pages_out, hidden=x)
+        return io.outputs(g, pages_out, hidden=x, copies=copies_out)
     rows = g.embedding(x, step.logit_rows)            # the rows that sample a token: the head reads only those
     head = "token_embd" if cfg.tie_embeddings or "output.weight" not in weights else "output"
     logits = linear(norm(rows, "output_norm"), head)
@@ -181,7 +190,7 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
         cap = cfg.final_softcap
         logits = g.mul(g.tanh(g.mul(logits, g.const("softcap_inv", np.full(1, 1 / cap, np.float32)))),
                        g.const("softcap", np.full(1, cap, np.float32)))
-    return io.outputs(g, pages_out, logits, g.sample(logits, step.sampling, width=sample_width(cfg)))
+    return io.outputs(g, pages_out, logits, g.sample(logits, step.sampling, width=sample_width(cfg)), copies=copies_out)
 
 
 def coded(**codecs) -> dict:

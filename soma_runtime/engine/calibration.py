@@ -1,8 +1,12 @@
 """A fixed text an engine runs once, with a float cache, where a KV codec needs to know the model's keys:
-each layer's mean key, the center rotated codecs code keys about (PagedKV.key_center). Prose, code,
-a question and its answer, another language and numbers, so the mean is not one genre's.
+each layer's mean key, the center rotated codecs code keys about (PagedKV.key_center); and where the
+memory ladder needs to know which compressed kinds keep this model's answers: each candidate's next-token
+distributions over the text against the float cache's. Prose, code, a question and its answer, another
+language and numbers, so neither is one genre's.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,3 +37,32 @@ def mean_keys(pool, seq, layers: int) -> tuple[np.ndarray, ...]:
         keys = np.asarray(backend.fetch(pool.k[layer][seq.pages]), np.float32)
         means.append(keys.reshape(-1, *keys.shape[2:])[:seq.length].mean(axis=0))
     return tuple(means)
+
+
+# The memory ladder's kinds, largest first, and the bar each must pass on the model at hand: the mean KL
+# divergence (nats a token) of its next-token distributions over TEXT from the float cache's, both with f32
+# activations (q8 activations would add their own rounding noise to both).
+LADDER = ("kv4", "tq4", "kv3", "tq3")
+QUALITY_BAR = 0.01
+
+
+@dataclass(frozen=True)
+class KindQuality:
+    kind: str
+    divergence: float          # mean KL(float cache || kind) a token, nats
+    agreement: float           # the fraction of positions whose most likely next token is the float cache's
+
+    @property
+    def passes(self) -> bool:
+        return self.divergence <= QUALITY_BAR
+
+
+def divergence(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
+    """Mean KL(reference || logits) a row, and the fraction of rows whose top tokens agree."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    p, q = log_softmax(reference), log_softmax(logits)
+    kl = float(np.mean(np.sum(np.exp(p) * (p - q), axis=1)))
+    return kl, float(np.mean(reference.argmax(axis=1) == logits.argmax(axis=1)))

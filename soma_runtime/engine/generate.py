@@ -282,7 +282,8 @@ class Engine:
             raise ParallelError("a model split over tensor-parallel ranks runs whole on each rank's device (no gpu_layers)")
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
-        self.cache = self.centered(cache_of(self.cfg, kv_dtype))
+        self.kv_quality: dict[str, calibration.KindQuality] | None = None    # the ladder's kinds, measured on first need
+        self.cache = self.centered(self.hosted(cache_of(self.cfg, kv_dtype)))
         self.stages, self.pool = self.build_stages(), self.new_pool()
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
@@ -296,7 +297,7 @@ class Engine:
         pages and the prefix cache's converted, so running requests go on where they were in a cache
         that takes less memory (the first rung of the server's degradation ladder)."""
         self.whole("a KV cache recompressed")
-        cache = self.centered(cache_of(self.cfg, kv_dtype))
+        cache = self.centered(self.hosted(cache_of(self.cfg, kv_dtype)))
         with self.lock:
             self.pool.transcode(self.cache, cache)
             self.kv_dtype, self.cache = kv_dtype, cache
@@ -305,6 +306,15 @@ class Engine:
     def build_stages(self) -> list[Stage]:
         return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations, self.shard)
                 for layers, backend in self.placement]
+
+    def hosted(self, cache: PagedKV) -> PagedKV:
+        """`cache`, or RequestError where it keeps float copies (sinks, window) on a device: only the host's
+        attention reads them yet."""
+        devices = [backend.name for layers, backend in self.placement if backend.device and any(map(cache.copies, layers))]
+        if devices:
+            raise RequestError(f"kv cache {cache.dtype!r}: sinks and window (f16 copies beside the codes) are read by the "
+                               f"host's attention only, not yet on {devices[0]}; use the codec alone")
+        return cache
 
     def centered(self, cache: PagedKV) -> PagedKV:
         """`cache` with this model's key centers where its keys are coded rotated (PagedKV.key_center),
@@ -321,6 +331,40 @@ class Engine:
             probe.forward([(seq, tokens, 1)])
             self.key_centers = calibration.mean_keys(probe.pool, seq, self.cfg.num_layers)
         return replace(cache, centers=self.key_centers)
+
+    def ladder_kinds(self) -> dict[str, calibration.KindQuality]:
+        """The memory ladder's compressed kinds this model can take (calibration.LADDER: its heads fit the
+        codecs, its backend reads them), each with its quality over calibration.TEXT against a float
+        cache, measured once on the host and kept."""
+        if self.kv_quality is None:
+            tokens = self.tokenizer.encode(calibration.TEXT)[:self.n_ctx - 1]
+            host = self.backend.fallback or self.backend
+            probe = lambda kind: Engine(self.cfg, self.weights, self.tokenizer, host, self.n_ctx, kind, "f32", len(tokens),
+                                        key_centers=self.key_centers, shard=self.shard)
+            reference = probe("f32")
+            self.key_centers = self.key_centers if self.key_centers is not None else reference.key_centers
+            exact, measured = reference.logits(tokens), {}
+            for kind in calibration.LADDER:
+                try:
+                    self.hosted(cache_of(self.cfg, kind))
+                    engine = probe(kind)
+                except RequestError:              # heads the codecs cannot hold, or copies a device cannot read
+                    continue
+                self.key_centers = engine.key_centers
+                measured[kind] = calibration.KindQuality(kind, *calibration.divergence(exact, engine.logits(tokens)))
+            self.kv_quality = measured
+        return self.kv_quality
+
+    def smaller_kv_kind(self) -> str | None:
+        """The memory ladder's next kind for this cache: the first of calibration.LADDER after the current
+        kind that takes fewer bytes a token and passes the quality bar on this model; None where none does."""
+        if self.shard is not None or self.cfg.head_dim % 32:
+            return None
+        current = self.cache.token_bytes()
+        for kind, quality in self.ladder_kinds().items():
+            if quality.passes and cache_of(self.cfg, kind).token_bytes() < current:
+                return kind
+        return None
 
     def new_pool(self) -> KVPool:
         return KVPool(self.cache, self.pool_tokens(), self.backend_of)
@@ -364,7 +408,19 @@ class Engine:
         layers there (its KV pool's slots: pool_tokens), with `device_layers` of them on the device and a context of
         `n_ctx` tokens (default: as it runs)."""
         layers = split(self.cfg, self.backend, self.device_layers if device_layers is None else device_layers)[0][0]
-        return stage_bytes(self.cfg, self.weights, self.cache, layers, pool_slots(self.pool_tokens(n_ctx)))
+        slots = pool_slots(self.pool_tokens(n_ctx))
+        return stage_bytes(self.cfg, self.weights, self.cache, layers, slots) + self.copy_bytes(layers, slots, n_ctx)
+
+    def copy_bytes(self, layers: range, slots: int, n_ctx: int | None = None) -> int:
+        """The float copies a cache keeps besides its pages, for as many sequences as its pool holds of the
+        context: each one's first page (sinks) and the pages its window and a rollback reach."""
+        copied = [i for i in layers if self.cache.copies(i)]
+        if not copied:
+            return 0
+        sequences = max(1, slots // (self.n_ctx if n_ctx is None else n_ctx))
+        shape, _ = self.cache.copy_page_shape(1, BLOCK)
+        per_token = 2 * 2 * shape[2] * shape[3] * len(copied)          # keys and values, f16
+        return sequences * (BLOCK + pool_slots(self.cache.layout.window + ROLLBACK)) * per_token
 
     @property
     def asynchronous(self) -> bool:
@@ -474,13 +530,13 @@ class Engine:
         the last stage's outputs and backend. Its choices stay on the model (`choices`): a next step may
         run them."""
         with self.lock:                      # the pages, plans and graphs of one cache (recompress swaps them)
-            step.pages = self.pool.pages
+            step.pages, step.copies = self.pool.pages, self.pool.copies
             out, last = None, None
             for stage in self.stages:
                 if out is not None:          # a split model: the rows its device part gave go on on the host
                     step.hidden = stage.backend.place(last.fetch(out.hidden))
                 out, last = stage.run(step, len(step.logit_rows), len(step.attention.ctx_slots)), stage.backend
-                self.pool.keep(out.pages, stage.layers)
+                self.pool.keep(out.pages, stage.layers, out.copies)
             self.choices = out.choices
         return out, last
 

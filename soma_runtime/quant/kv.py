@@ -17,8 +17,15 @@ block (D must be a multiple of 32):
                signs, which makes the inner product's estimate of <q, r> unbiased. Block: tq's, then
                |r| f16 and 4 B of signs (el j at byte j//8, bit j%8).
 
-A spec is `K[/V][,edges=N]`: one kind for keys and values, or each its own (keys need more bits:
-tq4/tq2), with the first and last N layers kept in f16. Kinds: f32, f16, bf16 and the codecs above.
+Every codec codes vectors in the rotated basis (llama.cpp rotates its quantized caches alike): an outlier
+channel no longer sets every block's scale.
+
+A spec is `K[/V][,edges=N][,sinks=N][,window=N]`: one kind for keys and values, or each its own (keys
+need more bits: tq4/tq2), with the first and last N layers kept in f16; `sinks` and `window` keep f16
+copies beside the codes of a sequence's first N positions (StreamingLLM's attention sinks) and of the N
+positions up to each query's own (KIVI's full-precision window), which attention reads instead of the
+codes (engine/kv.py holds them). Kinds: f32, f16, bf16 and the codecs above; `kv4` and `kv3` (PRESETS)
+name tq4 and tq3 with sinks and a window: 4.5 and 3.5 bits a value past the window.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from soma_runtime.quant import quantize
 from soma_runtime.quant.formats import F16_TABLE, _f16, _row_q4_0, _row_q8_0, dequantize_rows
 
 BLOCK = 32
+SINKS_MAX = 16          # a sequence's sinks lie in its first page (engine/kv.py: 16 positions)
 FLOAT_KINDS = ("f32", "f16", "bf16")
 
 
@@ -52,7 +60,8 @@ class Codec:
         return row_bytes // self.type_size * BLOCK
 
     @property
-    def rotated(self) -> bool:
+    def tq(self) -> bool:
+        """Coded by TurboQuant's levels (else one of ggml's blocks)."""
         return self.name.startswith("tq")
 
 
@@ -244,7 +253,7 @@ def encode(kind: str, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     shape = x.shape
     blocks = x.reshape(-1, BLOCK)
-    data = quantize(blocks, kind).data if not codec.rotated else _tq_encode(blocks, codec)
+    data = quantize(blocks, kind).data if not codec.tq else _tq_encode(blocks, codec)
     return data.reshape(*shape[:-1], codec.row_bytes(shape[-1]))
 
 
@@ -254,37 +263,57 @@ def decode(kind: str, data: np.ndarray) -> np.ndarray:
     data = np.ascontiguousarray(data, np.uint8)
     shape = data.shape
     blocks = data.reshape(-1, codec.type_size)
-    out = dequantize_rows(blocks, dtype(kind).ggml_id, BLOCK) if not codec.rotated else _tq_decode(blocks, codec)
+    out = dequantize_rows(blocks, dtype(kind).ggml_id, BLOCK) if not codec.tq else _tq_decode(blocks, codec)
     return out.reshape(*shape[:-1], codec.dim(shape[-1]))
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Each layer's (key kind, value kind)."""
+    """Each layer's (key kind, value kind), and what a compressed layer keeps in f16 besides its codes: the
+    first `sinks` positions of a sequence and, for each query, the `window` positions up to its own."""
     kinds: tuple[tuple[str, str], ...]
+    sinks: int = 0
+    window: int = 0
+
+    def float_copies(self, layer: int) -> bool:
+        """Whether the layer keeps f16 copies of its sinks' and window's keys and values."""
+        return bool(self.sinks or self.window) and self.kinds[layer][0] in CODECS
+
+
+OPTIONS = {"edges": "keeps the first and last N layers f16",
+           "sinks": f"keeps a sequence's first N positions f16 (N <= {SINKS_MAX})",
+           "window": "keeps the N positions up to each query's own f16"}
+PRESETS = {"kv4": "tq4,sinks=4,window=32", "kv3": "tq3,sinks=4,window=32"}
 
 
 def layout(spec: str, layers: int) -> Layout:
     """Parse a `kv_dtype` spec (module docstring) for a model of `layers` layers; ValueError if malformed."""
-    head, *options = str(spec).split(",")
+    head, *options = PRESETS.get(str(spec), str(spec)).split(",")
     kinds = head.split("/")
     if not 1 <= len(kinds) <= 2 or any(k not in KINDS for k in kinds):
-        raise ValueError(f"kv cache {spec!r}: want K[/V][,edges=N] with kinds from {', '.join(KINDS)}")
+        raise ValueError(f"kv cache {spec!r}: want K[/V][,edges=N][,sinks=N][,window=N] with kinds from "
+                         f"{', '.join(KINDS)} (or one of {', '.join(PRESETS)})")
     key, value = kinds[0], kinds[-1]
     if (key in CODECS) != (value in CODECS) or (key in FLOAT_KINDS and key != value):
         raise ValueError(f"kv cache {spec!r}: keys and values are both compressed or both in one float type")
-    edges = 0
+    counts = dict.fromkeys(OPTIONS, 0)
     for option in options:
-        name, _, count = option.partition("=")
-        if name.strip() != "edges" or not count.strip().isdigit():
-            raise ValueError(f"kv cache {spec!r}: unknown option {option!r} (edges=N keeps the first and last N layers f16)")
-        edges = int(count)
-    return Layout(tuple(("f16", "f16") if i < edges or i >= layers - edges else (key, value) for i in range(layers)))
+        name, _, count = (part.strip() for part in option.partition("="))
+        if name not in OPTIONS or not count.isdigit():
+            raise ValueError(f"kv cache {spec!r}: unknown option {option!r} "
+                             f"({'; '.join(f'{n}=N {what}' for n, what in OPTIONS.items())})")
+        counts[name] = int(count)
+    if counts["sinks"] > SINKS_MAX or ((counts["sinks"] or counts["window"]) and key not in CODECS):
+        raise ValueError(f"kv cache {spec!r}: sinks (at most {SINKS_MAX}) and window keep f16 copies beside a codec's pages")
+    edges = counts["edges"]
+    return Layout(tuple(("f16", "f16") if i < edges or i >= layers - edges else (key, value) for i in range(layers)),
+                  counts["sinks"], counts["window"])
 
 
 def rotated(kind: str) -> bool:
-    """Whether a kind codes vectors in the rotated basis (the graph rotates them for it)."""
-    return kind in CODECS and CODECS[kind].rotated
+    """Whether a kind codes vectors in the rotated basis (the graph rotates them for it): every codec, as
+    llama.cpp rotates its quantized caches (a key's outlier channels spread over its blocks)."""
+    return kind in CODECS
 
 
 def transcode(pages: np.ndarray, source: str, target: str, head_dim: int, centers=(None, None)) -> np.ndarray:
@@ -303,6 +332,14 @@ def transcode(pages: np.ndarray, source: str, target: str, head_dim: int, center
         elif centers[0] is not centers[1]:
             values = values + (source_center - target_center) @ basis
     return encode(target, values) if target in CODECS else values.astype(dtype(target).numpy)
+
+
+def to_basis(values: np.ndarray, kind: str, head_dim: int, center=None) -> np.ndarray:
+    """Vectors [..., head_dim] in the basis a cache of `kind` codes them in: less their center (keys, or
+    None) and rotated, for a rotated kind; as they are otherwise."""
+    if not rotated(kind):
+        return values
+    return (values - (0 if center is None else center)) @ rotation(head_dim)
 
 
 def page_meta(kind: str, head_dim: int) -> tuple[int, str]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from soma_runtime.backends import run_op
 from soma_runtime.ir.jets import max_error
+from soma_runtime.quant import kv
 from tests.backends import BACKENDS
 
 TOL = {"f32": 1e-5, "f16": 1e-3}
@@ -371,6 +372,63 @@ for style, (dim, rotary, whole) in itertools.product(("neox", "interleaved"), ((
          lambda dt, d=dim, n=rotary: paged_attention_inputs(3, 4, 2, d, CONTEXT)(dt) + [None] + rotary_inputs(3, n),
          lambda q, k, v, sl, m, _, pos, f, st=style, n=rotary: paged_attention_ref()(rope_ref(st, n)(q, pos, f), k, v, sl, m),
          id=f"rope-{style}{whole}", rope_style=style)
+
+def copies_attention_inputs(rows, kinds, context=40, heads=4, kv_heads=2, dim=64, first=0, copies=np.float16, seed=6):
+    """A sequence's `context` positions coded in compressed pages (`kinds`: the keys' and values' codecs) at
+    scrambled slots, float copies of about two in three of them (the rest -1: none), and the causal spans
+    of its last `rows` positions, from `first` on (a sliding window's)."""
+    def make(dt):
+        rng = np.random.default_rng(seed)
+        q = randn(rows, heads, dim, rng=rng)
+        keys, values = randn(context, kv_heads, dim, rng=rng), randn(context, kv_heads, dim, rng=rng)
+        slots = rng.permutation(np.arange(16, 16 + context))
+        copy_slots = np.where(rng.random(context) < 0.7, rng.permutation(np.arange(16, 16 + context)), -1)
+        pages, kept = [], []
+        for kind, rows_of in zip(kinds, (keys, values)):
+            data = np.zeros((context // 16 + 2, 16, kv_heads, kv.CODECS[kind].row_bytes(dim)), np.uint8)
+            data.reshape(-1, kv_heads, data.shape[-1])[slots] = kv.encode(kind, rows_of)
+            pages.append(data)
+            floats = np.zeros((context // 16 + 2, 16, kv_heads, dim), copies)
+            floats.reshape(-1, kv_heads, dim)[copy_slots[copy_slots >= 0]] = rows_of[copy_slots >= 0]
+            kept.append(floats)
+        spans = np.array([[first, context - rows + 1 + r] for r in range(rows)], np.int64)
+        return [q.astype(NP[dt]), *pages, slots.astype(np.int64), spans, *kept, copy_slots.astype(np.int64)]
+    return make
+
+
+def copies_attention_ref(kinds, sinks, window, scale=None, softcap=0.0):
+    """Row s reads position t's float copy where it has one and t is among its span's first `sinks` or last
+    `window` positions, the codes' dequantized values (quant/kv.py, checked against llama.cpp's and the
+    paper's in tests/engine) elsewhere."""
+    def ref(q, k_pages, v_pages, slots, spans, k_copies, v_copies, copy_slots):
+        coded = [torch.from_numpy(kv.decode(kind, p.reshape(-1, *p.shape[2:])[slots].numpy())) for kind, p in
+                 zip(kinds, (k_pages, v_pages))]
+        kept = [c.reshape(-1, *c.shape[2:])[copy_slots.clamp(min=0)] for c in (k_copies, v_copies)]
+        t = torch.arange(len(slots))[None, :]
+        lo, hi = spans[:, :1], spans[:, 1:]
+        use = (copy_slots >= 0)[None, :] & ((t < lo + sinks) | (t >= hi - window))          # [S, T]
+        group = q.shape[1] // k_pages.shape[2]
+        keys, values = (torch.where(use[:, :, None, None], f[None], c[None]).repeat_interleave(group, 2)
+                        for f, c in zip(kept, coded))
+        scores = torch.einsum("shd,sthd->sht", q, keys) * (1 / math.sqrt(q.shape[2]) if scale is None else scale)
+        scores = softcap * torch.tanh(scores / softcap) if softcap else scores
+        scores = scores.masked_fill(~((lo <= t) & (t < hi))[:, None, :], -torch.inf)
+        return torch.einsum("sht,sthd->shd", torch.softmax(scores, -1), values)
+    return ref
+
+
+# a compressed cache's sinks and window read from their float copies: decode and prefill rows, rotated ggml and
+# tq codes, f32 copies, scale and softcap, and a long decode over a sliding window (a kernel's shares begin
+# past the span's start, which the sinks are counted from)
+for rows, kinds, (sinks, window), extra, attrs, name in (
+        (3, ("tq4", "tq4"), (4, 8), {}, {}, "decode-tq4"),
+        (24, ("tq4", "tq3"), (4, 8), {}, {"scale": 0.2, "softcap": 30.0}, "prefill-tq4-tq3-softcap"),
+        (5, ("q8_0", "q4_0"), (2, 8), {"copies": np.float32}, {}, "rows-q8_0-q4_0-f32-copies"),
+        (1, ("tq4", "tq2"), (4, 32), {"context": 600, "heads": 16, "dim": 128, "first": 100}, {}, "long-decode-window")):
+    case("paged_attention_copies", copies_attention_inputs(rows, kinds, **extra),
+         copies_attention_ref(kinds, sinks, window, **attrs), dtypes=("f32",), id=name, k_codec=kinds[0], v_codec=kinds[1],
+         sinks=sinks, window=window, **attrs)
+
 
 # primitive ops: one per atom mode
 PRIMITIVE = {"exp": torch.exp, "erf": torch.erf, "sin": torch.sin, "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil,

@@ -72,7 +72,7 @@ def test_ggml_codecs_are_llama_cpps_blocks(kind):
     np.testing.assert_array_equal(kv.decode(kind, data), gguf.dequantize(data, GGML[kind]))
 
 
-@pytest.mark.parametrize("kind", [k for k in CODECS if kv.CODECS[k].rotated])
+@pytest.mark.parametrize("kind", [k for k in CODECS if kv.CODECS[k].tq])
 def test_tq_codecs_decode_as_their_layout_says_and_code_each_block_well(kind):
     codec = kv.CODECS[kind]
     x = heads() @ kv.rotation(64)

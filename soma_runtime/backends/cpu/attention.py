@@ -121,17 +121,21 @@ def _load_row(cache, slot, head, out, codec, tables):
 
 
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz"})
-def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, codecs, tables, out):
+def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, codecs, tables, copies, out):
     """q [S, H, D] f32; k, v [slots, KV, D] (f32, or f16 bits as uint16) or a codec's bytes [slots, KV,
     row_bytes] (codecs: the key's and the value's codec numbers); mask [S, T] or none ([0, 0]); out [S, H, Dv].
     Row s reads only context positions spans[s, 0] <= t < spans[s, 1] (its visible ones, masked-out
     keys within are skipped): padding, far context and other sequences' segments cost nothing.
     q and the probabilities round to `precision`'s type (uint16: f16, as the op says for an f16 cache
-    under f32 queries)."""
+    under f32 queries). `copies`: float copies (k, v [slots, KV, D], each context position's slot there
+    or -1 [T] (none: [0]), sinks, window): row s reads position t's copy for its first `sinks` positions
+    and its last `window`."""
     rows, heads, dim = q.shape
     kv_heads, dv = k.shape[1], out.shape[2]
     group = heads // kv_heads
     masked = mask.shape[0] > 0
+    k_copy, v_copy, copy_slots, sinks, window = copies
+    copied = copy_slots.shape[0] > 0
     for task in prange(rows * kv_heads):
         s, kvh = task // kv_heads, task % kv_heads
         lo = max(spans[s, 0], 0)
@@ -145,7 +149,10 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, codec
         for t in range(lo, hi):
             if masked and mask[s, t] == -np.inf:
                 continue
-            load_row(k, ctx[t], kvh, key, codecs[0], tables)
+            if copied and copy_slots[t] >= 0 and (t < lo + sinks or t >= hi - window):
+                load_row(k_copy, copy_slots[t], kvh, key, -1, tables)
+            else:
+                load_row(k, ctx[t], kvh, key, codecs[0], tables)
             for g in range(group):
                 acc = np.float32(0)
                 for d in range(dim):
@@ -169,7 +176,10 @@ def _paged_attention(q, k, v, ctx, mask, spans, scale, softcap, precision, codec
         for t in range(lo, hi):
             if masked and mask[s, t] == -np.inf:
                 continue
-            load_row(v, ctx[t], kvh, value, codecs[1], tables)
+            if copied and copy_slots[t] >= 0 and (t < lo + sinks or t >= hi - window):
+                load_row(v_copy, copy_slots[t], kvh, value, -1, tables)
+            else:
+                load_row(v, ctx[t], kvh, value, codecs[1], tables)
             for g in range(group):
                 p = scores[g, t - lo]
                 for d in range(dv):
@@ -230,6 +240,7 @@ def flat_cache(pages: np.ndarray) -> np.ndarray:
 
 KERNEL_TABLES = (F16_TABLE, *kv.kernel_tables())
 PLAIN = np.array([-1, -1], np.int64)
+NO_COPIES = (np.zeros((1, 1, 1), np.uint16), np.zeros((1, 1, 1), np.uint16), np.zeros(0, np.int64), 0, 0)
 ATTENTION_INPUTS = [(m, sp, *r) for m in (F, "none") for sp in (INT, "none") for r in ROPE_INPUTS]
 
 
@@ -247,7 +258,8 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     T = ctx_slots.shape[0]
     scale = np.float32(1 / math.sqrt(D) if scale is None else scale)
     if k_codec != "none":
-        return compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, like, out)
+        return compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, NO_COPIES,
+                                    like, out)
     fits = k_pages.dtype in (np.float32, np.float16) and (mask is None or mask.shape == (1, 1, S, T))
     if not fits:
         mask = np.zeros((1, 1, S, T), np.float32) if mask is None else mask
@@ -264,7 +276,7 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     precision = np.uint16(0) if k_pages.dtype == np.float16 and q.dtype != np.float16 else np.float32(0)
     rows_mask, visible = row_spans(spans, mask, S, T)
     _paged_attention(f32(q), flat_cache(k_pages), flat_cache(v_pages), ctx_slots, rows_mask, visible,
-                     scale, np.float32(softcap), precision, PLAIN, KERNEL_TABLES, result)
+                     scale, np.float32(softcap), precision, PLAIN, KERNEL_TABLES, NO_COPIES, result)
     return result if result is out else deliver(result, like, out)
 
 
@@ -280,10 +292,10 @@ def row_spans(spans, mask, S: int, T: int) -> tuple[np.ndarray, np.ndarray]:
 DECODED_ONCE = 16      # a step with this many rows or more decodes its context once, not once per row
 
 
-def compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, like, out):
+def compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, copies, like, out):
     """Attention over a compressed cache's pages: a decode row's keys and values decoded where the kernel
     reads them; a prompt chunk's context decoded once for the step (every row reads it), into a buffer
-    the step lets go."""
+    the step lets go. Each row reads the float copies (`copies`, the kernel's) of its sinks and window."""
     S, H, _ = q.shape
     T = ctx_slots.shape[0]
     if mask is not None and mask.shape != (1, 1, S, T):
@@ -297,5 +309,17 @@ def compressed_attention(q, k_pages, v_pages, ctx_slots, mask, spans, scale, sof
                         for codec, pages in ((k_codec, keys), (v_codec, values)))
         ctx_slots, codecs = np.arange(T, dtype=np.int64), PLAIN
     _paged_attention(f32(q), keys, values, ctx_slots, rows_mask, visible, scale, np.float32(softcap), np.float32(0), codecs,
-                     KERNEL_TABLES, result)
+                     KERNEL_TABLES, copies, result)
     return result if result is out else deliver(result, like, out)
+
+
+@jet("paged_attention_copies", CPU, [("f32", "u8", "u8", INT, INT, c, c, INT) for c in ("f16", "f32")])
+def paged_attention_copies(q, k_pages, v_pages, ctx_slots, spans, k_copies, v_copies, copy_slots, out=None, scale=None,
+                           softcap=0.0, k_codec="tq4", v_codec="tq4", sinks=0, window=0):
+    """Attention over a compressed cache's pages, each row reading the float copies of its sinks and window
+    (the op's) where the cache keeps them."""
+    scale = np.float32(1 / math.sqrt(q.shape[2]) if scale is None else scale)
+    slots = np.ascontiguousarray(copy_slots, dtype=np.int64)
+    copies = (flat_cache(k_copies), flat_cache(v_copies), slots, int(sinks), int(window))
+    return compressed_attention(q, k_pages, v_pages, ctx_slots, None, spans, scale, softcap, k_codec, v_codec, copies,
+                                dtype_of(q), out)

@@ -1,17 +1,19 @@
 """The paged KV cache: pages [P, block, H, D]; a slot is page * block + offset. A compressed cache
 (`codec`, quant/kv.py) keeps each head's vector as bytes: pages u8 [P, block, H, row_bytes(D)],
-written by casting to the codec and read by decoding (the dequant atom)."""
+written by casting to the codec and read by decoding (the dequant atom); beside them it may keep float
+copies of some positions (a sequence's first, and those near each query) that attention reads instead."""
 from __future__ import annotations
 
 import math
 
 from soma_runtime.ir.atoms import Ref
-from soma_runtime.ir.graph import TensorMeta, same_dim
-from soma_runtime.ir.ops.base import broadcast_shapes, check, float_dtype, op, same_dtype
+from soma_runtime.ir.graph import Sym, TensorMeta, same_dim
+from soma_runtime.ir.ops.base import broadcast_shapes, check, float_dtype, matmul_nk, op, same_dtype, softmax_atoms
 from soma_runtime.ir.ops.linear import rope, rope_rule, sdpa
 from soma_runtime.quant.kv import CODECS
 
 CODEC_CHOICES = ("none", *CODECS)
+CODECS_ONLY = tuple(CODECS)
 
 
 def cache_rule(pages: TensorMeta, dim, codec: str, what: str = "pages"):
@@ -146,16 +148,95 @@ def paged_attention(A, q, k_pages, v_pages, ctx_slots, mask, spans, positions, i
     Dv = v_pages.shape[3] if v_codec == "none" else CODECS[v_codec].dim(v_pages.shape[3])
     if positions is not None and inv_freq is not None:
         q = Ref(rope(A, q, positions, inv_freq, rope_style).index, q.shape, q.dtype)
+    keys, values = kv_read(A, k_pages, ctx_slots, k_codec), kv_read(A, v_pages, ctx_slots, v_codec)
     if spans is not None:
         mask = span_mask(A, mask, spans, S, T)
-
-    def heads_first(x, shape, dtype):        # [len, heads, dim] -> [1, heads, len, dim], shape known
-        return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
-
-    keys, values = kv_read(A, k_pages, ctx_slots, k_codec), kv_read(A, v_pages, ctx_slots, v_codec)
     key_dtype, value_dtype = ("f32" if c != "none" else p.dtype for c, p in ((k_codec, k_pages), (v_codec, v_pages)))
-    out = sdpa(A, heads_first(q, (1, H, S, D), q.dtype), heads_first(keys, (1, KV, T, D), key_dtype),
-               heads_first(values, (1, KV, T, Dv), value_dtype), mask, False, scale, softcap, 0, "f32")
+    out = sdpa(A, heads_first(A, q, (1, H, S, D), q.dtype), heads_first(A, keys, (1, KV, T, D), key_dtype),
+               heads_first(A, values, (1, KV, T, Dv), value_dtype), mask, False, scale, softcap, 0, "f32")
+    return A.read("transpose", A.read("reshape", out, shape=(H, S, Dv)), axis1=0, axis2=1)
+
+
+def paged_attention_copies_rule(metas, attrs):
+    q, k_pages, v_pages, ctx, spans, k_copies, v_copies, copy_slots = metas
+    out = paged_attention_rule([q, k_pages, v_pages, ctx, None, spans], attrs)
+    check(attrs["k_codec"] != "none" and attrs["v_codec"] != "none", "paged_attention_copies reads a compressed cache's pages")
+    for copies, cached in ((k_copies, k_pages), (v_copies, v_pages)):
+        float_dtype(copies, "copies")
+        check(copies.ndim == 4 and same_dim(copies.shape[2], cached.shape[2]) is not False,
+              "copies are pages [P, block, H, D] of the cache's heads")
+    check(same_dim(k_copies.shape[3], q.shape[2]) is not False, "key copies and queries differ in head dim")
+    check(copy_slots.ndim == 1 and copy_slots.dtype in ("i32", "i64") and same_dim(copy_slots.shape[0], ctx.shape[0])
+          is not False, "copy_slots must be an integer tensor [T]: each context slot's copy slot, or -1")
+    return out
+
+
+@op("paged_attention_copies", ["q", "k_pages", "v_pages", "ctx_slots", "spans", "k_copies", "v_copies", "copy_slots"],
+    paged_attention_copies_rule, attrs={"scale": None, "softcap": 0.0, "k_codec": "tq4", "v_codec": "tq4", "sinks": 0,
+                                        "window": 0},
+    struct={"softcap": (0.0, 30.0), "k_codec": CODECS_ONLY, "v_codec": CODECS_ONLY}, tol=4.0, ranks=(3, 4, 4, 1, 2, 4, 4, 1))
+def paged_attention_copies(A, q, k_pages, v_pages, ctx_slots, spans, k_copies, v_copies, copy_slots, scale, softcap, k_codec,
+                           v_codec, sinks, window):
+    """paged_attention over a compressed cache that keeps float copies of some positions beside its codes
+    (k_copies, v_copies: float pages; copy_slots [T]: the copy slot of each context slot, or -1): row s
+    reads position t's copy, where it has one, for its first `sinks` positions (t < spans[s, 0] + sinks)
+    and its last `window` (t >= spans[s, 1] - window), the codes elsewhere. A row's numbers depend on its
+    own span alone, however a sequence's rows are split into steps. One kernel per layer on CPU."""
+    S, T, KV = q.shape[0], ctx_slots.shape[0], k_pages.shape[2]
+    coded = kv_read(A, k_pages, ctx_slots, k_codec), kv_read(A, v_pages, ctx_slots, v_codec)
+    copies = float_copies(A, k_copies, v_copies, copy_slots, T)
+    chosen = copied(A, spans, copy_slots, T, window, sinks)
+    return attention_with_copies(A, q, coded, copies, span_mask(A, None, spans, S, T), chosen, scale, softcap, KV,
+                                 CODECS[v_codec].dim(v_pages.shape[3]))
+
+
+def heads_first(A, x, shape, dtype):
+    """[len, heads, dim] -> [1, heads, len, dim], its shape known."""
+    return Ref(A.read("expand", A.read("transpose", x, axis1=0, axis2=1), axis=0).index, shape, dtype)
+
+
+def float_copies(A, k_float, v_float, float_slots, T):
+    """The float copies [T, KV, D] of each context slot's key and value (slot 0's where it has none)."""
+    slots = A.cmp("max", float_slots, A.param(0))
+    return tuple(Ref(A.read("cast", kv_read(A, pages, slots), struct=("f32",)).index, (T, pages.shape[2], pages.shape[3]), "f32")
+                 for pages in (k_float, v_float))
+
+
+def copied(A, spans, float_slots, T, window, sinks):
+    """[S, T]: whether row s reads position t's float copy: it has one, and t is among the row's first
+    `sinks` or last `window` positions."""
+    column = A.read("iota", n=T, axis=1, ndim=2)
+    lo = A.read("slice", spans, axis=1, start=0, stop=1)
+    hi = A.read("slice", spans, axis=1, start=1, stop=2)
+    near = A.cmp("max", A.cmp("le", A.sub(hi, A.param(window)), column), A.cmp("lt", column, A.add(lo, A.param(sinks))))
+    has = A.cmp("le", A.param(0), A.read("reshape", float_slots, shape=(1, T)))
+    return A.mul(near, has)
+
+
+def attention_with_copies(A, q, coded, copies, mask, chosen, scale, softcap, KV, Dv):
+    """Attention where each row reads each position's key and value from its codes or from its float copy,
+    as `chosen` [S, T] says: both scores computed, one kept per position, the values weighed alike; `mask`
+    [1, 1, S, T] additive (the spans' included)."""
+    S, H, D = q.shape
+    T = copies[0].shape[0]
+    grouped = A.read("reshape", heads_first(A, q, (1, H, S, D), q.dtype), shape=(1, KV, (H // KV) * S, D))
+
+    def scores_of(keys):                   # [T, KV, D] -> [1, H, S, T]
+        heads = A.read("expand", A.read("transpose", keys, axis1=0, axis2=1), axis=0)
+        return A.read("reshape", matmul_nk(A, grouped, heads), shape=(1, H, S, T))
+    scores = A.cmp("select", chosen, scores_of(copies[0]), scores_of(coded[0]))
+    if scale is None:
+        scale = 1 / math.sqrt(D) if isinstance(D, int) else Sym(f"1/sqrt({D})")
+    scores = A.mul(scores, A.param(scale))
+    if softcap:
+        scores = A.mul(A.exp("tanh", A.mul(scores, A.param(1 / softcap))), A.param(softcap))
+    probs = softmax_atoms(A, A.add(scores, mask), -1)
+    out = None
+    for weights, values in ((A.cmp("select", chosen, probs, A.lit(0.0)), copies[1]),
+                            (A.cmp("select", chosen, A.lit(0.0), probs), coded[1])):
+        heads = A.read("expand", A.read("permute", values, perm=(1, 2, 0)), axis=0)        # [1, KV, Dv, T]
+        part = matmul_nk(A, A.read("reshape", weights, shape=(1, KV, (H // KV) * S, T)), heads)
+        out = part if out is None else A.add(out, part)
     return A.read("transpose", A.read("reshape", out, shape=(H, S, Dv)), axis1=0, axis2=1)
 
 
