@@ -283,7 +283,7 @@ class Engine:
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
         self.kv_quality: dict[str, calibration.KindQuality] | None = None    # the ladder's kinds, measured on first need
-        self.cache = self.centered(self.hosted(cache_of(self.cfg, kv_dtype)))
+        self.cache = self.centered(cache_of(self.cfg, kv_dtype))
         self.stages, self.pool = self.build_stages(), self.new_pool()
         self.row_bytes: int | None = None         # a row's activations, at their peak in a step (measured once)
         self.stop_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
@@ -297,7 +297,7 @@ class Engine:
         pages and the prefix cache's converted, so running requests go on where they were in a cache
         that takes less memory (the first rung of the server's degradation ladder)."""
         self.whole("a KV cache recompressed")
-        cache = self.centered(self.hosted(cache_of(self.cfg, kv_dtype)))
+        cache = self.centered(cache_of(self.cfg, kv_dtype))
         with self.lock:
             self.pool.transcode(self.cache, cache)
             self.kv_dtype, self.cache = kv_dtype, cache
@@ -306,15 +306,6 @@ class Engine:
     def build_stages(self) -> list[Stage]:
         return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations, self.shard)
                 for layers, backend in self.placement]
-
-    def hosted(self, cache: PagedKV) -> PagedKV:
-        """`cache`, or RequestError where it keeps float copies (sinks, window) on a device: only the host's
-        attention reads them yet."""
-        devices = [backend.name for layers, backend in self.placement if backend.device and any(map(cache.copies, layers))]
-        if devices:
-            raise RequestError(f"kv cache {cache.dtype!r}: sinks and window (f16 copies beside the codes) are read by the "
-                               f"host's attention only, not yet on {devices[0]}; use the codec alone")
-        return cache
 
     def centered(self, cache: PagedKV) -> PagedKV:
         """`cache` with this model's key centers where its keys are coded rotated (PagedKV.key_center),
@@ -334,8 +325,8 @@ class Engine:
 
     def ladder_kinds(self) -> dict[str, calibration.KindQuality]:
         """The memory ladder's compressed kinds this model can take (calibration.LADDER: its heads fit the
-        codecs, its backend reads them), each with its quality over calibration.TEXT against a float
-        cache, measured once on the host and kept."""
+        codecs), each with its quality over calibration.TEXT against a float cache, measured once on the
+        host and kept."""
         if self.kv_quality is None:
             tokens = self.tokenizer.encode(calibration.TEXT)[:self.n_ctx - 1]
             host = self.backend.fallback or self.backend
@@ -346,9 +337,8 @@ class Engine:
             exact, measured = reference.logits(tokens), {}
             for kind in calibration.LADDER:
                 try:
-                    self.hosted(cache_of(self.cfg, kind))
                     engine = probe(kind)
-                except RequestError:              # heads the codecs cannot hold, or copies a device cannot read
+                except RequestError:              # heads the codecs cannot hold
                     continue
                 self.key_centers = engine.key_centers
                 measured[kind] = calibration.KindQuality(kind, *calibration.divergence(exact, engine.logits(tokens)))

@@ -84,6 +84,39 @@ def test_k_quant_gguf_runs_on_cuda_within_q8_rounding_of_the_cpu(tmp_path):
     assert clear.any() and (decode_steps(cuda, ids, tokens) == np.array(tokens))[clear].all()
 
 
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", ["q4_0", "kv4", "tq3,sinks=2,window=12", "tq3j,sinks=2"])
+def test_compressed_caches_give_the_cpus_logits_and_tokens(kv_dtype, tmp_path):
+    """Every codec codes rotated vectors, some with f16 copies of their sinks and window: the device encodes
+    the host's bytes and reads the same copies (tq3j's attention runs on the host), so logits over a prompt
+    and decode steps fed the CPU's tokens agree with the CPU's."""
+    build_model("qwen2", str(tmp_path), num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cpu, cuda = (Runtime(b).load(str(tmp_path), kv_dtype=kv_dtype, progress=False) for b in ("cpu", "cuda"))
+    ids = cpu.tokenize(PROMPT * 3)[:60]
+    agree(cpu, cuda, ids, 1e-3)
+    tokens = [t.id for t in cpu.generate(ids, max_tokens=24, temperature=0)]
+    assert (decode_steps(cuda, ids, tokens) == np.array(tokens)).all()
+    assert [t.id for t in cuda.generate(ids, max_tokens=24, temperature=0)] == tokens
+
+
+@needs_gpu
+def test_recompressing_to_a_windowed_kind_on_the_device_goes_on_as_on_the_cpu(tmp_path):
+    """The memory ladder's first rung on the device: a running sequence's f16 pages recompressed to kv4
+    (codes, and f16 copies of its sinks and window made from its float values), its next steps' logits the
+    CPU's."""
+    build_model("qwen2", str(tmp_path), num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    steps = []
+    for backend in ("cpu", "cuda"):
+        model = Runtime(backend).load(str(tmp_path), kv_dtype="f16", progress=False)
+        engine, seq, ids = model.engine, Sequence(), model.tokenize(PROMPT * 3)[:60]
+        engine.forward([(seq, ids, 1)])
+        engine.recompress("kv4")
+        assert 0 in seq.copies and engine.pool.kc[0] is not None
+        steps.append(np.concatenate([engine.forward([(seq, [t], 1)])[0] for t in ids[:8]]))
+        engine.pool.release(seq)
+    assert np.max(np.abs(steps[1] - steps[0])) <= 1e-3 * max(1.0, float(np.abs(steps[0]).max()))
+
+
 def margins(logits: np.ndarray) -> np.ndarray:
     top2 = np.sort(logits, axis=-1)[:, -2:]
     return top2[:, 1] - top2[:, 0]

@@ -12,7 +12,6 @@ import pytest
 from soma_runtime.api import Runtime
 from soma_runtime.engine import calibration
 from soma_runtime.engine.kv import Sequence
-from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv
 from tests.fixtures.decoders import build_model
 
@@ -130,13 +129,6 @@ def test_recompressing_to_a_windowed_kind_gives_running_sequences_copies_of_thei
         np.testing.assert_allclose(held, want, rtol=2e-3, atol=2e-3)
     engine.forward([(seq, [tokens[0]], 1)])
     engine.pool.release(seq)
-
-
-def test_sinks_and_windows_stay_on_the_host(tiny, monkeypatch):
-    model = Runtime("cpu").load(tiny, progress=False)
-    monkeypatch.setattr(type(model.engine.backend), "device", True)
-    with pytest.raises(RequestError, match="host"):
-        model.engine.recompress("kv4")
 
 
 def test_the_ladder_takes_the_smallest_kinds_that_keep_the_models_answers(tiny, monkeypatch):

@@ -5,7 +5,9 @@ a count per pair, in device memory). Products run on the tensor cores in f32 acc
 two tf32 passes against a 16-bit cache, whose values tf32 holds exactly (fp32 FMA dots are several
 times slower). With `spans`, a row reads only its own span of the context: a
 batch's rows each read their own sequence, never the others' segments or the padding. Masked-out
-keys weigh nothing. Prefill and decode share it."""
+keys weigh nothing. Prefill and decode share it. Over a compressed cache that keeps float copies of some
+positions (paged_attention_copies), a row reads the copies of its span's first `sinks` and last `window`
+positions in place of their codes, within the same tiles."""
 from __future__ import annotations
 
 import math
@@ -59,11 +61,22 @@ def _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT: tl.co
     return new_top, total * alpha + tl.sum(p, 1), acc
 
 
+@triton.jit
+def _copied(rows, copy_ptr, slot, use, row_width, kv_heads, kvh, width: tl.constexpr, n):
+    """`rows` [BT, width] with the float copies of the tile's positions where `use` says, read from
+    their copy slots `slot` [BT]."""
+    at = (tl.where(use, slot, 0).to(tl.int64) * kv_heads + kvh) * row_width
+    column = tl.arange(0, width)
+    kept = tl.load(copy_ptr + at[:, None] + column[None, :], mask=use[:, None] & (column < n)[None, :], other=0.0)
+    return tl.where(use[:, None], kept.to(tl.float32), rows)
+
+
 @chained
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, pos_ptr, freq_ptr, part_ptr, top_ptr, total_ptr,
-                            count_ptr, out_ptr, curves_ptr, q_stride, T, splits, heads, kv_heads, dim, dv, k_width, v_width,
-                            scale, softcap, half, HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
+                            count_ptr, out_ptr, curves_ptr, kc_ptr, vc_ptr, copy_ptr, sinks, window, q_stride, T, splits,
+                            heads, kv_heads, dim, dv, k_width, v_width, scale, softcap, half, COPIES: tl.constexpr,
+                            HAS_MASK: tl.constexpr, HAS_SPANS: tl.constexpr, ROPE: tl.constexpr,
                             NEOX: tl.constexpr, ROUND_Q: tl.constexpr, EXACT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
                             BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, K_CODEC: tl.constexpr,
                             K_BITS: tl.constexpr, K_SIZE: tl.constexpr, V_CODEC: tl.constexpr, V_BITS: tl.constexpr,
@@ -74,7 +87,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
     and mask and the queries' rope angles load before the wait (the step's inputs: none of its kernels
     writes them), each next tile's a tile ahead; keys and values load after the wait (earlier lost:
     bench/results/design-notes.md). A compressed cache's rows (k_width, v_width bytes; codec numbers
-    K_CODEC, V_CODEC >= 0) are decoded as each tile loads."""
+    K_CODEC, V_CODEC >= 0) are decoded as each tile loads; with COPIES, the float copies (copy slots at
+    copy_ptr, -1 for none) of the span's first `sinks` and last `window` positions replace their codes."""
     s, kvh, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, BD)
     e = tl.arange(0, BV)
@@ -120,6 +134,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ctx_ptr, mask_ptr, spans_ptr, p
                 values = tl.load(v_ptr + row[:, None] * v_width + e[None, :], mask=v_ok, other=0.0)
             else:
                 values = decoded(v_ptr, row, t < end, v_width, dv // 32, curves_ptr, V_CODEC, V_BITS, V_SIZE, BV // 32)
+            if COPIES:                            # measured from the row's span, not this share's
+                slot = tl.load(copy_ptr + t, mask=t < end, other=-1)
+                use = (slot >= 0) & ((t < lo + sinks) | (t >= hi - window))
+                keys = _copied(keys, kc_ptr, slot, use, dim, kv_heads, kvh, BD, dim)
+                values = _copied(values, vc_ptr, slot, use, dv, kv_heads, kvh, BV, dv)
             top, total, acc = _attend(q, keys, values, bias, top, total, acc, scale, softcap, EXACT)
             row, bias = _slots(ctx_ptr, mask_ptr, t + BT, end, s, T, kv_heads, kvh, HAS_MASK)         # the next tile's
     if splits == 1:
@@ -202,12 +221,28 @@ def finished_counts(device) -> torch.Tensor:
 @device_jet
 def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None, inv_freq=None, scale=None, softcap=0.0,
                     rope_style="neox", k_codec="none", v_codec="none"):
+    rope = None if positions is None else (positions.expand(q.shape[0]).contiguous(), inv_freq.contiguous())
+    return attend(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, rope, rope_style)
+
+
+@jet("paged_attention_copies", CUDA, [("f32", "u8", "u8", INT, INT, c, c, INT) for c in ("f16", "f32")],
+     struct={"k_codec": ON_DEVICE, "v_codec": ON_DEVICE})
+@device_jet
+def paged_attention_copies(q, k_pages, v_pages, ctx_slots, spans, k_copies, v_copies, copy_slots, scale=None, softcap=0.0,
+                           k_codec="tq4", v_codec="tq4", sinks=0, window=0):
+    copies = (k_copies.contiguous(), v_copies.contiguous(), copy_slots.contiguous(), int(sinks), int(window))
+    return attend(q, k_pages, v_pages, ctx_slots, None, spans, scale, softcap, k_codec, v_codec, copies=copies)
+
+
+def attend(q, k_pages, v_pages, ctx_slots, mask, spans, scale, softcap, k_codec, v_codec, rope=None, rope_style="neox",
+           copies=None):
+    """One launch of the kernel for either op: `rope` (positions, inv_freq) turns the queries as
+    they load; `copies` (k_copies, v_copies, copy_slots, sinks, window) replace codes as the op says."""
     S, H, D = q.shape
     KV, T = k_pages.shape[2], ctx_slots.shape[0]
     Dv = v_pages.shape[3] if v_codec == "none" else kv.CODECS[v_codec].dim(v_pages.shape[3])
     (K_CODEC, K_BITS, K_SIZE), (V_CODEC, V_BITS, V_SIZE) = codec_constants(k_codec), codec_constants(v_codec)
     q = strided_rows(q, H * D)
-    rope = None if positions is None else (positions.expand(S).contiguous(), inv_freq.contiguous())
     if mask is not None:
         mask = mask.to(torch.float32).expand(1, 1, S, T).reshape(S, T).contiguous()
     BT, stages, warps = tiling(max(D, Dv), S * KV < PROGRAMS)
@@ -218,15 +253,17 @@ def paged_attention(q, k_pages, v_pages, ctx_slots, mask, spans, positions=None,
     BD, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
     G, SPLITS = triton.next_power_of_2(H // KV), triton.next_power_of_2(splits)
     keys, values = words(k_pages, k_codec), words(v_pages, v_codec)        # a row is shape[3] of these apart
+    k_copies, v_copies, copy_slots, sinks, window = (q, q, q, 0, 0) if copies is None else copies
     # 16-bit caches hold values exact in tf32: their products need two passes, not three
     _paged_attention_kernel[(S, KV, splits)](
         q, keys, values, ctx_slots.contiguous(), q if mask is None else mask,
         q if spans is None else spans.contiguous(), q if rope is None else rope[0], q if rope is None else rope[1], part, top,
-        total, finished_counts(q.device), out, curves(q.device), q.stride(0), T, splits, H, KV, D, Dv,
-        keys.shape[3], values.shape[3], float(1 / math.sqrt(D) if scale is None else scale), float(softcap),
-        0 if rope is None else inv_freq.shape[0],
+        total, finished_counts(q.device), out, curves(q.device), k_copies, v_copies, copy_slots, sinks, window, q.stride(0),
+        T, splits, H, KV, D, Dv, keys.shape[3], values.shape[3], float(1 / math.sqrt(D) if scale is None else scale),
+        float(softcap), 0 if rope is None else rope[1].shape[0], COPIES=copies is not None,
         HAS_MASK=mask is not None, HAS_SPANS=spans is not None,
-        ROPE=rope is not None, NEOX=rope_style == "neox", ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
+        ROPE=rope is not None, NEOX=rope_style == "neox",
+        ROUND_Q=k_pages.dtype == torch.float16 and q.dtype == torch.float32,
         EXACT=k_pages.dtype in (torch.float16, torch.bfloat16), GROUP=max(16, G), G=G, BT=BT, BD=BD, BV=BV,
         CHUNK=max(1, min(SPLITS, 8192 // (G * BV))), K_CODEC=K_CODEC, K_BITS=K_BITS, K_SIZE=K_SIZE, V_CODEC=V_CODEC,
         V_BITS=V_BITS, V_SIZE=V_SIZE, num_warps=warps, num_stages=stages)
