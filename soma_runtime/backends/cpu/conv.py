@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from contextlib import contextmanager
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -275,6 +277,7 @@ def winograd(x, w, bias, residual, code, pad, y):
 
 
 COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
+SERIAL_WORK = 1 << 22          # multiply-adds under which a convolution's kernels run on one thread
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
 DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS),
 DIRECT_DEPTH = 16              # ... or up to this many products per output: direct loops
@@ -301,14 +304,30 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
     b = np.zeros(0, np.float32) if bias is None else dense(bias)
     r = np.zeros((0,) * 4, np.float32) if residual is None else dense(residual).reshape(y4.shape)
     code = CONV_EPILOGUES.index(epilogue)
-    if O // groups <= DIRECT_OUTPUTS or Cg * KH * KW <= DIRECT_DEPTH:
-        direct(x4, w4, b, r, code, st, pd, dl, y4)
-    elif (KH, KW, groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
-            and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
-        winograd(x4, w4, b, r, code, pd[0], y4)
-    else:
-        _im2col_gemm(x4, w4, b, r, code, st, pd, dl, groups, y4)
+    with threads_for(N * O * OH * OW * Cg * KH * KW):
+        if O // groups <= DIRECT_OUTPUTS or Cg * KH * KW <= DIRECT_DEPTH:
+            direct(x4, w4, b, r, code, st, pd, dl, y4)
+        elif (KH, KW, groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
+                and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
+            winograd(x4, w4, b, r, code, pd[0], y4)
+        else:
+            _im2col_gemm(x4, w4, b, r, code, st, pd, dl, groups, y4)
     return y
+
+
+@contextmanager
+def threads_for(work: int):
+    """numba's kernels on one thread for a convolution of less `work` (multiply-adds) than SERIAL_WORK:
+    waking the others costs more than they save (a streaming model's chunk)."""
+    threads = numba.get_num_threads()
+    if work >= SERIAL_WORK or threads == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(threads)
 
 
 def _im2col_gemm(x, w, bias, residual, code, st, pd, dl, groups, y):
