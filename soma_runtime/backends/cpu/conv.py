@@ -126,9 +126,10 @@ def _phases(x, sh, sw, ph, pw, fill, planes):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, y):
-    """A convolution of few products per output (depthwise) by direct loops over stride phases: each tap adds
-    a weighted phase plane, read as one flat run, to a row-padded output plane (its pad columns dropped after)."""
+def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, scratch, y):
+    """A convolution of few outputs per group (depthwise) by direct loops over stride phases: each tap adds a
+    weighted phase plane, read as one flat run, to a row-padded output plane (scratch [N * O, OH * row pitch],
+    its pad columns dropped after)."""
     N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
     O, Cg, KH, KW = w.shape
     OH, OW = y.shape[2], y.shape[3]
@@ -137,7 +138,7 @@ def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, y):
     for t in prange(N * O):
         n, o = t // O, t % O
         c0 = (o // Og) * Cg
-        wide = np.empty(span, np.float32)
+        wide = scratch[t]
         wide[:] = bias[o] if bias.size else np.float32(0)
         for c in range(Cg):
             for i in range(KH):
@@ -172,7 +173,9 @@ def phases(x, st, pd, fill) -> np.ndarray:
 
 def direct(x, w, bias, residual, code, st, pd, dl, y):
     """y = epilogue(conv(x, w) + bias + residual) by stride phases (x [N, C, H, W] f32)."""
-    _direct(phases(x, st, pd, 0), w, bias, residual, code, *st, *dl, y)
+    planes = phases(x, st, pd, 0)
+    scratch = np.empty((y.shape[0] * y.shape[1], y.shape[2] * planes.shape[4]), np.float32)
+    _direct(planes, w, bias, residual, code, *st, *dl, scratch, y)
 
 
 # --- Winograd F(2x2, 3x3): a 3x3 stride-1 convolution as 16 products over 4x4 input tiles, 2.25x fewer
@@ -279,8 +282,7 @@ def winograd(x, w, bias, residual, code, pad, y):
 COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
 SERIAL_WORK = 1 << 22          # multiply-adds under which a convolution's kernels run on one thread
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
-DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS),
-DIRECT_DEPTH = 16              # ... or up to this many products per output: direct loops
+DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS): direct loops
 
 
 @jet("conv1d", CPU, [(F, F, b, r) for b in (F, "none") for r in (F, "none")])
@@ -305,7 +307,7 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
     r = np.zeros((0,) * 4, np.float32) if residual is None else dense(residual).reshape(y4.shape)
     code = CONV_EPILOGUES.index(epilogue)
     with threads_for(N * O * OH * OW * Cg * KH * KW):
-        if O // groups <= DIRECT_OUTPUTS or Cg * KH * KW <= DIRECT_DEPTH:
+        if O // groups <= DIRECT_OUTPUTS:
             direct(x4, w4, b, r, code, st, pd, dl, y4)
         elif (KH, KW, groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
                 and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
