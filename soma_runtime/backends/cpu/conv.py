@@ -280,7 +280,7 @@ def winograd(x, w, bias, residual, code, pad, y):
 
 
 COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
-SERIAL_WORK = 1 << 22          # multiply-adds under which a convolution's kernels run on one thread
+SERIAL_WORK = 1 << 18          # multiply-adds under which a convolution's kernels run on one thread
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
 DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS): direct loops
 
