@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32
+from soma_runtime.backends.cpu.linear import product
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
 from soma_runtime.ir.ops.conv import CONV_EPILOGUES
@@ -280,7 +281,7 @@ def winograd(x, w, bias, residual, code, pad, y):
 
 
 COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
-SERIAL_WORK = 1 << 18          # multiply-adds under which a convolution's kernels run on one thread
+SERIAL_WORK = 1 << 19          # multiply-adds under which a convolution's kernels run on one thread
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
 DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS): direct loops
 
@@ -291,25 +292,25 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
     """conv1d and conv2d share one formula (hence one jet): the spatial rank comes from x."""
     nd = x.ndim - 2
     st, pd, dl = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
+    outputs = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], st, pd, dl)]
+    work = x.shape[0] * weight.size * math.prod(outputs)                  # multiply-adds
     given = [t for t in (x, weight, bias, residual) if t is not None]
-    if not all_f32(*given):
+    if not all_f32(*given) or groups == 1 and work < SERIAL_WORK:
         return _conv_numpy(x, weight, bias, residual, stride=st, padding=pd, dilation=dl, groups=groups,
                            epilogue=epilogue, out=out)
     planar = (lambda a: a[:, :, None]) if nd == 1 else (lambda a: a)     # a 1-D convolution is a 2-D one of height 1
     x4, w4 = planar(dense(x)), planar(dense(weight))
-    st, pd, dl = ((1,) + st, (0,) + pd, (1,) + dl) if nd == 1 else (st, pd, dl)
-    N, H, W = x4.shape[0], *x4.shape[2:]
-    O, Cg, KH, KW = w4.shape
-    OH, OW = ((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip((H, W), (KH, KW), st, pd, dl))
-    y = out_f32(out, (N, O) + ((OW,) if nd == 1 else (OH, OW)))
+    st, pd, dl, (OH, OW) = ((1,) + st, (0,) + pd, (1,) + dl, [1] + outputs) if nd == 1 else (st, pd, dl, outputs)
+    N, O, Cg = x4.shape[0], *w4.shape[:2]
+    y = out_f32(out, (N, O, *outputs))
     y4 = y.reshape(N, O, OH, OW)
     b = np.zeros(0, np.float32) if bias is None else dense(bias)
     r = np.zeros((0,) * 4, np.float32) if residual is None else dense(residual).reshape(y4.shape)
     code = CONV_EPILOGUES.index(epilogue)
-    with threads_for(N * O * OH * OW * Cg * KH * KW):
+    with threads_for(work):
         if O // groups <= DIRECT_OUTPUTS:
             direct(x4, w4, b, r, code, st, pd, dl, y4)
-        elif (KH, KW, groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
+        elif (*w4.shape[2:], groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
                 and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
             winograd(x4, w4, b, r, code, pd[0], y4)
         else:
@@ -368,13 +369,14 @@ ACTIVATIONS = {"none": lambda y: y, "relu": lambda y: np.maximum(y, 0), "relu6":
 
 @float_kernel
 def _conv_numpy(x, weight, bias, residual, stride, padding, dilation, groups, epilogue):
-    """Half inputs, with their epilogue after."""
+    """Half inputs and small convolutions, with their epilogue after."""
     y = _conv_sum(x, weight, bias, stride, padding, dilation, groups)
     return ACTIVATIONS[epilogue](y if residual is None else y + residual)
 
 
 def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
-    """Windows of the padded input through batched BLAS."""
+    """Windows of the padded input through batched BLAS, or through the matmul jet's product of a few rows
+    on one thread (a streaming model's chunk: no thread woken)."""
     nd = x.ndim - 2
     N, C = x.shape[:2]
     O, kernel = weight.shape[0], weight.shape[2:]
@@ -382,7 +384,8 @@ def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
     spatial = cols.shape[2:2 + nd]
     P, K, G = math.prod(spatial), math.prod(kernel), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
-    y = np.matmul(cols, weight.reshape(G, O // G, (C // G) * K).transpose(0, 2, 1))        # [G, N*P, O/G]
+    w = weight.reshape(G, O // G, (C // G) * K)
+    y = product(cols[0], w[0], None, True, "f32")[None] if G == 1 else np.matmul(cols, w.transpose(0, 2, 1))  # [G, N*P, O/G]
     y = y.reshape(G, N, P, O // G).transpose(1, 0, 3, 2).reshape(N, O, *spatial)
     return y if bias is None else y + bias.reshape((O,) + (1,) * nd)
 
