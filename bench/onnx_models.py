@@ -4,7 +4,11 @@
   over 64 fixed sentences (tokenized once; the model's run is timed);
 - Silero VAD (silero_vad.onnx of the silero-vad package): microseconds per 32 ms chunk, the state
   carried through 200 chunks, the real-time case where per-op overhead shows;
-- the piper voice en_US-joe-medium: real-time factor on a fixed sentence of about 10 s, noise off.
+- the piper voice en_US-joe-medium: real-time factor on a fixed sentence of about 10 s, noise off;
+- convolution networks: transformers' ResNet-18 and MobileNetV2 (random weights, exported here with a
+  dynamic batch) at 224x224, batch 1 and 8; ddddocr's detector (416x416) and recognizer (64x256) and
+  basic-pitch's nmp.onnx (one 2 s window), the files those packages ship: milliseconds per run;
+- a one-node graph (an add of two 4-float vectors): microseconds per run from Python, the per-call floor.
 
 Each engine runs in its own process; the engines alternate over --rounds rounds (median reported; each
 round's figure is the best of 5 timed passes after a warm-up). Ours also runs with recognition off, to
@@ -67,6 +71,47 @@ def minilm_onnx() -> tuple[str, dict]:
     return str(path), batches
 
 
+def vision_onnx(name: str) -> str:
+    """transformers' ResNet-18 or MobileNetV2 backbone, weights drawn as He's init (the library's own init
+    shrinks activations layer by layer into subnormals), exported once under bench/out."""
+    path = OUT / f"{name}.onnx"
+    if not path.exists():
+        import torch
+        import transformers
+        torch.manual_seed(0)
+        model = (transformers.ResNetModel(transformers.ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2],
+                                                                    hidden_sizes=[64, 128, 256, 512]))
+                 if name == "resnet18" else transformers.MobileNetV2Model(transformers.MobileNetV2Config()))
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                torch.nn.init.kaiming_normal_(m.weight)
+
+        class Features(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model.eval()
+
+            def forward(self, x):
+                return self.model(x).last_hidden_state
+        OUT.mkdir(exist_ok=True)
+        torch.onnx.export(Features(), (torch.randn(1, 3, 224, 224),), str(path), input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17, dynamo=False)
+    return str(path)
+
+
+def shipped(module: str, *parts: str) -> str | None:
+    """A file a package ships (None where the package is not installed)."""
+    import importlib.util
+    spec = importlib.util.find_spec(module)
+    return None if spec is None else os.path.join(os.path.dirname(spec.origin), *parts)
+
+
+def one_node_graph():
+    from soma_runtime.ir.builder import GraphBuilder
+    g = GraphBuilder()
+    return g.output(g.add(g.input("a", (4,), "f32"), g.input("b", (4,), "f32")))
+
+
 def best_of(run, passes: int = 5) -> float:
     run()                                                 # warm-up: conversion, plans, thread pools
     best = float("inf")
@@ -116,6 +161,33 @@ def worker(engine: str, threads: int) -> dict:
         result.update(piper(engine, threads))
     except Exception as e:                          # noqa: BLE001  (a model we cannot load yet is reported, not fatal)
         result["piper_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    result.update(convolutional(engine, threads))
+    if engine != "onnxruntime":
+        from soma_runtime.backends import get
+        from soma_runtime.engine.graph import graph_runner
+        runner, feed = graph_runner(one_node_graph(), get("cpu")), {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
+        result["one_node_us"] = best_of(lambda: [runner.run(feed) for _ in range(1000)]) * 1e3
+    return result
+
+
+def convolutional(engine: str, threads: int) -> dict:
+    """Milliseconds per run of each convolution network (a model whose package is absent is left out)."""
+    rng = np.random.default_rng(0)
+    models = {f"{name}_batch_{b}_ms": (vision_onnx(name), "x", (b, 3, 224, 224))
+              for name in ("resnet18", "mobilenet_v2") for b in (1, 8)}
+    models.update({"ddddocr_detector_ms": (shipped("ddddocr", "common_det.onnx"), "images", (1, 3, 416, 416)),
+                   "ddddocr_recognizer_ms": (shipped("ddddocr", "common.onnx"), "input1", (1, 1, 64, 256)),
+                   "basic_pitch_ms": (shipped("basic_pitch", "saved_models", "icassp_2022", "nmp.onnx"),
+                                      "serving_default_input_2:0", (1, 43844, 1))})
+    result = {}
+    for key, (path, name, shape) in models.items():
+        if path is None:
+            continue
+        try:
+            run, feed = session(engine, path, threads), {name: rng.random(shape, np.float32)}
+            result[key] = best_of(lambda run=run, feed=feed: run(feed)) * 1e3
+        except Exception as e:                      # noqa: BLE001
+            result[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return result
 
 
@@ -151,7 +223,11 @@ def main():
     rows = [("MiniLM batch 1 (sent/s)", "minilm_batch_1_sent_s", True),
             ("MiniLM batch 32 (sent/s)", "minilm_batch_32_sent_s", True),
             ("Silero VAD (us/chunk)", "vad_us_per_chunk", False),
-            ("piper joe (real-time factor)", "piper_real_time_factor", False)]
+            ("piper joe (real-time factor)", "piper_real_time_factor", False)] + [
+            (f"{key[:-3].replace('_', ' ')} (ms)", key, False) for key in (
+                "resnet18_batch_1_ms", "resnet18_batch_8_ms", "mobilenet_v2_batch_1_ms", "mobilenet_v2_batch_8_ms",
+                "ddddocr_detector_ms", "ddddocr_recognizer_ms", "basic_pitch_ms")] + [
+            ("one-node graph (us, target <= 10)", "one_node_us", False)]
     print(f"{'':30s}" + "".join(f"{e:>24s}" for e in ENGINES) + "   ours vs onnxruntime")
     for label, key, higher in rows:
         cells = [results[e].get(key) for e in ENGINES]
@@ -159,7 +235,7 @@ def main():
         print(f"{label:30s}" + "".join(f"{c:24.2f}" if c is not None else f"{'-':>24s}" for c in cells)
               + (f"   {ratio:.2f}x" if ratio else ""))
     for engine in ENGINES:
-        for key in ("error", "piper_error"):
+        for key in [k for k in results[engine] if k.endswith("error")]:
             if key in results[engine]:
                 print(f"{engine}: {key}: {results[engine][key].strip().splitlines()[-1]}")
     OUT.mkdir(exist_ok=True)
