@@ -133,6 +133,7 @@ def on_other_backend(kernel, backend: Backend):
     def run(*inputs, out=None, **attrs):
         result = kernel(*[backend.fetch(x) for x in inputs], **attrs)
         return tuple(backend.place(r) for r in result) if isinstance(result, tuple) else backend.place(result)
+    run.hosted = True
     return run
 
 

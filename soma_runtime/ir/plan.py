@@ -268,6 +268,12 @@ class Plan:
             dead[k].append(name)
         return [tuple(names) for names in dead]
 
+    @property
+    def hosted(self) -> bool:
+        """Whether a step runs on the host for a device backend (its inputs copied there and back): such a
+        plan cannot be captured as a CUDA graph."""
+        return any(getattr(step.kernel, "hosted", False) for step in self.steps)
+
     def run(self, inputs: dict) -> list:
         env = {**self.graph.constants, **self.fixed}
         for name, shape in self.input_shapes.items():

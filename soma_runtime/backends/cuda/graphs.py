@@ -79,7 +79,7 @@ class GraphedSteps(Captures):
         return -(-needed // GRAPH_CONTEXT) * GRAPH_CONTEXT if rows <= GRAPH_ROWS else needed
 
     def run(self, plan, inputs: dict, shared: set, rows: int, context: int) -> list:
-        if rows > GRAPH_ROWS:
+        if rows > GRAPH_ROWS or plan.hosted:                 # a host step's copies cannot be captured
             return plan.run(inputs)
         key = (id(plan), context)
         if key not in self.graphs:
