@@ -15,6 +15,7 @@ it is allocated: static sizes when it is made, sizes the data decides as each is
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 
@@ -268,7 +269,7 @@ class Plan:
             dead[k].append(name)
         return [tuple(names) for names in dead]
 
-    @property
+    @functools.cached_property
     def hosted(self) -> bool:
         """Whether a step runs on the host for a device backend (its inputs copied there and back): such a
         plan cannot be captured as a CUDA graph."""

@@ -63,3 +63,16 @@ def out_f32(out, shape) -> np.ndarray:
     if out is not None and out.dtype == np.float32 and out.shape == tuple(shape) and out.flags.c_contiguous:
         return out
     return np.empty(shape, np.float32)
+
+
+def padded(x: np.ndarray, pads, value, out=None) -> np.ndarray:
+    """x with (before, after) `pads` of `value` on its last len(pads) axes (x itself where all are zero),
+    written into `out` where it fits (np.pad's own machinery costs more than the copy)."""
+    pads = ((0, 0),) * (x.ndim - len(pads)) + tuple(tuple(p) for p in pads)
+    if not any(a or b for a, b in pads):
+        return x
+    shape = tuple(n + a + b for n, (a, b) in zip(x.shape, pads))
+    y = out if out is not None and out.shape == shape and out.dtype == x.dtype else np.empty(shape, x.dtype)
+    y.fill(value)
+    y[tuple(slice(a, a + n) for n, (a, _) in zip(x.shape, pads))] = x
+    return y

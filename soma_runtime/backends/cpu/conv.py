@@ -12,22 +12,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32
+from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32, padded
 from soma_runtime.backends.cpu.linear import product
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
 from soma_runtime.ir.ops.conv import CONV_EPILOGUES
-
-
-def pad(x, pads, value):
-    """x with `pads` of `value` either side of its last len(pads) axes (np.pad's own overhead is a small
-    convolution's whole cost)."""
-    if not any(pads):
-        return x
-    nd = len(pads)
-    out = np.full(x.shape[:-nd] + tuple(n + 2 * p for n, p in zip(x.shape[-nd:], pads)), value, x.dtype)
-    out[(Ellipsis,) + tuple(slice(p, p + n) for n, p in zip(x.shape[-nd:], pads))] = x
-    return out
 
 
 def windows(x, kernel, stride, dilation):
@@ -46,14 +35,17 @@ def _span(n_out, n_in, start, stride):
     return lo, max(lo, hi)
 
 
+RELU, RELU6, SILU = (CONV_EPILOGUES.index(name) for name in ("relu", "relu6", "silu"))   # numba's codes for them
+
+
 @njit(cache=True, inline="always")
 def _activate(v, code):
     """CONV_EPILOGUES[code] of one sum."""
-    if code == 1:
+    if code == RELU:
         return max(v, np.float32(0))
-    if code == 2:
+    if code == RELU6:
         return min(max(v, np.float32(0)), np.float32(6))
-    if code == 3:
+    if code == SILU:
         return v / (np.float32(1) + np.exp(-v))
     return v
 
@@ -380,7 +372,7 @@ def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
     nd = x.ndim - 2
     N, C = x.shape[:2]
     O, kernel = weight.shape[0], weight.shape[2:]
-    cols = windows(pad(x, padding, 0), kernel, stride, dilation)                    # [N, C, *out, *k]
+    cols = windows(padded(x, [(p, p) for p in padding], 0), kernel, stride, dilation)                    # [N, C, *out, *k]
     spatial = cols.shape[2:2 + nd]
     P, K, G = math.prod(spatial), math.prod(kernel), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
@@ -461,7 +453,7 @@ def pool(x, kernel, stride, padding, average, out):
 
 @float_kernel
 def _pool_numpy(x, kernel, stride, padding, average):
-    w = windows(pad(x, padding, 0.0 if average else -np.inf), kernel, stride, (1,) * len(kernel))
+    w = windows(padded(x, [(p, p) for p in padding], 0.0 if average else -np.inf), kernel, stride, (1,) * len(kernel))
     return (np.mean if average else np.max)(w, axis=tuple(range(-len(kernel), 0)))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends.cpu.common import CPU, INT, INTEGER, NUMBER, REAL, deliver, float_kernel
+from soma_runtime.backends.cpu.common import CPU, INT, INTEGER, NUMBER, REAL, deliver, float_kernel, padded
 from soma_runtime.backends.cpu.elementwise import binary_jet, erf
 from soma_runtime.dtypes import dtype_of, highest, lowest
 from soma_runtime.ir.jets import jet
@@ -79,12 +79,7 @@ def expand(x, out=None, shape=()):
 def pad(x, out=None, pads=(), mode="constant", value=0.0):
     if mode == "constant":                               # negative pads crop
         x = x[tuple(slice(max(0, -a), x.shape[i] - max(0, -b)) for i, (a, b) in enumerate(pads))]
-        pads = tuple((max(0, a), max(0, b)) for a, b in pads)
-        shape = tuple(n + a + b for n, (a, b) in zip(x.shape, pads))
-        y = out if out is not None and out.shape == shape and out.dtype == x.dtype else np.empty(shape, x.dtype)
-        y.fill(value)                                    # np.pad's own machinery costs more than the copy
-        y[tuple(slice(a, a + n) for n, (a, _) in zip(x.shape, pads))] = x
-        return deliver(y, dtype_of(x), out)
+        return deliver(padded(x, [(max(0, a), max(0, b)) for a, b in pads], value, out), dtype_of(x), out)
     for axis, (before, after) in enumerate(pads):        # each padded axis read at folded indices (np.pad's
         if before or after:                              # own machinery costs a streaming model's whole step)
             n = x.shape[axis]

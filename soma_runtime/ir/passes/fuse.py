@@ -193,18 +193,19 @@ def activation_into_conv(r: Rewriter, m: Match):
     return cv.op, list(cv.inputs), {**cv.attrs, "epilogue": CONV_ACTIVATIONS[act.op]}
 
 
-def scalar(r: Rewriter, name: str | None, value: float) -> bool:
-    """Whether `name` is a constant holding only `value`."""
+def scalar(r: Rewriter, name: str | None, value: float, rank: int) -> bool:
+    """Whether `name` is a one-element constant holding `value`, of at most `rank` dims (it broadcasts away)."""
     c = r.constant(name)
-    return c is not None and not isinstance(c, QTensor) and np.size(c) >= 1 and bool(np.all(np.asarray(c) == value))
+    return c is not None and not isinstance(c, QTensor) and np.size(c) == 1 and np.ndim(c) <= rank \
+        and float(np.asarray(c).reshape(-1)[0]) == value
 
 
 def bounds_into_conv(r: Rewriter, m: Match):
     """minimum(maximum(conv(...), 0), 6) (a clip to [0, 6] as exporters write it) -> conv(..., epilogue=relu6)."""
     cv = m.nodes[2]
-    out = r.graph.tensors.get(cv.outputs[0])
-    if cv.attrs.get("epilogue", "none") != "none" or not (scalar(r, m.tensors["lo"], 0) and scalar(r, m.tensors["hi"], 6)) \
-            or any(r.graph.tensors[m.tensors[k]].ndim > out.ndim or np.size(r.constant(m.tensors[k])) != 1 for k in ("lo", "hi")):
+    rank = r.graph.tensors[cv.outputs[0]].ndim
+    if cv.attrs.get("epilogue", "none") != "none" or not scalar(r, m.tensors["lo"], 0, rank) \
+            or not scalar(r, m.tensors["hi"], 6, rank):
         return None
     return cv.op, list(cv.inputs), {**cv.attrs, "epilogue": "relu6"}
 
