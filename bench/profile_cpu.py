@@ -74,7 +74,7 @@ def main() -> None:
     totals.clear()
     timed = decode_seconds(model, prompt, args.tokens)
     inside = sum(t for t, _ in totals.values())
-    steps = len(model.engine.stages[0].plans[(1, 1)].steps)
+    steps = len(model.engine.plan(1).steps)
     print(f"decode: {args.tokens / plain:.1f} tok/s, {plain / args.tokens * 1e3:.2f} ms a token "
           f"({timed / args.tokens * 1e3:.2f} ms with kernels timed), {steps} plan steps a token")
     per_token = 1e3 / args.tokens

@@ -36,7 +36,7 @@ def products(shape: dict) -> dict[str, tuple[int, int]]:
 def decode_rate(model) -> float:
     """Greedy decode tok/s with fresh graphs (captured under the tiles in force)."""
     from soma_runtime.cli.bench import bench_model
-    model.engine.stages[0].captures = model.engine.backend.captures()
+    model.engine.stages[0].program.recapture()
     return bench_model(model, PROMPT_TOKENS, NEW_TOKENS, 3)["decode_tok_s"]
 
 

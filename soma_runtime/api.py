@@ -213,11 +213,11 @@ class TextModel(Model):
             engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend, n_ctx,
                             precision.kv_dtype, precision.activations, kv_tokens, device_layers=gpu_layers)
         bar.update()
-        bar.set_postfix_str("kernels")
-        engine.plan(1)                        # compile the decode plan (numba caches on disk)
-        bar.update()
         bar.set_postfix_str("autotune")
         engine.prepare(precision, autotune)
+        bar.update()
+        bar.set_postfix_str("kernels")
+        engine.warm()                         # compiled now (numba caches them on disk), not in the first reply
         bar.update()
         model = cls(model_id, loaded, backend, engine)
         model.followers = followers

@@ -46,12 +46,17 @@ class Captures:
         """Run one step; `shared` inputs (KV pages) are the same tensors every step."""
         return plan.run(inputs)
 
+    def forget(self, plan) -> None:
+        """Drop what was captured of a plan that will not run again."""
+
 
 class Backend:
     name = "host"
     device = False             # tensors live off the host: constants are placed, results fetched
     host_arena = True          # intermediates live in a plan's host arena (else the device's allocator)
     asynchronous = False       # results come back while later work runs on (running ahead pays)
+    formulas = False           # compiles a formula of elementwise atoms into one kernel (`generated`)
+    compiles = False           # its kernels compile on first use: a model is warmed up at load (Engine.warm)
 
     @property
     def fallback(self) -> Backend | None:
@@ -89,6 +94,11 @@ class Backend:
 
     def captures(self) -> Captures:
         return Captures()
+
+    def generated(self, atoms, dtypes: tuple[str, ...], out_dtype: str):
+        """A kernel compiled from an op's atom DAG (`atoms`, over inputs of `dtypes`), where this backend
+        compiles formulas and the DAG is one it can write; None: the registry runs the atoms."""
+        return
 
     def defaults(self, task: str, fmt: str, stored: str) -> Precision:
         """The precision a model runs at unless asked otherwise: as its format's reference engine runs it.

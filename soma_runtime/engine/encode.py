@@ -1,7 +1,7 @@
 """Batched encoder inference: tokenize, sort by length, pad per batch, run, pool, restore order.
 
 Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
-bucket of at most 1/16 of it, so plans are reused; the most recent ones are kept); the key mask
+bucket of at most 1/16 of it, so plans are reused; each head's graph a Program keeping the most recent); the key mask
 keeps padding out of attention and pooling.
 Pooling follows the model's (architectures/pooling.py).
 """
@@ -16,12 +16,12 @@ from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.errors import ModelLoadError, RequestError
-from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan
+from soma_runtime.ir.program import Program
 from soma_runtime.text.tokenizer import Tokenizer, check_text
 
 log = logging.getLogger("soma_runtime.encode")
-PLANS_KEPT = 16
+PLANS_KEPT = 16          # per head: each holds an arena sized for its batch
 
 
 def padded_length(tokens: int) -> int:
@@ -39,28 +39,24 @@ class Encoder:
         self.cfg, self.tokenizer, self.pooling, self.backend, self.precision = cfg, tokenizer, pooling, backend, precision
         self.weights = matmul_weights_in(weights, precision)
         self.max_tokens = min(max_tokens or cfg.max_tokens, cfg.max_tokens)
-        self.graphs: dict = {}
-        self.fusions = Counter()                 # what the fuse pass did to each head's graph
-        self.plans: dict[tuple, Plan] = {}
+        self.programs: dict[str | None, Program] = {}
         self._truncating = None
 
+    @property
+    def fusions(self) -> Counter:
+        """What the fuse pass did to each head's graph."""
+        return sum((Counter(p.fusions) for p in self.programs.values()), Counter())
+
     def plan(self, head: str | None, batch: int, length: int) -> Plan:
-        key = (head, batch, length)
-        if key in self.plans:
-            self.plans[key] = self.plans.pop(key)          # most recently used last
-        else:
-            if head not in self.graphs:
-                try:
-                    self.graphs[head] = build_encoder(self.cfg, self.weights, head, self.precision)
-                except ModelLoadError as e:        # a head's weights missing: a model that cannot do what was asked
-                    if head is None:
-                        raise
-                    raise RequestError(f"the model has no {head}-classification head ({e})") from None
-                self.fusions += fuse(self.graphs[head])
-            self.plans[key] = Plan(self.graphs[head], self.backend, {"B": batch, "S": length})
-            if len(self.plans) > PLANS_KEPT:             # each holds an arena sized for its batch
-                del self.plans[next(iter(self.plans))]
-        return self.plans[key]
+        if head not in self.programs:
+            try:
+                graph = build_encoder(self.cfg, self.weights, head, self.precision)
+            except ModelLoadError as e:            # a head's weights missing: a model that cannot do what was asked
+                if head is None:
+                    raise
+                raise RequestError(f"the model has no {head}-classification head ({e})") from None
+            self.programs[head] = Program(graph, self.backend, kept=PLANS_KEPT)
+        return self.programs[head].plan({"B": batch, "S": length})
 
     def tokenize(self, texts, pairs=None, truncate: bool = True) -> list:
         """Encodings of the texts (with their special tokens), cut to the model's maximum length."""

@@ -42,6 +42,8 @@ MAX_LOGPROBS = 20          # alternatives reported per token, as OpenAI allows
 ACTIVATION_SHARE = 0.5     # of free device memory, what one step's activations may take ...
 ACTIVATION_SLACK = 2       # ... each row counted at twice its planned peak (the caching allocator's rounding)
 KV_TOKENS = 32768          # default pool size: room for many sequences (pages are mapped as they fill)
+WARM_ROWS = 40             # the prompt `warm` runs: past the few-row products' 32 rows, into the prefill's kernels
+WARM_SAMPLING = np.array([[0.8, 40, 0.95, 0.05, 0.5]], np.float32)   # a sampled row (temperature, top-k/p, min-p, u)
 
 
 @dataclass
@@ -428,6 +430,22 @@ class Engine:
             measured.update(stage.backend.prepare(stage.layer_weights(), precision, tune, force))
         return measured
 
+    def warm(self) -> None:
+        """Run a prompt's step and decode steps (greedy, sampled, logits to the host) on a sequence of its
+        own, then let it go: every kernel a request calls is compiled (or read from numba's disk cache) and
+        every decode step captured before a first request is timed, so its speed is the hundredth's. Not
+        where no stage's backend compiles its kernels (the atoms, Triton's interpreter)."""
+        if not any(stage.backend.compiles for stage in self.stages):
+            return
+        decodes = (greedy_rows(1), WARM_SAMPLING, None)
+        seq, prompt = Sequence(), [0] * max(1, min(WARM_ROWS, self.n_ctx - len(decodes)))
+        try:
+            self.forward([(seq, prompt, 1)])
+            for sampling in decodes[: self.n_ctx - len(prompt)]:
+                self.forward([(seq, [0], 1)], sampling)
+        finally:
+            self.pool.release(seq)
+
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
         draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
@@ -439,7 +457,7 @@ class Engine:
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
                        self.kv_tokens, self.device_layers, centers)
         for mine, theirs in zip(draft.stages, self.stages):
-            mine.placed = theirs.placed
+            mine.share_weights(theirs)
         draft.sliding = self.sliding
         return draft
 
@@ -489,7 +507,7 @@ class Engine:
             self.pool.reserve(seq, seq.length + len(tokens))
         rows = sum(len(tokens) for _, tokens, _ in batch)
         attention = self.pool.attention([(seq, len(tokens)) for seq, tokens, _ in batch], self.cache.window_sizes,
-                                        lambda slots: self.stages[0].captures.context(rows, slots))
+                                        lambda slots: self.stages[0].context(rows, slots))
         logit_rows = np.concatenate([np.arange(end - want, end) for end, (_, _, want)
                                      in zip(np.cumsum([len(tokens) for _, tokens, _ in batch]), batch)]).astype(np.int64)
         if ids is None:

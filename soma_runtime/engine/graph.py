@@ -1,7 +1,7 @@
 """The `graph` task's runner: a bare graph (built in code, or imported) run on named inputs.
 
-The graph is fused once; a plan is made per set of input shapes (the most recent kept), so a graph
-with symbolic dims (a batch, a length) runs at any size. Inputs are checked where they are given:
+The graph runs as a Program (ir/program.py: fused once, a plan per set of input shapes, the most recent
+kept), so a graph with symbolic dims (a batch, a length) runs at any size. Inputs are checked where they are given:
 every name the graph takes and no other, each of its dtype and shape. A graph family (an imported graph
 that needs its inputs' sizes, or some of their values, to be built) is built once per distinct set.
 Every run is held to a RunBudget (ir/plan.py: bytes of any one tensor, of the outputs, of the
@@ -17,11 +17,9 @@ from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import BY_NUMPY
 from soma_runtime.errors import GraphError, RequestError
 from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
-from soma_runtime.ir.passes import fuse
-from soma_runtime.ir.plan import Plan, RunBudget, bindings_from
+from soma_runtime.ir.plan import RunBudget, bindings_from
+from soma_runtime.ir.program import Program
 
-PLANS_KEPT = 64                  # plans kept, most recent first, while their arenas together stay under
-ARENAS_KEPT = 1 << 30            # this many bytes (a graph run at many lengths re-plans none of them)
 MEMBERS_KEPT = 8                 # a family's members, each a converted graph
 DEFAULT_BUDGET = RunBudget()     # what a run may compute unless its runner or the run is given another
 
@@ -29,8 +27,11 @@ DEFAULT_BUDGET = RunBudget()     # what a run may compute unless its runner or t
 class GraphRunner:
     def __init__(self, graph: Graph, backend: Backend, recognition: bool = True, budget: RunBudget = DEFAULT_BUDGET):
         self.graph, self.backend, self.budget = graph, backend, budget
-        self.fusions = fuse(graph, recognition)
-        self.plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self.program = Program(graph, backend, recognition)
+
+    @property
+    def fusions(self):
+        return self.program.fusions
 
     @property
     def inputs(self) -> dict[str, TensorMeta]:
@@ -42,19 +43,11 @@ class GraphRunner:
 
     def run(self, inputs: dict, budget: RunBudget | None = None) -> dict[str, np.ndarray]:
         arrays = check_inputs(self.graph.inputs, inputs)
-        budget = budget or self.budget
-        key = (tuple(arrays[name].shape for name in self.graph.inputs), budget)
-        if key in self.plans:
-            self.plans.move_to_end(key)
-        else:
-            try:
-                self.plans[key] = Plan(self.graph, self.backend, bindings_from(self.graph, arrays), budget=budget)
-            except GraphError as e:          # sizes that disagree with the graph's own
-                raise RequestError(str(e)) from None
-            while len(self.plans) > 1 and (len(self.plans) > PLANS_KEPT or
-                                           sum(plan.arena.nbytes for plan in self.plans.values()) > ARENAS_KEPT):
-                self.plans.popitem(last=False)
-        outputs = self.plans[key].run(arrays)
+        try:
+            plan = self.program.plan(bindings_from(self.graph, arrays), budget or self.budget)
+        except GraphError as e:              # sizes that disagree with the graph's own
+            raise RequestError(str(e)) from None
+        outputs = plan.run(arrays)
         return {name: np.asarray(self.backend.fetch(value)) for name, value in zip(self.graph.outputs, outputs)}
 
 

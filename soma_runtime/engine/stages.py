@@ -1,7 +1,8 @@
 """Where a decoder's layers run: all on one backend, or split across devices as llama.cpp's
 --n-gpu-layers splits them (the first layers, with the embedding, on the device; the rest, with the
-head, on the host). Each stage is a graph of its layers (DecoderIO says which) with its own plans and
-placed weights; a step runs the stages in order, the hidden rows passing from one to the next.
+head, on the host). Each stage is a graph of its layers (DecoderIO says which) run as a Program of its
+own (its plans, placed weights and captures); a step runs the stages in order, the hidden rows passing
+from one to the next.
 Knows graphs, plans and backends; nothing of sequences or scheduling.
 """
 from __future__ import annotations
@@ -13,42 +14,54 @@ from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, Decod
 from soma_runtime.architectures.decoder import Weights, build_decoder
 from soma_runtime.backends.base import Backend
 from soma_runtime.errors import RequestError
-from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan
+from soma_runtime.ir.program import Program
 
 
 class Stage:
-    """A run of consecutive layers on one backend: its graph (fused once), its plans per (rows, logit rows),
-    its weights placed on the backend (shared by the plans) and its captured steps. With a `shard`, the
-    layers of one tensor-parallel rank (architectures/shard.py)."""
+    """A run of consecutive layers on one backend: its graph's Program (plans per (rows, logit rows), the
+    context a free dim; weights placed on the backend once; captured steps). With a `shard`, the layers of
+    one tensor-parallel rank (architectures/shard.py)."""
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, backend: Backend,
                  activations: str, shard=None):
         self.backend, self.io = backend, DecoderIO(cache, layers, cfg.hidden_size)
-        self.graph = build_decoder(cfg, weights, self.io, activations, shard)
-        self.fusions = fuse(self.graph)
-        self.captures = backend.captures()           # steps captured and replayed, where the backend can
-        self.plans: dict[tuple[int, int], Plan] = {}
-        self.placed: dict[str, object] = {}
+        self.program = Program(build_decoder(cfg, weights, self.io, activations, shard), backend, free=("T",))
 
     @property
     def layers(self) -> range:
         return self.io.layers
 
+    @property
+    def graph(self):
+        return self.program.graph
+
+    @property
+    def fusions(self):
+        return self.program.fusions
+
+    def share_weights(self, other: Stage) -> None:
+        """Read the weights `other` placed on the device (a draft of this model's first layers), placing none
+        of its own; before its first plan."""
+        self.program.placed = other.program.placed
+
+    def context(self, rows: int, needed: int) -> int:
+        """The context a step of `rows` rows over `needed` positions runs with (captured steps pad it)."""
+        return self.program.captures.context(rows, needed)
+
+    def bindings(self, rows: int, logit_rows: int, pages) -> dict[str, int]:
+        return {"S": rows, "R": logit_rows, "P": pages.shape[0], "BLK": pages.shape[1]}
+
     def plan(self, rows: int, logit_rows: int, pages) -> Plan:
         """The plan of a step of `rows` rows, `logit_rows` of them wanted, over KV pages shaped as `pages`."""
-        key = (rows, logit_rows)
-        if key not in self.plans:
-            self.plans[key] = Plan(self.graph, self.backend, {"S": rows, "R": logit_rows, "P": pages.shape[0],
-                                                              "BLK": pages.shape[1]}, free=("T",), placed=self.placed)
-        return self.plans[key]
+        return self.program.plan(self.bindings(rows, logit_rows, pages))
 
     def run(self, step: DecoderStep, logit_rows: int, context: int) -> DecoderOutputs:
         """One step of this stage's layers (`step.pages`: every layer's; `step.hidden`: the rows the stage
         before gave, where this one does not start at the embedding)."""
         rows = len(step.attention.positions)
-        plan = self.plan(rows, logit_rows, step.pages[2 * self.layers.start])
-        return self.io.read(self.captures.run(plan, self.io.feed(step), self.io.shared(), rows, context))
+        bindings = self.bindings(rows, logit_rows, step.pages[2 * self.layers.start])
+        return self.io.read(self.program.step(bindings, self.io.feed(step), self.io.shared(), rows, context))
 
     def layer_weights(self) -> list:
         """Its layers' weights as the fused graph holds them (q/k/v stacked, ...)."""

@@ -2,8 +2,8 @@
 
 Making a plan runs the passes (dead nodes, constant folding), binds symbolic dims, picks each
 node's kernel from the jet registry once, and lays intermediates out in one arena, whose views
-(reshapes, splits) are made then too. Running it is a loop over prepared steps: no lookups, no
-shape inference, no allocation for planned tensors.
+(reshapes, splits) are made then too. Running it calls the prepared steps' kernels through one
+generated function (codegen.py): no lookups, no shape inference, no allocation for planned tensors.
 A dim left `free` may take any size per run; only graph inputs may carry it (the decoder's
 context length: its slots and spans vary per step, no intermediate does). A dim only the data decides
 (a range's length, a nonzero's count) is bound once its node has run, and the attributes that hold
@@ -20,11 +20,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy._core.umath import _extobj_contextvar, _make_extobj
 
 from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import GraphError, RequestError
 from soma_runtime.ir.builder import validate
+from soma_runtime.ir.codegen import Compiled, compile_steps
 from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, names_in, resolve
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS
@@ -58,6 +60,10 @@ def meta_bytes(meta: TensorMeta) -> int:
     """Bytes of a tensor whose dims are all known, in Python integers (a product of huge dims does not wrap)."""
     dt = dtype(meta.dtype)
     return -(-math.prod(max(0, d) for d in meta.shape) // dt.block_size) * dt.type_size
+
+
+QUIET = _make_extobj(all="ignore")    # np.errstate(all="ignore")'s state, made once: entering np.errstate
+                                      # makes it anew each time, a third of a one-node graph's run
 
 
 def failed(node: Node, e: Exception) -> RequestError:
@@ -154,7 +160,8 @@ class Plan:
         self.steps = [self._step(n) for n in g.nodes]
         self.fixed = self._fix_views() if self.memory else {}
         self.dead = self._last_reads()
-        self.input_shapes = {name: meta.bind(self.bindings, self.free).shape for name, meta in g.inputs.items()}
+        self.input_shapes = {name: tuple(meta.bind(self.bindings, self.free).shape) for name, meta in g.inputs.items()}
+        self.exact_inputs = {name for name, shape in self.input_shapes.items() if not any(isinstance(d, Sym) for d in shape)}
         if backend.device:                                      # weights go to a device backend once
             placed = {} if placed is None else placed
             for name, value in g.constants.items():
@@ -276,21 +283,43 @@ class Plan:
         return any(getattr(step.kernel, "hosted", False) for step in self.steps)
 
     def run(self, inputs: dict) -> list:
-        env = {**self.graph.constants, **self.fixed}
+        given = {}
         for name, shape in self.input_shapes.items():
             value = inputs.get(name)
             got = None if value is None else tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
-            if got is None or not fits(got, shape):
+            if got != shape and (got is None or name in self.exact_inputs or not fits(got, shape)):
                 raise GraphError(f"input {name!r}: expected shape {list(shape)}, got {None if got is None else list(got)}")
-            env[name] = self.backend.place(value) if self.backend.device else value
-        with np.errstate(all="ignore"):       # inf/nan follow IEEE semantics; no warning per op
-            self._run_steps(env)
+            given[name] = self.backend.place(value) if self.backend.device else value
+        quiet = _extobj_contextvar.set(QUIET)        # inf/nan follow IEEE semantics; no warning per op
+        try:
+            outputs = self._run_compiled(given) if self.compiled else self._run_steps(given)
+        finally:
+            _extobj_contextvar.reset(quiet)
         if not self.memory:
-            return [env[o] for o in self.graph.outputs]
+            return outputs
         # outputs may alias the arena, which the next run overwrites
-        return [np.array(env[o]) if np.may_share_memory(env[o], self.arena) else env[o] for o in self.graph.outputs]
+        return [np.array(v) if np.may_share_memory(v, self.arena) else v for v in outputs]
 
-    def _run_steps(self, env: dict) -> None:
+    @functools.cached_property
+    def compiled(self) -> Compiled | None:
+        """The steps as one function, made on the first run (their kernels bound then); None where a size
+        the data decides rebinds attributes as the run goes: such plans run the steps as a loop."""
+        if any(step.lazy or step.sized or step.binds for step in self.steps):
+            return None
+        return compile_steps(self.steps, self.dead, {**self.graph.constants, **self.fixed}, list(self.graph.inputs),
+                             self.graph.outputs)
+
+    def _run_compiled(self, given: dict) -> list:
+        try:
+            return self.compiled.run(given)
+        except (IndexError, ValueError) as e:
+            k = self.compiled.failing_step(e.__traceback__)
+            if k is None:
+                raise
+            raise failed(self.steps[k].node, e) from None
+
+    def _run_steps(self, given: dict) -> list:
+        env = {**self.graph.constants, **self.fixed, **given}
         bindings = dict(self.bindings)        # and the sizes the data decides, as their nodes run
         outputs = self.output_bytes
         for step, dead in zip(self.steps, self.dead):
@@ -315,6 +344,7 @@ class Plan:
                 bindings[name] = int(np.shape(env[step.outputs[k]])[axis])
             for name in dead:
                 del env[name]
+        return [env[o] for o in self.graph.outputs]
 
     def _check_resolved(self, step: Step, inputs: list, bindings: dict) -> int:
         """A step's outputs sized by the data, against the budget before it runs (the length a range or a

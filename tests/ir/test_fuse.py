@@ -221,12 +221,12 @@ def test_the_fused_plan_computes_the_plain_one_and_verifies_against_its_atoms(ti
     import torch
 
     from soma_runtime.api import Runtime
-    from soma_runtime.engine import stages
+    from soma_runtime.ir import program
     directory, hf_model, tok, model = tiny_llama
     ids = tok.encode("The quick brown fox jumps over the lazy dog.").ids
     fused = model.logits(ids)
     with monkeypatch.context() as off:
-        off.setattr(stages, "fuse", lambda graph: Counter())
+        off.setattr(program, "fuse", lambda graph, recognition, chains: Counter())
         plain = Runtime("cpu").load(directory, progress=False)
     assert Counter(n.op for n in plain.engine.stages[0].graph.nodes)["rope"] == 2 * plain.engine.cfg.num_layers
     monkeypatch.setenv("SOMA_VERIFY", "1")

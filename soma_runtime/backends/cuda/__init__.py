@@ -20,6 +20,7 @@ class CudaBackend(Backend):
     device = True
     host_arena = False          # intermediates live in torch's caching allocator
     asynchronous = True         # a step is queued before the last one's results are read
+    compiles = not INTERPRET    # Triton's kernels, and the decode steps' CUDA graphs
 
     @property
     def fallback(self) -> Backend:

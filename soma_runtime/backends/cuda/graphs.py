@@ -73,7 +73,7 @@ class GraphedSteps(Captures):
     """A model's decode-sized steps, each shape captured once and replayed."""
 
     def __init__(self):
-        self.graphs: dict[tuple[int, int], GraphedPlan] = {}
+        self.graphs: dict[tuple[int, int], GraphedPlan] = {}     # by (id of the plan, context)
 
     def context(self, rows: int, needed: int) -> int:
         return -(-needed // GRAPH_CONTEXT) * GRAPH_CONTEXT if rows <= GRAPH_ROWS else needed
@@ -85,3 +85,7 @@ class GraphedSteps(Captures):
         if key not in self.graphs:
             self.graphs[key] = GraphedPlan(plan, inputs, shared)
         return self.graphs[key].run(inputs)
+
+    def forget(self, plan) -> None:
+        for key in [key for key, graphed in self.graphs.items() if graphed.plan is plan]:
+            del self.graphs[key]

@@ -17,8 +17,7 @@ from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import GraphRunner
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.errors import RequestError
-from soma_runtime.ir.passes import fuse
-from soma_runtime.ir.plan import Plan
+from soma_runtime.ir.program import Program
 
 MAX_BATCH = 8                 # windows decoding at once (one per recording in a batch)
 SELF_TOKENS = 448 * 48        # self-attention K/V: 5 beams of whisper's longest text in each of MAX_BATCH windows,
@@ -49,21 +48,16 @@ class WhisperRunner:
         self.cfg, self.backend, self.activations = cfg, backend, activations
         self.io = caches_of(cfg)
         self.encoder = GraphRunner(build_encoder(cfg, weights), backend)
-        self.cross_graph = build_cross(cfg, weights, self.io, activations)
-        self.step_graph = build_step(cfg, weights, self.io, activations)
-        fuse(self.cross_graph), fuse(self.step_graph)
+        self.cross_program = Program(build_cross(cfg, weights, self.io, activations), backend)
+        self.step_program = Program(build_step(cfg, weights, self.io, activations), backend, free=("T",))
         self.pool = KVPool(self.io.cache, SELF_TOKENS, lambda _: backend)
         self.cross = KVPool(self.io.cross, cfg.max_source_positions * CROSS_WINDOWS, lambda _: backend)
-        self.plans: dict[tuple, Plan] = {}
-        self.placed: dict[str, object] = {}
         self.lock = threading.Lock()
 
-    def plan(self, graph, key: tuple, bindings: dict, free=()) -> Plan:
-        if key not in self.plans:
-            k = self.pool.k[0]
-            self.plans[key] = Plan(graph, self.backend, {**bindings, "P": k.shape[0], "CP": self.cross.k[0].shape[0],
-                                                         "BLK": k.shape[1]}, free=free, placed=self.placed)
-        return self.plans[key]
+    def pool_sizes(self) -> dict[str, int]:
+        """The sizes the pools bind in both graphs: pages of self and of cross K/V, tokens a page."""
+        k = self.pool.k[0]
+        return {"P": k.shape[0], "CP": self.cross.k[0].shape[0], "BLK": k.shape[1]}
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """[B, mels, 3000] features -> [B, 1500, D] encoder states."""
@@ -78,9 +72,9 @@ class WhisperRunner:
                 seq = Sequence()
                 self.cross.reserve(seq, frames)
                 seq.length = frames
-                plan = self.plan(self.cross_graph, ("cross", frames), {"F": frames})
                 slots = self.cross.slots(seq, 0, frames)
-                pages = plan.run(self.io.feed_cross(np.ascontiguousarray(row), slots, self.cross.pages))
+                pages = self.cross_program.run({**self.pool_sizes(), "F": frames},
+                                               self.io.feed_cross(np.ascontiguousarray(row), slots, self.cross.pages))
                 self.cross.keep(pages)
                 windows.append(Window(seq, frames))
         return windows
@@ -115,9 +109,8 @@ class WhisperRunner:
                          self.cross.pages)
         rows = int(ends[-1])
         with self.lock:
-            plan = self.plan(self.step_graph, ("step", rows, len(logit_rows), len(cross_slots)),
-                             {"S": rows, "R": len(logit_rows), "C": len(cross_slots)}, free=("T",))
-            logits, *pages = plan.run(self.io.feed(step))
+            bindings = {**self.pool_sizes(), "S": rows, "R": len(logit_rows), "C": len(cross_slots)}
+            logits, *pages = self.step_program.run(bindings, self.io.feed(step))
             self.pool.keep(pages)
         for h, tokens in batch:
             h.seq.length += len(tokens)
