@@ -8,7 +8,10 @@
 - convolution networks: transformers' ResNet-18 and MobileNetV2 (random weights, exported here with a
   dynamic batch) at 224x224, batch 1 and 8; ddddocr's detector (416x416) and recognizer (64x256) and
   basic-pitch's nmp.onnx (one 2 s window), the files those packages ship: milliseconds per run;
-- a one-node graph (an add of two 4-float vectors): microseconds per run from Python, the per-call floor.
+- a one-node graph (an add of two 4-float vectors): microseconds per run from Python, the per-call floor;
+- footprint: peak RSS that loading and first running ResNet-18 adds, over its weight bytes (both engines);
+  RSS after 1,000 and growth over 10,000 runs of a graph at 100 input shapes; an idle server's CPU
+  seconds over 10 s (the bundled model loaded, no requests).
 
 Each engine runs in its own process; the engines alternate over --rounds rounds (median reported; each
 round's figure is the best of 5 timed passes after a warm-up). Ours also runs with recognition off, to
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,11 +143,86 @@ def session(engine: str, path: str, threads: int):
     return lambda feed: list(runner.run({k: v for k, v in feed.items() if k in runner.inputs}).values())
 
 
+def rss_mb() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_footprint(engine: str, threads: int) -> dict:
+    """Peak resident memory a model's load and first run add, over the weight bytes its file holds (first
+    in a fresh process, before anything else is loaded): what prepacking keeps of what it replaced."""
+    import onnx
+    path = vision_onnx("resnet18")
+    weights = sum(onnx.numpy_helper.to_array(t).nbytes for t in onnx.load(path).graph.initializer)
+    before = rss_mb()
+    run = session(engine, path, threads)
+    run({"x": np.zeros((1, 3, 224, 224), np.float32)})
+    return {"load_peak_over_weights": (peak_rss_mb() - before) * 2**20 / weights}
+
+
+def shape_churn() -> dict:
+    """Resident memory over 10,000 runs of one graph at 100 input shapes (past the plans a program keeps):
+    what it holds after 1,000 runs and what it grew by the end."""
+    from soma_runtime.backends import get
+    from soma_runtime.engine.graph import graph_runner
+    from soma_runtime.ir.builder import GraphBuilder
+    g = GraphBuilder()
+    x = g.input("x", ("B", "N"), "f32")
+    runner = graph_runner(g.output(g.relu(g.add(g.mul(x, x), x))), get("cpu"))
+    shapes = [(1 + k % 4, 64 + 16 * k) for k in range(100)]
+    at = {}
+    for k in range(10_000):
+        runner.run({"x": np.ones(shapes[k % len(shapes)], np.float32)})
+        if k + 1 in (1_000, 10_000):
+            at[k + 1] = rss_mb()
+    return {"churn_rss_mb_at_1000": at[1_000], "churn_rss_growth_mb": at[10_000] - at[1_000]}
+
+
+def idle_server_cpu() -> dict:
+    """CPU seconds an idle server (the bundled model loaded, no requests) spends over 10 s: its threads
+    must wait, not spin. Started and stopped through its own process handle."""
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "soma_runtime.cli.main", "serve", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    return {"idle_server_error": "the server did not come up"}
+                time.sleep(0.5)
+        time.sleep(2)                                     # what loading left running settles
+
+        def cpu_s() -> float:
+            with open(f"/proc/{server.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        start = cpu_s()
+        time.sleep(10)
+        return {"idle_server_cpu_s_per_10s": cpu_s() - start}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def worker(engine: str, threads: int) -> dict:
     if engine != "onnxruntime":
         from soma_runtime import schedule
         schedule.use_threads(threads)
-    result = {}
+    result = load_footprint(engine, threads)
     path, batches = minilm_onnx()
     run = session(engine, path, threads)
     for b, feeds in batches.items():
@@ -167,6 +247,7 @@ def worker(engine: str, threads: int) -> dict:
         from soma_runtime.engine.graph import graph_runner
         runner, feed = graph_runner(one_node_graph(), get("cpu")), {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
         result["one_node_us"] = best_of(lambda: [runner.run(feed) for _ in range(1000)]) * 1e3
+        result.update(shape_churn())
     return result
 
 
@@ -219,6 +300,7 @@ def main():
         for engine in ENGINES:
             rounds[engine].append(run_worker(__file__, engine, threads=args.threads))
     results = {engine: median_of(r) for engine, r in rounds.items()}
+    results[ENGINES[0]].update(idle_server_cpu())
     print(f"threads={args.threads}, median of {args.rounds} alternating rounds (each the best of 5 passes)")
     rows = [("MiniLM batch 1 (sent/s)", "minilm_batch_1_sent_s", True),
             ("MiniLM batch 32 (sent/s)", "minilm_batch_32_sent_s", True),
@@ -227,11 +309,16 @@ def main():
             (f"{key[:-3].replace('_', ' ')} (ms)", key, False) for key in (
                 "resnet18_batch_1_ms", "resnet18_batch_8_ms", "mobilenet_v2_batch_1_ms", "mobilenet_v2_batch_8_ms",
                 "ddddocr_detector_ms", "ddddocr_recognizer_ms", "basic_pitch_ms")] + [
-            ("one-node graph (us, target <= 10)", "one_node_us", False)]
+            ("one-node graph (us, target <= 10)", "one_node_us", False),
+            ("load peak RSS / weights (<= 1.2)", "load_peak_over_weights", False),
+            ("RSS after 1k shape runs (MB)", "churn_rss_mb_at_1000", False),
+            ("RSS growth 1k->10k runs (MB)", "churn_rss_growth_mb", False),
+            ("idle server CPU s per 10 s", "idle_server_cpu_s_per_10s", False)]
     print(f"{'':30s}" + "".join(f"{e:>24s}" for e in ENGINES) + "   ours vs onnxruntime")
     for label, key, higher in rows:
         cells = [results[e].get(key) for e in ENGINES]
-        ratio = (cells[0] / cells[2] if higher else cells[2] / cells[0]) if None not in (cells[0], cells[2]) else None
+        both = None not in (cells[0], cells[2]) and cells[0]
+        ratio = (cells[0] / cells[2] if higher else cells[2] / cells[0]) if both else None
         print(f"{label:30s}" + "".join(f"{c:24.2f}" if c is not None else f"{'-':>24s}" for c in cells)
               + (f"   {ratio:.2f}x" if ratio else ""))
     for engine in ENGINES:

@@ -2,7 +2,9 @@
 
 A backend registers a kernel for an op; the registry files it under the formula hash of every
 structural variant of that op. Lookup hashes the node's own decomposition, so a kernel is found
-by what it computes, never by a name. A miss runs the atoms (logged once). With SOMA_VERIFY=1
+by what it computes, never by a name. On a miss, a backend that compiles formulas is asked for a
+kernel generated from the decomposition (an elementwise `chain` above all); else the atoms run
+(logged once). With SOMA_VERIFY=1
 every jet runs beside its atoms and a difference beyond the op's tolerance raises.
 
 Kernel convention: `kernel(*inputs, out=None, **attrs)` returns the output (or a tuple); when
@@ -106,6 +108,10 @@ class JetRegistry:
         jet = None
         if backend.name != "reference":
             jet = self.lookup(opdef.formula_hash(metas, attrs), backend.name, dtypes, opdef.attrs)
+            if jet is None and backend.formulas:
+                outputs = opdef.infer(metas, attrs)
+                if len(outputs) == 1:
+                    jet = backend.generated(opdef.decomposition(metas, attrs), dtypes, outputs[0].dtype)
             fallback = backend.fallback
             if jet is None and fallback is not None:
                 self._miss(opdef, backend, dtypes, f"running it on {fallback.name} (inputs copied there)")

@@ -11,7 +11,19 @@ import sys
 import numba
 
 from soma_runtime.backends.base import Backend, Precision
-from soma_runtime.backends.cpu import amx, attention, autotune, collective, conv, elementwise, layout, linear, primitive, qmatmul  # noqa: F401  (registers jets)
+from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
+    amx,
+    attention,
+    autotune,
+    collective,
+    conv,
+    elementwise,
+    generated,
+    layout,
+    linear,
+    primitive,
+    qmatmul,
+)
 
 
 def prefer_tbb() -> None:
@@ -63,6 +75,8 @@ def physical_cores() -> int:
 
 class CpuBackend(Backend):
     name = "cpu"
+    formulas = True
+    compiles = True            # numba's kernels (cached on disk: loaded, not compiled, after the first time)
 
     threads: int | None = None
 
@@ -90,6 +104,9 @@ class CpuBackend(Backend):
         if task == "encode" and amx.available():
             return Precision(base.kv_dtype, "bf16")
         return base
+
+    def generated(self, atoms, dtypes: tuple[str, ...], out_dtype: str):
+        return generated.generate(atoms, dtypes, out_dtype)
 
     def prepare(self, weights: list, precision: Precision, tune: bool, force: bool = False) -> dict:
         """Times the prefill variants of q8-activation matmuls (for weight shapes this machine has not seen)."""

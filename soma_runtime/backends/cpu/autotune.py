@@ -14,13 +14,14 @@ from pathlib import Path
 import llvmlite.binding
 import numba
 
+from soma_runtime.backends.cpu.common import cache_root
+
 _lock = threading.Lock()
 _table: dict | None = None
 
 
 def cache_path() -> Path:
-    root = os.environ.get("SOMA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "soma-runtime")
-    return Path(root) / "autotune.json"
+    return cache_root() / "autotune.json"
 
 
 def machine_key() -> str:

@@ -1,7 +1,10 @@
-"""Shared plumbing for CPU jets: f32 compute for half inputs, and writing into a planned buffer."""
+"""Shared plumbing for CPU jets: f32 compute for half inputs, writing into a planned buffer, and where
+what the CPU backend works out once per machine is kept."""
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -13,6 +16,11 @@ HALF = ("f16", "bf16")
 F = FLOATS               # any float dtype a model computes in
 REAL = REALS             # those and f64
 INT = ("i32", "i64")     # indices
+
+
+def cache_root() -> Path:
+    """$SOMA_CACHE_DIR, default ~/.cache/soma-runtime: the autotune table, generated jets."""
+    return Path(os.environ.get("SOMA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "soma-runtime"))
 INTEGER = INTEGERS       # any integer
 NUMBER = (REAL, INTEGER)  # jet patterns for ops on any number: floats, and integers (their formula may differ)
 ANY = "*"

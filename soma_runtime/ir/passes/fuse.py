@@ -6,7 +6,8 @@ below rewrite patterns of ops to the fused ops' wider forms, until none applies.
 a pattern (op, inputs...) whose nested ops must feed only the node above them, and what it becomes;
 two rules take several nodes at once (matmuls sharing an input, the K and V appends of one layer).
 Weights are rewritten where a rule needs them (stacked, interleaved) and the ones no node reads any
-more are let go as soon as they are replaced. `fuse` returns how often each rule applied (`models info --fusions`).
+more are let go as soon as they are replaced; last, elementwise ops no rule took may be chained into one
+node (chains.py). `fuse` returns how often each rule applied (`models info --fusions`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 from soma_runtime.dtypes import QTensor
 from soma_runtime.ir.graph import Graph, Node, meta_of
 from soma_runtime.ir.ops import GATED, OPS, as_tuple
+from soma_runtime.ir.passes.chains import chain_pointwise
 from soma_runtime.ir.passes.dce import eliminate_dead_nodes
 from soma_runtime.ir.passes.recognize import recognize
 from soma_runtime.memory import release
@@ -386,9 +388,10 @@ def row_halves(t) -> list:
 
 # --- the pass ---------------------------------------------------------------------------------------------
 
-def fuse(graph: Graph, recognition: bool = True) -> Counter:
+def fuse(graph: Graph, recognition: bool = True, chains: bool = False) -> Counter:
     """Rewrite `graph` in place to its fused form; returns {rule: times applied}. Without `recognition`,
-    only the rules run (what recognizing exporters' subgraphs buys is measured so)."""
+    only the rules run (what recognizing exporters' subgraphs buys is measured so). With `chains` (for a
+    backend that compiles formulas), the elementwise ops the rules left are chained (chains.py)."""
     from soma_runtime.ir.builder import validate
     validate(graph)
     report = recognize(graph) if recognition else Counter()
@@ -407,4 +410,7 @@ def fuse(graph: Graph, recognition: bool = True) -> Counter:
                 report[name] += 1
                 changed = True
     validate(graph)
+    if chains and (made := chain_pointwise(graph)):
+        report["chain"] += made
+        validate(graph)
     return report
