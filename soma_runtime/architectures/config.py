@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from soma_runtime.architectures.fields import HF_FIELDS, ROPE_FIELDS, check_fields, check_token_ids, reading, table
+from soma_runtime.architectures.moe import MoEConfig, moe_config_from_hf
 from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 
 
@@ -34,6 +35,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False             # q/k norms over all heads at once (OLMoE), not per head
     sandwich_norms: bool = False            # gemma2/3: norms after attention and mlp too
     embed_scale: float = 1.0
     activation: str = "silu"                # silu | gelu_tanh
@@ -43,6 +45,7 @@ class DecoderConfig:
     layer_windows: tuple[int, ...] = ()     # per layer: 0 = full attention, else sliding window
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None            # routed experts in place of the MLP (moe.py)
 
     def validate(self, source: str) -> DecoderConfig:
         """ModelLoadError, naming `source`, for fields that disagree with each other."""
@@ -227,6 +230,7 @@ def config_from_hf(hf: dict, model_type: str, traits: dict, source: str = "confi
             tie_embeddings=hf.get("tie_word_embeddings", traits.get("tie_embeddings", False)),
             qkv_bias=traits.get("qkv_bias", hf.get("attention_bias", False)),
             qk_norm=traits.get("qk_norm", False),
+            qk_norm_whole=traits.get("qk_norm_whole", False),
             sandwich_norms=traits.get("sandwich_norms", False),
             embed_scale=math.sqrt(hf["hidden_size"]) if traits.get("scaled_embeddings") else 1.0,
             activation="gelu_tanh" if "gelu" in (hf.get("hidden_activation") or hf.get("hidden_act") or "silu") else "silu",
@@ -236,4 +240,5 @@ def config_from_hf(hf: dict, model_type: str, traits: dict, source: str = "confi
             layer_windows=_layer_windows(hf, n_layers),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos(hf.get("eos_token_id")),
+            moe=moe_config_from_hf(hf, traits, source),
         ).validate(source)

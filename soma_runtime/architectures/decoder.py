@@ -14,6 +14,7 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderIO, PagedKV
+from soma_runtime.architectures.moe import build_moe_ffn, check_expert_shapes
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
@@ -40,13 +41,14 @@ def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[st
     has `head_rows` rows (default: the vocabulary; a tensor-parallel rank's share of it)."""
     D, H, KV, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     head_rows = cfg.vocab_size if head_rows is None else head_rows
+    qk = (H * hd, KV * hd) if cfg.qk_norm_whole else (hd, hd)
     shapes = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,), "output.weight": (head_rows, D)}
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         shapes.update({f"{p}.attn_norm.weight": (D,), f"{p}.attn_q.weight": (H * hd, D), f"{p}.attn_k.weight": (KV * hd, D),
                        f"{p}.attn_v.weight": (KV * hd, D), f"{p}.attn_qkv.weight": ((H + 2 * KV) * hd, D),
                        f"{p}.attn_q.bias": (H * hd,), f"{p}.attn_k.bias": (KV * hd,), f"{p}.attn_v.bias": (KV * hd,),
-                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": (hd,), f"{p}.attn_k_norm.weight": (hd,),
+                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": qk[:1], f"{p}.attn_k_norm.weight": qk[1:],
                        f"{p}.post_attention_norm.weight": (D,), f"{p}.ffn_norm.weight": (D,), f"{p}.post_ffw_norm.weight": (D,),
                        f"{p}.ffn_gate.weight": (F, D), f"{p}.ffn_down.weight": (D, F)})
         shapes[f"{p}.ffn_up.weight"] = (F, D)
@@ -63,6 +65,8 @@ def check_shapes(cfg: DecoderConfig, weights: Weights, head_rows: int | None = N
             want = (2 * want[0], want[1])                      # gate and up fused (phi3)
         if got != want:
             raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(got)}, the config needs {list(want)}")
+    if cfg.moe is not None:
+        check_expert_shapes(cfg.moe, cfg.hidden_size, cfg.num_layers, weights)
 
 
 SAMPLE_WIDTH = 64
@@ -145,8 +149,10 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)
         else:
             q, k, v = (linear(h, f"{p}.attn_{n}") for n in "qkv")
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            q, k = norm(q, f"{p}.attn_q_norm"), norm(k, f"{p}.attn_k_norm")
         q, k, v = (g.reshape(t, shape=("S", n, hd)) for t, n in ((q, H), (k, KV), (v, KV)))
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_whole:
             q, k = norm(q, f"{p}.attn_q_norm"), norm(k, f"{p}.attn_k_norm")
         inv_freq = cfg.inv_freq(i)
         if "rope_freqs.weight" in weights:            # llama-3 GGUF: scaling stored as per-dim factors
@@ -178,7 +184,12 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
             attn = g.matmul(attn, kv_basis(), transpose_b=True)
         attn = linear(g.reshape(attn, shape=("S", H * hd)), f"{p}.attn_output", True)
         x = g.add(x, block_output(attn, f"{p}.post_attention_norm"))
-        x = g.add(x, block_output(linear(mlp(norm(x, f"{p}.ffn_norm"), p), f"{p}.ffn_down", True), f"{p}.post_ffw_norm"))
+        h = norm(x, f"{p}.ffn_norm")
+        if cfg.moe is not None and cfg.moe.routes(i):
+            y = build_moe_ffn(g, cfg.moe, h, p, const, linear, activations)
+        else:
+            y = linear(mlp(h, p), f"{p}.ffn_down", True)
+        x = g.add(x, block_output(y, f"{p}.post_ffw_norm"))
     if not io.last:
         return io.outputs(g, pages_out, hidden=x, copies=copies_out)
     rows = g.embedding(x, step.logit_rows)            # the rows that sample a token: the head reads only those

@@ -13,6 +13,7 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig, config_from_hf
 from soma_runtime.architectures.fields import GGUF_FIELDS, check_fields, reading, table
+from soma_runtime.architectures.moe import moe_config_from_gguf, stack_hf_experts
 from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 
 
@@ -37,10 +38,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.model_type: s for s in [
     ArchSpec("gemma", "gemma", GEMMA),
     ArchSpec("gemma2", "gemma2", {**GEMMA, "sandwich_norms": True}, swa_pattern=2),
     ArchSpec("gemma3_text", "gemma3", {**GEMMA, "sandwich_norms": True, "qk_norm": True}, swa_pattern=6),
+    # mixture-of-experts (moe.py): Mixtral's GGUF is llama's, told apart by its experts
+    ArchSpec("mixtral", "llama", {**LLAMA_LIKE, "moe": {"normalize": True}}, gguf_rope_style="interleaved"),
+    ArchSpec("qwen2_moe", "qwen2moe", {"qkv_bias": True, "moe": {}}),
+    ArchSpec("qwen3_moe", "qwen3moe", {"qk_norm": True, "moe": {"normalize": True}}),
+    ArchSpec("olmoe", "olmoe", {"qk_norm": True, "qk_norm_whole": True, "moe": {}}),
 ]}
 ALIASES = {"gemma3": "gemma3_text"}
 BY_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma",
-                "gemma2": "gemma2", "gemma3": "gemma3_text"}
+                "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+MOE_OF_GGUF_ARCH = {"llama": "mixtral"}      # a dense GGUF architecture whose files with experts are this family
 
 
 def register(spec: ArchSpec) -> ArchSpec:
@@ -71,6 +78,9 @@ HF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 SANDWICH_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                         "post_feedforward_layernorm": "post_ffw_norm"}
@@ -95,8 +105,8 @@ def canonical_hf_name(name: str, spec: ArchSpec) -> str | None:
     return f"blk.{layer}.{names[module]}.{kind}" if module in names else None
 
 
-def canonical_hf_weights(tensors: dict, spec: ArchSpec) -> dict:
-    out = {}
+def canonical_hf_weights(tensors: dict, spec: ArchSpec, source: str = "checkpoint") -> dict:
+    out, tensors = stack_hf_experts(tensors, source) if "moe" in spec.traits else ({}, tensors)
     for name, t in tensors.items():
         key = canonical_hf_name(name, spec)
         if key is None:
@@ -129,12 +139,14 @@ def config_for_gguf(meta: dict, tensor_names: set[str], source: str = "GGUF") ->
     if not isinstance(arch, str) or arch not in BY_GGUF_ARCH:
         raise UnsupportedModelError(f"{source}: unknown GGUF architecture {arch!r}; supported: {', '.join(sorted(BY_GGUF_ARCH))}")
     spec = lookup(BY_GGUF_ARCH[arch])
+    if arch in MOE_OF_GGUF_ARCH and (meta.get(f"{arch}.expert_count") or "blk.0.ffn_gate_inp.weight" in tensor_names):
+        spec = lookup(MOE_OF_GGUF_ARCH[arch])
     check_fields(meta, {f"{arch}.{key}": field for key, field in GGUF_FIELDS.items()}, source)
     with reading(source):
-        return spec, gguf_config(spec, arch, meta, tensor_names).validate(source)
+        return spec, gguf_config(spec, arch, meta, tensor_names, source).validate(source)
 
 
-def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str]) -> DecoderConfig:
+def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str], source: str = "GGUF") -> DecoderConfig:
     """GGUF metadata (its fields checked) as a DecoderConfig."""
 
     def get(key, default=None):
@@ -177,6 +189,7 @@ def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str]) -
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm_whole=spec.traits.get("qk_norm_whole", False),
         sandwich_norms="blk.0.post_attention_norm.weight" in tensor_names,
         embed_scale=float(np.sqrt(hidden)) if spec.traits.get("scaled_embeddings") else 1.0,
         activation="gelu_tanh" if spec.model_type.startswith("gemma") else "silu",
@@ -186,4 +199,5 @@ def gguf_config(spec: ArchSpec, arch: str, meta: dict, tensor_names: set[str]) -
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(t for t in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
                             if t is not None),
+        moe=moe_config_from_gguf(meta, arch, tensor_names, spec.traits, n_layers, source),
     )

@@ -36,7 +36,7 @@ def load_hf_dir(directory: str):
     if hf_config.get("model_type") == "whisper":
         return load_hf_whisper_dir(directory, hf_config)
     spec, cfg = config_for_hf(hf_config, config_path)
-    weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec), directory)
+    weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec, directory), directory)
     generation_path = os.path.join(directory, "generation_config.json")
     generation = read_json(generation_path)
     if generation.get("eos_token_id") is not None and not cfg.eos_token_ids:

@@ -623,6 +623,46 @@ for align in (False, True):
          id=f"bilinear-align{align}", size=(7, 9), mode="bilinear", align_corners=align)
 
 
+
+def torch_router(top_k, scoring="softmax", normalize=False):
+    def ref(logits, bias=None):
+        scores = torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+        index = torch.topk(scores if bias is None else scores + bias, top_k, -1).indices
+        weights = torch.gather(scores, -1, index)
+        return (weights / weights.sum(-1, keepdim=True) if normalize else weights), index
+    return ref
+
+
+case("router", mk((5, 8)), torch_router(2), top_k=2)
+case("router", mk((5, 8)), torch_router(3, normalize=True), id="normalized", top_k=3, normalize=True)
+case("router", lambda dt: mk((6, 4))(dt) + [np.array([0.0, 2.0, -1.0, 0.5], np.float32)], torch_router(2, "sigmoid"),
+     dtypes=("f32",), id="sigmoid-bias", top_k=2, scoring="sigmoid")
+
+
+def routed(tokens, experts, k, hidden, ffn, seed=0):
+    """moe_ffn inputs: x, each token's k weights and distinct experts, gate/up/down experts."""
+    def make(dt):
+        rng = np.random.default_rng(seed)
+        x, gate, up = randn(tokens, hidden, rng=rng), randn(experts, ffn, hidden, rng=rng), randn(experts, ffn, hidden, rng=rng)
+        down = randn(experts, hidden, ffn, rng=rng)
+        chosen = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int64)
+        weights = rng.random((tokens, k)).astype(np.float32)
+        return [x.astype(NP[dt]), weights.astype(NP[dt]), chosen] + [w.astype(NP[dt]) * 0.3 for w in (gate, up, down)]
+    return make
+
+
+def torch_moe_ffn(x, weights, experts, gate, up, down):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t]):
+            out[t] += w * (down[e] @ (F.silu(gate[e] @ x[t]) * (up[e] @ x[t])))
+    return out
+
+
+case("moe_ffn", routed(6, 4, 2, 8, 5), torch_moe_ffn)
+case("moe_ffn", routed(1, 8, 3, 16, 12, seed=1), torch_moe_ffn, id="one-token")
+
+
 def to_torch(x):
     if x is None:
         return None

@@ -18,6 +18,7 @@ from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
     collective,
     conv,
     elementwise,
+    experts,
     generated,
     layout,
     linear,

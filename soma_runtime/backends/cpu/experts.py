@@ -1,0 +1,62 @@
+"""CPU jets for mixture-of-experts: the router (scores, top-k, weights) and the grouped expert MLP.
+
+The expert MLP gathers the rows routed to each expert and runs that expert's gate, up and down
+products through the matmul jet on its slice of the merged weights (GGUF blocks decoded in the
+kernel, q8 activations as the dense layers use), so only chosen experts' weights are read.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from soma_runtime.backends.cpu.common import CPU, INT, F, deliver, f32
+from soma_runtime.backends.cpu.elementwise import swiglu
+from soma_runtime.backends.cpu.linear import matmul
+from soma_runtime.dtypes import QUANTIZED, QTensor, dtype_of
+from soma_runtime.ir.jets import jet
+
+
+@jet("router", CPU, [(F, "none"), (F, "f32")])
+def router(logits, bias=None, out=None, top_k=2, scoring="softmax", normalize=False):
+    z = f32(logits).astype(np.float32, copy=False)
+    if scoring == "softmax":
+        scores = np.exp(z - z.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-z))
+    choice = scores if bias is None else scores + bias
+    index = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]       # ties keep the lower index, as the atoms
+    weights = np.take_along_axis(scores, index, axis=-1)
+    if normalize:
+        weights /= weights.sum(axis=-1, keepdims=True)
+    return deliver(weights, dtype_of(logits)), index.astype(np.int64)
+
+
+def expert(w, e: int):
+    """Expert e's [out, in] matrix of merged experts [E, out, in]: a view, blocks left as stored."""
+    if isinstance(w, QTensor):
+        rows = w.shape[1]
+        return QTensor(w.data[e * rows:(e + 1) * rows].reshape(-1), w.dtype, w.shape[1:])
+    return w[e]
+
+
+EXPERT_WEIGHTS = (*F, *QUANTIZED)
+
+
+@jet("moe_ffn", CPU, [(F, F, INT, w, w, w) for w in EXPERT_WEIGHTS])
+def moe_ffn(x, weights, experts, gate, up, down, out=None, activations="f32"):
+    rows = f32(x).reshape(-1, x.shape[-1])
+    k = experts.shape[-1]
+    result = np.zeros(rows.shape, np.float32)
+    chosen = experts.reshape(-1)
+    order = np.argsort(chosen, kind="stable")                 # routed (token, slot) pairs grouped by expert
+    bounds = np.searchsorted(chosen[order], np.arange(gate.shape[0] + 1))
+    scale = f32(weights).reshape(-1)
+    for e in np.flatnonzero(np.diff(bounds)):
+        pairs = order[bounds[e]:bounds[e + 1]]
+        tokens = pairs // k                                   # each token routes to an expert at most once
+        h = np.ascontiguousarray(rows[tokens])
+        hidden = swiglu(matmul(h, expert(gate, e), transpose_b=True, activations=activations),
+                        matmul(h, expert(up, e), transpose_b=True, activations=activations))
+        y = matmul(hidden, expert(down, e), transpose_b=True, activations=activations)
+        result[tokens] += y * scale[pairs, None]
+    return deliver(result, dtype_of(x), out)
