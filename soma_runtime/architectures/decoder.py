@@ -48,7 +48,8 @@ def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[st
         shapes.update({f"{p}.attn_norm.weight": (D,), f"{p}.attn_q.weight": (H * hd, D), f"{p}.attn_k.weight": (KV * hd, D),
                        f"{p}.attn_v.weight": (KV * hd, D), f"{p}.attn_qkv.weight": ((H + 2 * KV) * hd, D),
                        f"{p}.attn_q.bias": (H * hd,), f"{p}.attn_k.bias": (KV * hd,), f"{p}.attn_v.bias": (KV * hd,),
-                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": qk[:1], f"{p}.attn_k_norm.weight": qk[1:],
+                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": qk[:1],
+                       f"{p}.attn_k_norm.weight": qk[1:],
                        f"{p}.post_attention_norm.weight": (D,), f"{p}.ffn_norm.weight": (D,), f"{p}.post_ffw_norm.weight": (D,),
                        f"{p}.ffn_gate.weight": (F, D), f"{p}.ffn_down.weight": (D, F)})
         shapes[f"{p}.ffn_up.weight"] = (F, D)

@@ -50,7 +50,8 @@ def moe_ffn_rule(metas, attrs):
     check(x.ndim == 2, f"moe_ffn takes x as [tokens, hidden], got {list(x.shape)}")
     float_dtype(weights, "expert weights")
     check(experts.dtype in ("i32", "i64"), f"expert indices must be integer, got {experts.dtype}")
-    check(weights.ndim == 2 and experts.ndim == 2 and all(same_dim(a, b) is not False for a, b in zip(weights.shape, experts.shape)),
+    check(weights.ndim == 2 and experts.ndim == 2
+          and all(same_dim(a, b) is not False for a, b in zip(weights.shape, experts.shape)),
           f"expert weights {list(weights.shape)} and indices {list(experts.shape)} must be one [tokens, k] shape")
     check(same_dim(weights.shape[0], x.shape[0]) is not False, f"{weights.shape[0]} routed rows for {x.shape[0]} tokens")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
