@@ -2,7 +2,8 @@
 
 Weights go through the same canonicalization as loading (GGUF names, gemma's +1 norms), then take
 llama.cpp's conventions: llama/mistral q/k rows permuted for interleaved rope, llama-3 rope scaling
-as a `rope_freqs` tensor. The tokenizer is exported as the `gpt2` (byte-level BPE) kind.
+as a `rope_freqs` tensor, routers kept f32 and experts merged per layer (`ffn_*_exps`). The tokenizer is
+exported as the `gpt2` (byte-level BPE) kind.
 """
 from __future__ import annotations
 
@@ -33,10 +34,13 @@ def rope_factors(rope: dict, dim: int) -> np.ndarray:
     return (rope_inv_freq({"rope_theta": rope["rope_theta"]}, dim) / rope_inv_freq(rope, dim)).astype(np.float32)
 
 
+KEPT_F32 = ("rope_freqs.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")    # as llama.cpp keeps them
+
+
 def encode_tensor(name: str, t: np.ndarray, out_type: str):
-    """Matrices take the requested type; vectors (norms, biases) and odd-shaped rows stay f32."""
+    """Matrices take the requested type; vectors (norms, biases), routers and odd-shaped rows stay f32."""
     t = np.asarray(t, dtype=np.float32)
-    if t.ndim < 2 or out_type == "f32" or name == "rope_freqs.weight":
+    if t.ndim < 2 or out_type == "f32" or name.endswith(KEPT_F32):
         return t
     if out_type == "f16":
         return t.astype(np.float16)
@@ -101,6 +105,13 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> 
         w.add_final_logit_softcapping(cfg.final_softcap)
     if cfg.layer_windows:
         w.add_sliding_window(max(cfg.layer_windows))
+    if cfg.moe is not None:
+        w.add_expert_count(cfg.moe.num_experts)
+        w.add_expert_used_count(cfg.moe.top_k)
+        w.add_expert_feed_forward_length(cfg.moe.expert_size)
+        w.add_expert_weights_norm(cfg.moe.normalize)
+        if cfg.moe.shared_size:
+            w.add_expert_shared_feed_forward_length(cfg.moe.shared_size)
     kind = cfg.rope.get("rope_type", "default")
     if kind == "llama3":
         tensors["rope_freqs.weight"] = rope_factors(cfg.rope, cfg.rotary_dim or cfg.head_dim)
@@ -135,9 +146,12 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> 
             t = permute_for_interleaved_rope(np.asarray(t, np.float32), cfg.num_heads)
         elif interleave and name.endswith(("attn_k.weight", "attn_k.bias")):
             t = permute_for_interleaved_rope(np.asarray(t, np.float32), cfg.num_kv_heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            t = np.asarray(t).reshape(-1)          # llama.cpp's shared-expert gate is a vector, HF's a [1, hidden] matrix
         data = encode_tensor(name, t, out_type)
         if isinstance(data, QTensor):
-            w.add_tensor(name, data.data, raw_shape=data.data.shape, raw_dtype=gguf.GGMLQuantizationType(data.dtype.ggml_id))
+            w.add_tensor(name, data.data, raw_shape=(*data.shape[:-1], data.data.shape[-1]),
+                         raw_dtype=gguf.GGMLQuantizationType(data.dtype.ggml_id))
         else:
             w.add_tensor(name, np.ascontiguousarray(data))
     w.write_header_to_file()
