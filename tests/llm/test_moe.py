@@ -126,6 +126,31 @@ def test_quantized_experts_match_their_dequantized_atoms(kind):
         assert np.abs(got - want).max() <= tol * scale, f"{kind}, {activations} activations"
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("tokens", [1, 3, 19])
+def test_grouped_q8_experts_are_the_per_expert_q8_matmuls(kind, tokens):
+    """Every chosen expert in one pass (q8 block dots) gives what each expert's own q8 matmuls give."""
+    rng = np.random.default_rng(1)
+    experts, hidden, ffn, k = 8, 128, 96, 3
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    chosen = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int64)
+    weights = rng.random((tokens, k)).astype(np.float32)
+    stacked = [rng.standard_normal(shape).astype(np.float32) * 0.1
+               for shape in ((experts, ffn, hidden), (experts, ffn, hidden), (experts, hidden, ffn))]
+    gate, up, down = (quantize(w, kind) for w in stacked)
+    got = run_op("moe_ffn", x, weights, chosen, gate, up, down, backend="cpu", activations="q8")
+
+    def linear(a, w, e):
+        return run_op("matmul", a, quantize(w[e], kind), backend="cpu", transpose_b=True, activations="q8")
+    want = np.zeros_like(x)
+    for t in range(tokens):
+        for e in sorted(chosen[t]):
+            h = x[t:t + 1]
+            hidden_rows = run_op("swiglu", linear(h, stacked[0], e), linear(h, stacked[1], e), backend="cpu")
+            want[t] += weights[t, list(chosen[t]).index(e)] * linear(hidden_rows, stacked[2], e)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2_moe(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bad") / "hf"

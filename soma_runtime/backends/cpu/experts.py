@@ -1,13 +1,15 @@
 """CPU jets for mixture-of-experts: the router (scores, top-k, weights) and the grouped expert MLP.
 
-The expert MLP gathers the rows routed to each expert and runs that expert's gate, up and down
-products through the matmul jet on its slice of the merged weights (GGUF blocks decoded in the
-kernel, q8 activations as the dense layers use), so only chosen experts' weights are read.
+The expert MLP gathers the rows routed to each expert and runs only the chosen experts: under q8
+activations on 32-weight blocks, as llama.cpp's block dots over every chosen expert in one parallel
+pass (qdot.grouped_matmul_q8); otherwise each expert's gate, up and down products go through the
+matmul jet on its slice of the merged weights (blocks decoded in the kernel, never expanded whole).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from soma_runtime.backends.cpu import qdot
 from soma_runtime.backends.cpu.common import CPU, INT, F, deliver, f32
 from soma_runtime.backends.cpu.elementwise import swiglu
 from soma_runtime.backends.cpu.linear import matmul
@@ -46,17 +48,35 @@ EXPERT_WEIGHTS = (*F, *QUANTIZED)
 def moe_ffn(x, weights, experts, gate, up, down, out=None, activations="f32"):
     rows = f32(x).reshape(-1, x.shape[-1])
     k = experts.shape[-1]
-    result = np.zeros(rows.shape, np.float32)
     chosen = experts.reshape(-1)
     order = np.argsort(chosen, kind="stable")                 # routed (token, slot) pairs grouped by expert
     bounds = np.searchsorted(chosen[order], np.arange(gate.shape[0] + 1))
-    scale = f32(weights).reshape(-1)
-    for e in np.flatnonzero(np.diff(bounds)):
-        pairs = order[bounds[e]:bounds[e + 1]]
-        tokens = pairs // k                                   # each token routes to an expert at most once
-        h = np.ascontiguousarray(rows[tokens])
-        hidden = swiglu(matmul(h, expert(gate, e), transpose_b=True, activations=activations),
-                        matmul(h, expert(up, e), transpose_b=True, activations=activations))
-        y = matmul(hidden, expert(down, e), transpose_b=True, activations=activations)
-        result[tokens] += y * scale[pairs, None]
+    tokens, scale = order // k, f32(weights).reshape(-1)[order]
+    if grouped(activations, gate, up, down):
+        y = grouped_experts(rows[tokens], bounds, gate, up, down)
+    else:
+        y = np.empty((len(order), rows.shape[1]), np.float32)
+        for e in np.flatnonzero(np.diff(bounds)):
+            pairs = slice(bounds[e], bounds[e + 1])
+            h = rows[tokens[pairs]]
+            hidden = swiglu(matmul(h, expert(gate, e), transpose_b=True, activations=activations),
+                            matmul(h, expert(up, e), transpose_b=True, activations=activations))
+            y[pairs] = matmul(hidden, expert(down, e), transpose_b=True, activations=activations)
+    result = np.zeros(rows.shape, np.float32)
+    np.add.at(result, tokens, y * scale[:, None])             # each token's experts summed in expert order
     return deliver(result, dtype_of(x), out)
+
+
+def grouped(activations, *ws) -> bool:
+    """Whether the experts run as llama.cpp's q8 block dots, every expert in one parallel pass."""
+    return activations == "q8" and all(isinstance(w, QTensor) and w.dtype.ggml_id in qdot.FORMATS for w in ws)
+
+
+def grouped_experts(h, bounds, gate, up, down):
+    """The SwiGLU experts on rows `h` grouped by expert (bounds[e]..bounds[e + 1]: expert e's rows)."""
+    active = np.flatnonzero(np.diff(bounds))
+    starts = np.append(bounds[active], bounds[-1])
+    ffn, hidden = gate.shape[1], down.shape[1]
+    g = qdot.grouped_matmul_q8(h, gate.data, gate.dtype.ggml_id, ffn, starts, active)
+    u = qdot.grouped_matmul_q8(h, up.data, up.dtype.ggml_id, ffn, starts, active)
+    return qdot.grouped_matmul_q8(swiglu(g, u), down.data, down.dtype.ggml_id, hidden, starts, active)
