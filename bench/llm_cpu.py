@@ -1,11 +1,12 @@
 """LLM speed on CPU: ours vs llama.cpp (llama-cpp-python) vs HF transformers, same machine, same run.
 
-Models: the bundled SmolLM2-135M Q4_1 GGUF, and Llama-3.2-1B-shape GGUFs (q4_0, q8_0, f16) with
-random weights (written here; HF transformers runs the SmolLM2 and f16 ones). Each engine runs in its own process (so peak RSS
+Models: the bundled SmolLM2-135M Q4_1 GGUF, Llama-3.2-1B-shape GGUFs (q4_0, q8_0, f16) and an
+OLMoE-1B-7B-shape q4_0 GGUF (64 experts, 8 used) with random weights (written here; HF transformers
+runs the SmolLM2 and f16 ones). Each engine runs in its own process (so peak RSS
 is its own): a 128-token prompt,
 then 128 greedy tokens, median of 3 runs after a warm-up. Decode GB/s counts the weight bytes one
-token reads, against this machine's measured matrix-vector read bandwidth.
-Run: python bench/llm_cpu.py [--threads 2] [--skip-1b] [--skip-hf]; JSON goes to bench/out/llm_cpu.json.
+token reads (of experts, the used share), against this machine's measured matrix-vector read bandwidth.
+Run: python bench/llm_cpu.py [--threads 2] [--skip-1b] [--skip-moe] [--skip-hf]; JSON goes to bench/out/llm_cpu.json.
 """
 from __future__ import annotations
 
@@ -97,10 +98,13 @@ def run_worker(engine, path, threads):
 
 
 def decode_bytes(path) -> int:
-    """Weight bytes one decoded token reads: everything but the embedding table (unless it is the head)."""
+    """Weight bytes one decoded token reads: everything but the embedding table (unless it is the head),
+    of merged experts only the share a token routes to."""
     from soma_runtime.loaders.gguf import read_gguf
-    tensors = read_gguf(path).tensors
-    total = sum(int(t.nbytes) for t in tensors.values())
+    f = read_gguf(path)
+    tensors, arch = f.tensors, f.metadata["general.architecture"]
+    used = f.metadata.get(f"{arch}.expert_used_count", 1) / f.metadata.get(f"{arch}.expert_count", 1)
+    total = int(sum(t.nbytes * (used if "_exps." in name else 1) for name, t in tensors.items()))
     return total if "output.weight" not in tensors else total - int(tensors["token_embd.weight"].nbytes)
 
 
@@ -110,6 +114,7 @@ def main():
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--model")
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -131,6 +136,9 @@ def main():
         from tests.fixtures.decoders import random_llama_gguf  # here: the workers' memory is their engine's alone
         for kind in ("q4_0", "q8_0", "f16"):
             models[f"Llama-3.2-1B shape {kind}"] = random_llama_gguf(str(OUT / f"llama-1b-shape.{kind}.gguf"), kind)
+    if not args.skip_moe:
+        from tests.fixtures.decoders import random_olmoe_gguf
+        models["OLMoE-1B-7B shape q4_0"] = random_olmoe_gguf(str(OUT / "olmoe-1b-7b-shape.q4_0.gguf"), "q4_0")
     print(f"threads={args.threads}  prompt={PROMPT_TOKENS}  new={NEW_TOKENS}  bandwidth={bw:.1f} GB/s")
     print(f"{'model':26s} {'engine':10s} {'prefill t/s':>11s} {'decode t/s':>10s} {'decode GB/s':>11s} {'of bw':>6s} "
           f"{'RSS MB':>7s} {'decode vs llama.cpp':>20s}")
