@@ -14,6 +14,7 @@ import torch
 from soma_runtime.api import Runtime
 from soma_runtime.backends import run_op
 from soma_runtime.convert import convert_hf_to_gguf
+from soma_runtime.dtypes import DTYPES, F16_FIELDS, QTensor
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.jets import REGISTRY
@@ -128,7 +129,7 @@ def test_f32_gguf_matches_its_safetensors_form(family):
                                atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 def test_quantized_gguf_matches_llama_cpp(family, kind):
     """Merged ffn_*_exps blocks, routers f32, as llama.cpp's converter writes them: the same greedy tokens
     as llama-cpp-python on the same file, up to its near-ties."""
@@ -142,7 +143,19 @@ def test_quantized_gguf_matches_llama_cpp(family, kind):
     check_greedy(f"{name} {kind}", got, want, near_tie([want]))
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def random_blocks(rng, kind: str, shape: tuple[int, ...]) -> QTensor:
+    """Merged experts of `shape` in `kind`: encoded where we can encode it, else random blocks whose f16
+    scales are small and finite (the K-quants of real Q4_K_M files)."""
+    if kind in ("q4_0", "q4_1", "q8_0"):
+        return quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, kind)
+    block = DTYPES[kind]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block.block_size, block.type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[kind]:
+        blocks[:, offset:offset + 2] = (rng.standard_normal((len(blocks), 1)) * 0.005).astype(np.float16).view(np.uint8)
+    return QTensor(blocks.reshape(-1), kind, shape)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"])
 def test_quantized_experts_match_their_dequantized_atoms(kind):
     """The CPU jet's per-expert products on stored blocks (q8 activations) against the op's dense atoms."""
     rng = np.random.default_rng(0)
@@ -150,7 +163,7 @@ def test_quantized_experts_match_their_dequantized_atoms(kind):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     chosen = np.stack([rng.permutation(experts)[:2] for _ in range(tokens)]).astype(np.int64)
     weights = rng.random((tokens, 2)).astype(np.float32)
-    gate, up, down = (quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, kind)
+    gate, up, down = (random_blocks(rng, kind, shape)
                       for shape in ((experts, ffn, hidden), (experts, ffn, hidden), (experts, hidden, ffn)))
     inputs = (x, weights, chosen, gate, up, down)
     want = run_op("moe_ffn", *inputs, backend="reference")
