@@ -41,15 +41,15 @@ def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[st
     has `head_rows` rows (default: the vocabulary; a tensor-parallel rank's share of it)."""
     D, H, KV, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     head_rows = cfg.vocab_size if head_rows is None else head_rows
-    qk = (H * hd, KV * hd) if cfg.qk_norm_whole else (hd, hd)
+    q_norm, k_norm = ((H * hd,), (KV * hd,)) if cfg.qk_norm_whole else ((hd,), (hd,))
     shapes = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,), "output.weight": (head_rows, D)}
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         shapes.update({f"{p}.attn_norm.weight": (D,), f"{p}.attn_q.weight": (H * hd, D), f"{p}.attn_k.weight": (KV * hd, D),
                        f"{p}.attn_v.weight": (KV * hd, D), f"{p}.attn_qkv.weight": ((H + 2 * KV) * hd, D),
                        f"{p}.attn_q.bias": (H * hd,), f"{p}.attn_k.bias": (KV * hd,), f"{p}.attn_v.bias": (KV * hd,),
-                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": qk[:1],
-                       f"{p}.attn_k_norm.weight": qk[1:],
+                       f"{p}.attn_output.weight": (D, H * hd), f"{p}.attn_q_norm.weight": q_norm,
+                       f"{p}.attn_k_norm.weight": k_norm,
                        f"{p}.post_attention_norm.weight": (D,), f"{p}.ffn_norm.weight": (D,), f"{p}.post_ffw_norm.weight": (D,),
                        f"{p}.ffn_gate.weight": (F, D), f"{p}.ffn_down.weight": (D, F)})
         shapes[f"{p}.ffn_up.weight"] = (F, D)

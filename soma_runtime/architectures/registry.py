@@ -38,7 +38,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.model_type: s for s in [
     ArchSpec("gemma", "gemma", GEMMA),
     ArchSpec("gemma2", "gemma2", {**GEMMA, "sandwich_norms": True}, swa_pattern=2),
     ArchSpec("gemma3_text", "gemma3", {**GEMMA, "sandwich_norms": True, "qk_norm": True}, swa_pattern=6),
-    # mixture-of-experts (moe.py): Mixtral's GGUF is llama's, told apart by its experts
+    # mixture-of-experts (moe.py): Mixtral's GGUF is llama's, told apart by its experts; "normalize" is the
+    # family's own renormalization of the chosen weights where its file does not say (norm_topk_prob)
     ArchSpec("mixtral", "llama", {**LLAMA_LIKE, "moe": {"normalize": True}}, gguf_rope_style="interleaved"),
     ArchSpec("qwen2_moe", "qwen2moe", {"qkv_bias": True, "moe": {}}),
     ArchSpec("qwen3_moe", "qwen3moe", {"qk_norm": True, "moe": {"normalize": True}}),
