@@ -3,8 +3,8 @@
 A MoE family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) is the decoder with its MLP replaced, in the
 layers that route, by a router over `num_experts` SwiGLU experts (top-k, softmax or sigmoid scores,
 optionally renormalized) plus, for Qwen2-MoE, a shared expert behind a sigmoid gate. `MoEConfig` is
-read from a HF config.json or GGUF metadata; `build_moe_ffn` is the layer's graph; HF's per-expert
-tensors are stacked here into GGUF's merged `ffn_{gate,up,down}_exps` [experts, out, in].
+read from a HF config.json or GGUF metadata; `build_moe_ffn` is the layer's graph; per-expert tensors
+(HF's, older GGUFs') are stacked here into GGUF's merged `ffn_{gate,up,down}_exps` [experts, out, in].
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.architectures.fields import MAX_LAYERS, MAX_SIZE, OPTIONAL_SIZE, SIZE, Field, check_fields
+from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError
 
 EXPERTS = Field(int, 1, 4096, required=True)
@@ -124,10 +125,11 @@ def build_moe_ffn(g, moe: MoEConfig, h, p: str, const, linear, activations: str)
     return g.add(y, g.mul(shared, gate))
 
 
-# --- HF checkpoints: per-expert tensors -> merged ---------------------------------------------------
+# --- per-expert tensors (HF checkpoints, older GGUFs) -> merged -------------------------------------
 
 HF_EXPERT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 HF_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+GGUF_SPLIT_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")     # llama.cpp's files before merged experts
 
 
 def stack_hf_experts(tensors: dict, source: str) -> tuple[dict, dict]:
@@ -141,10 +143,37 @@ def stack_hf_experts(tensors: dict, source: str) -> tuple[dict, dict]:
             continue
         layer, index, part = m.groups()
         found.setdefault(f"blk.{layer}.ffn_{HF_EXPERT_PARTS[part]}_exps.weight", {})[int(index)] = t
-    merged = {}
+    return merged(found, source), rest
+
+
+def merge_split_experts(tensors: dict, source: str) -> dict:
+    """A GGUF's tensors with one tensor per expert (`blk.N.ffn_gate.E.weight`) merged into llama.cpp's
+    `ffn_*_exps` (a copy of those blocks); other files' tensors as they are."""
+    found: dict[str, dict[int, object]] = {}
+    rest = {}
+    for name, t in tensors.items():
+        m = GGUF_SPLIT_EXPERT.match(name)
+        if m is None:
+            rest[name] = t
+            continue
+        layer, part, index = m.groups()
+        found.setdefault(f"blk.{layer}.ffn_{part}_exps.weight", {})[int(index)] = t
+    return {**rest, **merged(found, source)} if found else tensors
+
+
+def merged(found: dict[str, dict[int, object]], source: str) -> dict:
+    """Each name's experts 0..E-1 as one [E, out, in] tensor: stored blocks concatenated, arrays stacked."""
+    out = {}
     for name, by_index in found.items():
         missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
         if missing:
             raise ModelLoadError(f"{source}: {name} lacks expert {missing[0]} (has {len(by_index)} of {max(by_index) + 1})")
-        merged[name] = np.stack([np.asarray(by_index[j]) for j in range(len(by_index))])
-    return merged, rest
+        parts = [by_index[j] for j in range(len(by_index))]
+        if len({(str(getattr(p, "dtype", None)), tuple(p.shape)) for p in parts}) != 1:
+            raise ModelLoadError(f"{source}: the experts of {name} differ in shape or type")
+        first = parts[0]
+        if isinstance(first, QTensor):
+            out[name] = QTensor(np.concatenate([p.data.reshape(-1) for p in parts]), first.dtype, (len(parts), *first.shape))
+        else:
+            out[name] = np.stack([np.asarray(p) for p in parts])
+    return out

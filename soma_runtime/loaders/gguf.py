@@ -150,11 +150,13 @@ def tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 
 def load_gguf_model(path: str):
     from soma_runtime.architectures.decoder import Weights
+    from soma_runtime.architectures.moe import merge_split_experts
     from soma_runtime.architectures.registry import config_for_gguf
     from soma_runtime.text.tokenizer import Tokenizer
     f = read_gguf(path)
-    _, cfg = config_for_gguf(f.metadata, set(f.tensors), path)
+    tensors = merge_split_experts(f.tensors, path)
+    _, cfg = config_for_gguf(f.metadata, set(tensors), path)
     tokenizer = Tokenizer.from_gguf(f.metadata, path)
     # the vocabulary's long arrays live on in the tokenizer; as Python lists they would hold ~15 MB
     metadata = {k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 1024)}
-    return LoadedModel(path, "gguf", cfg, Weights(f.tensors, path), tokenizer, metadata=metadata)
+    return LoadedModel(path, "gguf", cfg, Weights(tensors, path), tokenizer, metadata=metadata)

@@ -173,6 +173,28 @@ def test_quantized_experts_match_their_dequantized_atoms(kind):
         assert np.abs(got - want).max() <= tol * scale, f"{kind}, {activations} activations"
 
 
+def test_gguf_with_a_tensor_per_expert_loads_as_merged(family, tmp_path, monkeypatch):
+    """llama.cpp's older MoE files (`blk.N.ffn_gate.E.weight`, one tensor per expert; the llama.cpp here no
+    longer reads them): merged at load, the logits of the merged file exactly."""
+    _, root, _, tok, _ = family
+    merged = convert_hf_to_gguf(str(root / "hf"), str(tmp_path / "merged.gguf"), "q8_0")
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def per_expert(self, tensor_name, tensor, raw_shape=None, raw_dtype=None):
+        if "_exps." not in tensor_name:
+            return add_tensor(self, tensor_name, tensor, raw_shape=raw_shape, raw_dtype=raw_dtype)
+        shape = raw_shape or tensor.shape
+        for e, part in enumerate(np.asarray(tensor).reshape(shape)):
+            add_tensor(self, tensor_name.replace("_exps.", f".{e}."), np.ascontiguousarray(part), raw_shape=shape[1:],
+                       raw_dtype=raw_dtype)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", per_expert)
+    split = convert_hf_to_gguf(str(root / "hf"), str(tmp_path / "split.gguf"), "q8_0")
+    monkeypatch.undo()
+    ids = tok.encode(PROMPTS[0]).ids
+    ours = Runtime().load(split, progress=False)
+    np.testing.assert_array_equal(ours.logits(ids), Runtime().load(merged, progress=False).logits(ids))
+
+
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("tokens", [1, 3, 19])
 def test_grouped_q8_experts_are_the_per_expert_q8_matmuls(kind, tokens):
