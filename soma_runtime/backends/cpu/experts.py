@@ -19,7 +19,7 @@ from soma_runtime.ir.jets import jet
 
 @jet("router", CPU, [(F, "none"), (F, "f32")])
 def router(logits, bias=None, out=None, top_k=2, scoring="softmax", normalize=False):
-    z = f32(logits).astype(np.float32, copy=False)
+    z = f32(logits)
     if scoring == "softmax":
         scores = np.exp(z - z.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)

@@ -59,7 +59,8 @@ def moe_ffn_rule(metas, attrs):
         if not dtype(w.dtype).quantized:
             float_dtype(w, f"{name} experts")
     n, f, d = gate.shape
-    check(tuple(up.shape) == tuple(gate.shape), f"up experts {list(up.shape)} differ from gate experts {list(gate.shape)}")
+    check(all(same_dim(a, b) is not False for a, b in zip(up.shape, gate.shape)),
+          f"up experts {list(up.shape)} differ from gate experts {list(gate.shape)}")
     check(same_dim(d, x.shape[1]) is not False, f"experts take {d} inputs, x has {x.shape[1]}")
     check(all(same_dim(a, b) is not False for a, b in zip(down.shape, (n, d, f))),
           f"down experts must be [{n}, {d}, {f}], got {list(down.shape)}")
