@@ -110,6 +110,11 @@ def check_expert_shapes(moe: MoEConfig, hidden: int, n_layers: int, weights) -> 
                                  f"{moe.num_experts} (expert_count)")
         if got != want:
             raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(got)}, the config needs {list(want)}")
+    for i in filter(moe.routes, range(n_layers)) if moe.shared_size else ():
+        name = f"blk.{i}.ffn_gate_inp_shexp.weight"
+        if tuple(weights[name].shape) not in ((hidden,), (1, hidden)):        # llama.cpp's vector, HF's [1, hidden]
+            raise ModelLoadError(f"{weights.source}: tensor {name!r} has shape {list(weights[name].shape)}, "
+                                 f"the config needs [{hidden}]")
 
 
 def build_moe_ffn(g, moe: MoEConfig, h, p: str, const, linear, activations: str):
