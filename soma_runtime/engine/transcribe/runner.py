@@ -1,7 +1,8 @@
 """Whisper's runner: the encoder over 30 s windows of features, each window's cross-attention K/V written
 once into the cross pool, and decoder steps over any number of hypotheses (beams of many windows) as
 rows of one graph run, each row's self-attention over its own paged K/V and its cross-attention over its
-window's. Knows graphs and caches, nothing of search or timestamps.
+window's; a step of few rows is replayed where the backend captures steps (CUDA graphs), its context
+padded as the decoder's is. Knows graphs and caches, nothing of search or timestamps.
 """
 from __future__ import annotations
 
@@ -96,8 +97,10 @@ class WhisperRunner:
         last token, or of the rows `wanted` (indices into the step's rows)."""
         for h, tokens in batch:
             self.pool.reserve(h.seq, h.seq.length + len(tokens))
-        attention = self.pool.attention([(h.seq, len(tokens)) for h, tokens in batch], [0], lambda slots: slots)
         ends = np.cumsum([len(tokens) for _, tokens in batch])
+        rows = int(ends[-1])
+        attention = self.pool.attention([(h.seq, len(tokens)) for h, tokens in batch], [0],
+                                        lambda slots: self.step_program.captures.context(rows, slots))
         logit_rows = np.asarray(wanted if wanted is not None else ends - 1, np.int64)
         windows = list({id(h.window): h.window for h, _ in batch}.values())
         segment = {id(w): i * w.frames for i, w in enumerate(windows)}
@@ -107,10 +110,10 @@ class WhisperRunner:
         ids = np.asarray([t for _, tokens in batch for t in tokens], np.int64)
         step = CrossStep(DecoderStep(ids, attention, logit_rows, None, self.pool.pages), cross_slots, cross_spans,
                          self.cross.pages)
-        rows = int(ends[-1])
         with self.lock:
             bindings = {**self.pool_sizes(), "S": rows, "R": len(logit_rows), "C": len(cross_slots)}
-            logits, *pages = self.step_program.run(bindings, self.io.feed(step))
+            logits, *pages = self.step_program.step(bindings, self.io.feed(step), self.io.shared(), rows,
+                                                    len(attention.ctx_slots))
             self.pool.keep(pages)
         for h, tokens in batch:
             h.seq.length += len(tokens)
