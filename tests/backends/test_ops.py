@@ -663,10 +663,12 @@ case("moe_ffn", routed(6, 4, 2, 8, 5), torch_moe_ffn)
 case("moe_ffn", routed(1, 8, 3, 16, 12, seed=1), torch_moe_ffn, id="one-token")
 
 
-# a chain of elementwise ops (passes/chains.py makes it; the CPU compiles it, other backends run its atoms)
+# a chain of elementwise ops (passes/chains.py makes it of f32 ops only; the CPU compiles it, other backends
+# run its atoms)
 GELU_TANH = '[["mul",[0,0],{}],["mul",[2,0],{}],["mul",[3,1],{}],["add",[0,4],{}],["tanh",[5],{}],["mul",[6,0],{}]]'
-case("chain", mk((3, 7), (1,)), lambda x, c: torch.tanh(x + x * x * x * c) * x, steps=GELU_TANH)
-case("chain", mk((2, 5, 4), (5, 1)), lambda x, y: torch.sigmoid(x - y), id="broadcast",
+case("chain", mk((3, 7), (1,)), lambda x, c: torch.tanh(x + x * x * x * c) * x, dtypes=("f32",),
+     steps=GELU_TANH)
+case("chain", mk((2, 5, 4), (5, 1)), lambda x, y: torch.sigmoid(x - y), id="broadcast", dtypes=("f32",),
      steps='[["sub",[0,1],{}],["sigmoid",[2],{}]]')
 
 
