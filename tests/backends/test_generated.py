@@ -2,11 +2,14 @@
 formula, against the atoms (numpy in f64) on the same inputs; and the chain pass's bounds."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from soma_runtime.backends import get
 from soma_runtime.ir.builder import GraphBuilder
+from soma_runtime.ir.passes.chains import MAX_STEPS
 from soma_runtime.ir.program import Program
 
 CPU, REFERENCE = get("cpu"), get("reference")
@@ -95,6 +98,20 @@ def test_what_another_node_reads_or_the_graph_returns_stays_outside_a_chain():
     inner_want = np.tanh(s) * x_value
     np.testing.assert_allclose(got[1], inner_want, atol=1e-6)
     np.testing.assert_allclose(got[0], np.maximum(inner_want, 0) + s.sum(-1, keepdims=True), atol=1e-5)
+
+
+def test_a_run_longer_than_a_chain_may_be_becomes_several_chains():
+    """An unrolled loop's thousands of adds would take minutes to compile as one loop: at most MAX_STEPS
+    steps a chain."""
+    g = GraphBuilder()
+    y = x = g.input("x", (3,), "f32")
+    for _ in range(3 * MAX_STEPS + 5):
+        y = g.add(y, x)
+    program = Program(g.output(y), CPU)
+    assert all(len(json.loads(n.attrs["steps"])) <= MAX_STEPS for n in program.graph.nodes)
+    assert program.fusions["chain"] == 4 and len(program.graph.nodes) == 4
+    x_value = np.array([1.0, -2.0, 0.5], np.float32)
+    np.testing.assert_allclose(program.run({}, {"x": x_value})[0], x_value * (3 * MAX_STEPS + 6), rtol=1e-6)
 
 
 def test_a_backend_that_compiles_no_formula_gets_no_chain():

@@ -5,7 +5,9 @@ elementwise too, computes a tensor of the root's shape and is read by nothing ou
 * x)`, a hardswish written out, the affine tail of a norm after its reductions. Elementwise means the
 op's decomposition holds only elementwise atoms (arithmetic, comparisons, selections, unary functions,
 casts between floats) and it makes f32: a backend that compiles formulas runs the chain as one loop
-over its output, each value read once and written once. Chains of one op are left alone.
+over its output, each value read once and written once. Chains of one op are left alone; a run longer
+than MAX_STEPS becomes several chains (a compiled loop's code grows with its steps: an unrolled loop's
+thousands of adds would take minutes to compile as one).
 Knows ops, atoms and graphs; nothing of backends or kernels.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from soma_runtime.ir.ops.chain import written
 
 POINTWISE_ATOMS = {"input", "literal", "param", "mul", "add", "cmp", "exp"}
 FLOAT_CASTS = {("f32",), ("f64",)}
+MAX_STEPS = 32
 
 
 def pointwise(node: Node, graph: Graph) -> bool:
@@ -55,8 +58,8 @@ def chain_pointwise(graph: Graph) -> int:
             grew = False
             for t in {t for n in members.values() for t in n.inputs} - {None}:
                 p = producer.get(t)
-                if p is not None and id(p) in eligible and id(p) not in taken and id(p) not in members \
-                        and t not in graph.outputs and graph.tensors[t].shape == shape \
+                if len(members) < MAX_STEPS and p is not None and id(p) in eligible and id(p) not in taken \
+                        and id(p) not in members and t not in graph.outputs and graph.tensors[t].shape == shape \
                         and all(id(r) in members for r in readers[t]):
                     members[id(p)] = p
                     grew = True
