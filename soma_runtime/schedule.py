@@ -1,18 +1,15 @@
 """Where each op runs (SPEC "scheduling"): the op -> backend policy.
 
 Level 0, static rules: a backend runs every op it has a jet for, and the ops it has none for on its
-fallback (the host), each said once in the log (ir/jets.py); models of a task with no device kernels
-yet (encoders: attention over whole sequences) run on the CPU. Level 1, capability detection: `auto`
+fallback (the host), each said once in the log (ir/jets.py). Level 1, capability detection: `auto`
 is CUDA where a GPU is present, else the CPU. Level 2, the autotune dispatch table: some ops have
 several correct kernels whose speed depends on the machine; a backend times them per shape (its
 `prepare`) and keeps the winners (the CPU's table: backends/cpu/autotune.py).
 """
 from __future__ import annotations
 
-from soma_runtime.backends import BACKENDS, Backend, detect_all, get, gpu_available
+from soma_runtime.backends import BACKENDS, detect_all, get, gpu_available
 from soma_runtime.errors import RequestError
-
-HOST_TASKS = ("encode",)        # tasks whose models run on the CPU whatever the machine has
 
 
 def check_backend(requested: str) -> str:
@@ -35,11 +32,6 @@ def detect() -> dict[str, dict]:
 def use_threads(threads: int | None) -> None:
     """The CPU (every backend's fallback) computes on `threads` threads (default: its physical cores)."""
     get("cpu").use_threads(threads)
-
-
-def backend_for(task: str, chosen: str) -> Backend:
-    """The Backend a model of `task` runs on, given the machine's choice (from `check_backend`)."""
-    return get("cpu" if task in HOST_TASKS and chosen == "cuda" else chosen)
 
 
 def threads() -> int | None:

@@ -2,7 +2,8 @@
 
 Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
 bucket of at most 1/16 of it, so plans are reused; each head's graph a Program keeping the most recent); the key mask
-keeps padding out of attention and pooling.
+keeps padding out of attention and pooling. A batch of few tokens is replayed where the backend captures
+steps (CUDA graphs): a short text's run is launches more than arithmetic.
 Pooling follows the model's (architectures/pooling.py).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
 from soma_runtime.architectures.pooling import Pooling
+from soma_runtime.backends.base import Backend
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.program import Program
@@ -33,7 +35,7 @@ def padded_length(tokens: int) -> int:
 
 class Encoder:
     def __init__(self, cfg: EncoderConfig, weights: Weights, tokenizer: Tokenizer, pooling: Pooling,
-                 max_tokens: int | None = None, backend: str = "cpu", precision: str = "f32"):
+                 max_tokens: int | None, backend: Backend, precision: str = "f32"):
         """`precision` "bf16" stores the projections in bf16 and rounds their inputs to it (f32
         accumulation): the matrix units' format, within 1e-4 cosine of f32 embeddings."""
         self.cfg, self.tokenizer, self.pooling, self.backend, self.precision = cfg, tokenizer, pooling, backend, precision
@@ -120,8 +122,9 @@ class Encoder:
             for term, columns in zip(("c2p", "p2c"), self.cfg.relative_columns(length)):
                 if f"rel_{term}" in plan.graph.inputs:
                     inputs[f"rel_{term}"] = np.broadcast_to(columns, shape)
-        (out,) = plan.run(inputs)
-        return out, mask
+        rows = len(encodings) * length
+        (out,) = self.programs[head].step({"B": len(encodings), "S": length}, inputs, set(), rows, 0)
+        return np.asarray(self.backend.fetch(out), np.float32), mask
 
     def batches(self, encodings: list, batch_size: int):
         """(indices, encodings) per batch, longest first, so each batch pads to similar lengths."""

@@ -1,6 +1,7 @@
 """Whole models on the CUDA backend against the same models on the CPU backend: logits at every
-position, top-1 agreement, and greedy tokens. On a GPU this is the real backend, every family; elsewhere
-its Triton kernels run in the interpreter (one tiny family and the stream tests)."""
+position, top-1 agreement, and greedy tokens; whisper's steps; encoders' embeddings and logits. On a GPU
+this is the real backend, every family; elsewhere its Triton kernels run in the interpreter (one tiny
+family and the stream tests)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,8 @@ from soma_runtime.engine.sampling import greedy_rows
 from soma_runtime.engine.transcribe.runner import Hypothesis
 from tests.backends import BACKENDS
 from tests.fixtures.decoders import FAMILIES, build_model
+from tests.fixtures.encoders import FAMILIES as ENCODERS
+from tests.fixtures.encoders import build as build_encoder
 from tests.fixtures.whisper import SOT, build_whisper
 
 pytestmark = pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
@@ -202,3 +205,21 @@ def test_whisper_steps_replayed_on_cuda_give_the_cpus_logits_and_tokens(tmp_path
     want, got = runs["cpu"], runs["cuda"]
     assert np.max(np.abs(got - want)) <= 1e-3 * max(1.0, float(np.abs(want).max()))
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", sorted(ENCODERS))
+def test_encoders_on_cuda_give_the_cpus_embeddings_and_logits(family, tmp_path):
+    """Every encoder family on cuda against the CPU (f32 activations): embeddings of a padded batch and of
+    one short text (its run captured, then replayed), and sequence-classification logits."""
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world", "caf\u00e9 na\u00efve tokyo and more words"]
+    for head in (None, "sequence"):
+        directory = tmp_path / str(head)
+        build_encoder(family, head, directory)
+        cpu, cuda = (Runtime(device).load(str(directory), progress=False, activations="f32") for device in ("cpu", "cuda"))
+        if head is None:
+            pairs = [(cuda.embed(texts), cpu.embed(texts))] + [(cuda.embed(texts[1:2]), cpu.embed(texts[1:2]))] * 2
+        else:
+            pairs = [(cuda.encoder.classify(texts, batch_size=2), cpu.encoder.classify(texts, batch_size=2))]
+        for got, want in pairs:
+            assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
