@@ -3,7 +3,7 @@
 It fuses the graph once, places its weights on the backend once (shared by all its plans), keeps a
 plan per set of bound sizes (most recently used last) while they number at most `kept` and their
 arenas together stay within `arena_bytes`, and runs a plan through the backend's captures (a device
-backend replays a captured step as a CUDA graph). The runners of the tasks (generation's stages, the
+backend replays a captured run of few rows as a CUDA graph). The runners of the tasks (generation's stages, the
 encoder, whisper, bare graphs) only say which sizes a run binds; nothing else of planning is theirs.
 Knows graphs, plans and backends; nothing of models, requests or sequences.
 """
@@ -56,6 +56,7 @@ class Program:
         self.captures = self.backend.captures()
 
     def step(self, bindings: Mapping[str, int], inputs: dict, shared: set, rows: int, context: int) -> list:
-        """One repeated step (a decoder's) of `rows` rows over `context` positions, through the captures:
-        `shared` inputs (KV pages) are the same tensors every step."""
+        """One run that repeats (a decoder's or whisper's step, an encoder's batch) of `rows` rows over
+        `context` positions (0: none), through the captures: `shared` inputs (KV pages) are the same
+        tensors every time."""
         return self.captures.run(self.plan(bindings), inputs, shared, rows, context)
