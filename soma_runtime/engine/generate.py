@@ -433,9 +433,10 @@ class Engine:
     def warm(self) -> None:
         """Run a prompt's step and decode steps (greedy, sampled, logits to the host) on a sequence of its
         own, then let it go: every kernel a request calls is compiled (or read from numba's disk cache) and
-        every decode step captured before a first request is timed, so its speed is the hundredth's. Not
-        where no stage's backend compiles its kernels (the atoms, Triton's interpreter)."""
-        if not any(stage.backend.compiles for stage in self.stages):
+        every decode step captured before a first request is timed, so its speed is the hundredth's. Only
+        where every stage's backend compiles its kernels: a stage of atoms or of Triton's interpreter would
+        take longer over the warm-up than any compile it saves."""
+        if not all(stage.backend.compiles for stage in self.stages):
             return
         decodes = (greedy_rows(1), WARM_SAMPLING, None)
         seq, prompt = Sequence(), [0] * max(1, min(WARM_ROWS, self.n_ctx - len(decodes)))
