@@ -30,10 +30,10 @@ setup: $(VENV)/.test
 run: $(VENV)/.runtime
 	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --seed 42 --max-tokens 128
 
-# two processes (pytest-xdist); the compile check of every Triton launch after them all, from their records
+# two processes (pytest-xdist), the slowest tests listed (CI time); the compile check of every Triton launch after them all, from their records
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
-	export SOMA_TEST_LAUNCHES=$$(mktemp -d) && $(PY) -m pytest -n 2 --deselect tests/cuda/test_sm90.py \
+	export SOMA_TEST_LAUNCHES=$$(mktemp -d) && $(PY) -m pytest -n 2 --durations=25 --deselect tests/cuda/test_sm90.py \
 		&& $(PY) -m pytest tests/cuda/test_sm90.py
 
 bench: $(VENV)/.test

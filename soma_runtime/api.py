@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from soma_runtime import backends, loaders, parallel, schedule
+from soma_runtime import loaders, parallel, schedule
 from soma_runtime.architectures.shard import check_split
 from soma_runtime.audio.features import SAMPLE_RATE
 from soma_runtime.audio.io import load_audio
@@ -880,7 +880,7 @@ class Runtime:
             bar.set_postfix_str("weights")
             loaded = loaders.LoadedModel.of_graph(source) if isinstance(source, Graph) else loaders.load(source, sha256)
             bar.update()
-            backend = backends.get(self.backend)
+            backend = schedule.backend_named(self.backend)
             stored = checkpoint_dtype(loaded.weights) if loaded.task == "generate" else "f32"
             defaults = backend.defaults(loaded.task, loaded.format, stored)
             precision = Precision(kv_dtype or defaults.kv_dtype, activations or defaults.activations)

@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from soma_runtime import backends, loaders, schedule
+from soma_runtime import loaders, schedule
 from soma_runtime.architectures.shard import shard
 from soma_runtime.backends import collective
 from soma_runtime.backends.base import Backend, Precision
@@ -140,7 +140,7 @@ def follow(spec: dict) -> None:
         self_test(device)
         try:
             loaded = loaders.load(spec["source"])
-            engine = sharded_engine(loaded, backends.get(spec["backend"]),
+            engine = sharded_engine(loaded, schedule.backend_named(spec["backend"]),
                                     Precision(spec["kv_dtype"], spec["activations"]), spec["n_ctx"],
                                     spec["kv_tokens"])
         except Exception:

@@ -8,7 +8,7 @@ several correct kernels whose speed depends on the machine; a backend times them
 """
 from __future__ import annotations
 
-from soma_runtime.backends import BACKENDS, detect_all, get, gpu_available
+from soma_runtime.backends import BACKENDS, Backend, detect_all, get, gpu_available
 from soma_runtime.errors import RequestError
 
 
@@ -32,6 +32,11 @@ def detect() -> dict[str, dict]:
 def use_threads(threads: int | None) -> None:
     """The CPU (every backend's fallback) computes on `threads` threads (default: its physical cores)."""
     get("cpu").use_threads(threads)
+
+
+def backend_named(name: str) -> Backend:
+    """The Backend `name` (from `check_backend`) stands for: a model of any task runs where it was asked to."""
+    return get(name)
 
 
 def threads() -> int | None:
