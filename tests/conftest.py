@@ -19,11 +19,14 @@ if not os.path.exists("/dev/nvidiactl"):
 
 
 def pytest_configure(config):
-    """Interpreted, every launch of a CUDA kernel is recorded, to be compiled for the GPU at the end."""
+    """Interpreted, every launch of a CUDA kernel is recorded, to be compiled for the GPU at the end, and
+    device functions skip the interpreter's re-patching (tests/fixtures/interpreter.py)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     from soma_runtime.backends.cuda.chain import chained
     from tests.cuda.sm90 import LAUNCHES, launch_record
+    from tests.fixtures.interpreter import skip_repatching
+    skip_repatching()
     launcher = chained.__getitem__
 
     def recording(self, grid):
