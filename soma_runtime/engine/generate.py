@@ -9,7 +9,6 @@ and the server alike.
 """
 from __future__ import annotations
 
-import resource
 import threading
 import time
 from collections import Counter
@@ -109,10 +108,6 @@ class GenerationRequest:
     logprobs: int | None = None        # alternatives to report per token (0: only the chosen one)
     ignore_eos: bool = False           # run to max_tokens past end-of-sequence tokens (benchmarks)
     constraint: Constraint | None = None   # what the generated text must match
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Stream:

@@ -12,10 +12,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from soma_runtime import loaders, schedule
 from soma_runtime.backends.base import Precision
 from soma_runtime.dtypes import FLOATS, dtype_of
-from soma_runtime.engine.generate import peak_rss_mb
 from soma_runtime.engine.speculate import Drafter
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.graph import Graph
+from soma_runtime.memory import peak_rss_mb
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
 from soma_runtime.tasks.encode import EncoderModel
