@@ -15,25 +15,11 @@ import numpy as np
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderIO, PagedKV, kv_pages
 from soma_runtime.architectures.moe import build_moe_ffn, check_expert_shapes
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
 from soma_runtime.quant import kv
-
-
-class Weights:
-    """Canonical-name tensor lookup that says which tensor is missing and where it came from."""
-
-    def __init__(self, tensors: dict, source: str):
-        self.tensors, self.source = tensors, source
-
-    def __contains__(self, name):
-        return name in self.tensors
-
-    def __getitem__(self, name):
-        if name not in self.tensors:
-            raise ModelLoadError(f"{self.source}: missing tensor {name!r}")
-        return self.tensors[name]
 
 
 def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV, kv_pages
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph

@@ -19,7 +19,8 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderStep, PagedKV
-from soma_runtime.architectures.decoder import Weights, cache_of, sample_width
+from soma_runtime.architectures.decoder import cache_of, sample_width
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.backends import collective
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine import calibration

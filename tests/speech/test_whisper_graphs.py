@@ -9,7 +9,7 @@ import torch
 from transformers import WhisperConfig as HFWhisperConfig
 from transformers import WhisperForConditionalGeneration
 
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_decoder, build_encoder
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.tasks import Runtime
