@@ -1,7 +1,8 @@
 """The contract between a decoder template and the engine that runs it, declared once: the cache the
-model keeps between steps, and the graph's inputs and outputs by role. The template declares its
-inputs here (`DecoderIO.declare`), the engine feeds a step through it (`DecoderIO.feed`): no graph
-input is named anywhere else. Knows graphs, nothing of kernels or how a batch is scheduled.
+model keeps between steps and the layout of its pages in a step (kv_index), and the graph's inputs and
+outputs by role. The template declares its inputs here (`DecoderIO.declare`), the engine feeds a step
+through it (`DecoderIO.feed`): no graph input is named anywhere else. Knows graphs, nothing of kernels
+or how a batch is scheduled.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The encode task: EncoderModel, an encoder (BERT family) for embeddings and classification."""
+"""The encode task: EncoderModel, an encoder (BERT family) for embeddings and classification (zero-shot
+through an NLI model's hypotheses)."""
 from __future__ import annotations
 
 import reprlib

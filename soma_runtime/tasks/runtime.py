@@ -1,5 +1,5 @@
 """Runtime: loads a model (a path, a bundled name, or a Graph built in code) and runs it by its task's Model
-class (TASKS); checks the load options."""
+class (TASKS), at the precision its format and checkpoint dtype call for; checks the load options."""
 from __future__ import annotations
 
 import itertools

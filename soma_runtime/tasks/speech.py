@@ -1,4 +1,5 @@
-"""The transcribe task: SpeechModel, a speech recognizer (whisper), and the recordings it hears."""
+"""The transcribe task: SpeechModel, a speech recognizer (whisper); the recordings it hears (Heard) and its
+options by name (transcribe_options)."""
 from __future__ import annotations
 
 import os
