@@ -44,7 +44,7 @@ def timed(encode, texts, batch) -> float:
 
 
 def worker_ours(threads: int, device: str, path: str, activations: str | None = None) -> dict:
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime(device, threads=threads).load(path, progress=False, activations=activations)
     texts = sentences()
     return {"activations": model.info()["activations"],

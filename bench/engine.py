@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime(args.device, threads=args.threads).load(random_1b(args.device) if args.model == "random-1b" else args.model,
                                                             progress=False)
     drafters = {d: model.drafter_of(None if d == "plain" else d) for d in DRAFTS}

@@ -45,7 +45,7 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
 
 
 def ours(path: str, ids: list[int], kinds, device: str, threads: int, activations: str | None = None) -> dict:
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     runtime = Runtime(device, threads=threads)
     results = {}
     for kind in kinds:
@@ -218,8 +218,8 @@ def quality(kinds, tokens: int, threads: int, engines: tuple[str, ...], path_out
     """Ours and llama.cpp's caches on the same token ids: greedy agreement with each engine's f16 cache
     over PROMPTS and the documents, perplexity over `tokens` tokens, needle retrieval at 4k tokens. Each
     kind's row is written to `path_out` as it is measured; rows already there are kept, not measured again."""
-    from soma_runtime.api import Runtime
     from soma_runtime.loaders import resolve
+    from soma_runtime.tasks import Runtime
     path = resolve("default")
     runtime = Runtime("cpu", threads=threads)
     base = runtime.load(path, progress=False, n_ctx=4608)
@@ -312,7 +312,7 @@ def speed(device: str, rounds: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from llm_cuda import SHAPES
 
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     from tests.fixtures.decoders import random_llama
     directory = tempfile.mkdtemp(prefix="kv-speed-")
     random_llama({**SHAPES["1b"], "max_position_embeddings": 2 * CONTEXTS[-1]}, directory, device=device)
@@ -364,7 +364,7 @@ def main() -> None:
         return
     from soma_runtime.loaders import resolve
     path = resolve("default")
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     ids = Runtime("cpu").load(path, progress=False).tokenize(text())[:args.tokens]
     results = {"soma": ours(path, ids, args.kinds.split(";"), args.device, args.threads)}
     if not args.no_llama:

@@ -38,7 +38,7 @@ def prompt_ids(vocab: int) -> list[int]:
 
 
 def worker_ours(path, threads):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime(threads=threads).load(path, progress=False)
     from soma_runtime.cli.bench import bench_model
     r = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)

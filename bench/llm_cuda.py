@@ -59,8 +59,8 @@ def prompt(vocab: int, rows: int = 1) -> np.ndarray:
 
 
 def bench_ours(path: str, kv_dtype: str | None = None, greedy_only: bool = False) -> dict:
-    from soma_runtime.api import Runtime
     from soma_runtime.cli.bench import bench_model
+    from soma_runtime.tasks import Runtime
     model = Runtime("cuda").load(path, n_ctx=1024, progress=False, kv_dtype=kv_dtype)
     result = bench_model(model, PROMPT_TOKENS, NEW_TOKENS, RUNS)
     if greedy_only:

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime("cpu", threads=args.threads).load(args.model, progress=False)
     prompt = list(range(100, 100 + PROMPT_TOKENS))
     decode_seconds(model, prompt, 8)                    # warm-up: kernels loaded, plans made

@@ -158,8 +158,8 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="comma-separated KV cache kinds (default: the format's own), batch 1")
     ap.add_argument("--context", type=int, default=0, help="tokens each sequence's cache holds (default: the prompt's)")
     args = ap.parse_args()
-    from soma_runtime.api import Runtime
     from soma_runtime.convert import convert_hf_to_gguf
+    from soma_runtime.tasks import Runtime
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
         longer = {"max_position_embeddings": 2 * args.context} if args.context else {}

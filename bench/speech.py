@@ -73,7 +73,7 @@ def transcribe_rtf(fn) -> dict:
 
 
 def worker_ours(threads: int, device: str, activations: str = "f32") -> dict:
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime(device, threads=threads).load("whisper-tiny.en", progress=False, activations=activations)
     return transcribe_rtf(lambda audio, beam: model.transcribe(audio, beam_size=beam, vad=False, progress=False))
 
@@ -126,7 +126,7 @@ def speak_rtf(fn, rate: int) -> dict:
 
 
 def worker_ours_voice(threads: int, device: str) -> dict:
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     voice = Runtime("cpu", threads=threads).load(voice_path(), progress=False)
     return speak_rtf(lambda: voice.speak(PARAGRAPH)[0], voice.sample_rate)
 

@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     directory = tempfile.mkdtemp(prefix="split-1b-")
     random_llama(SHAPES["1b"], directory, device="cuda")
     layers = SHAPES["1b"]["num_hidden_layers"]

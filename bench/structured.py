@@ -42,7 +42,7 @@ def decode_rate(stamps: list[float]) -> float:
 
 
 def ours_worker(threads: int) -> dict:
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     model = Runtime("cpu", threads=threads).load("default", progress=False)
 
     def timed(**params) -> tuple[list[float], str]:

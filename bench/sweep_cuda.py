@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES), help="BNxBKxwarps, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from soma_runtime.api import Runtime
     from soma_runtime.backends.cuda import linear
+    from soma_runtime.tasks import Runtime
     table = linear.gemv_tiles
     shapes = {name: nk for name, nk in products(SHAPES[args.shape]).items() if name in args.products.split(",")}
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]

@@ -29,8 +29,8 @@ PROMPT, NEW = 512, 128
 
 
 def run(path: str, backend: str, ranks: int, batched: bool) -> tuple[dict, list[int]]:
-    from soma_runtime.api import Runtime
     from soma_runtime.cli.bench import bench_model
+    from soma_runtime.tasks import Runtime
     runtime = Runtime(backend)
     model = runtime.load(path, n_ctx=1024, progress=False, tensor_parallel=ranks)
     try:

@@ -1,6 +1,6 @@
 """soma-runtime: one runtime for any model format on any hardware.
 
-Layers (arrows point down only): runtime (loaders, architectures, engine, api) -> ir (graph, ops,
+Layers (arrows point down only): runtime (loaders, architectures, engine, tasks) -> ir (graph, ops,
 atoms, jets, plans) -> backends (reference atoms, cpu numpy/numba).
 """
 import os

@@ -1,4 +1,5 @@
-"""Resident memory of tensors that are views into mmapped model files.
+"""The process's memory: resident pages of tensors that are views into mmapped model files, the heap
+(the collector settled, freed blocks given back to the OS), and the peak resident size.
 
 Weights are used in place, so a page of the file becomes resident only when a kernel reads it. A
 tensor that has been copied (weights stacked for one matmul) gives its pages back here, so the copy
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import resource
 
 import numpy as np
 
@@ -37,6 +39,11 @@ def release(array: np.ndarray) -> int:
         return 0
     mm.madvise(mmap.MADV_DONTNEED, first, last - first)
     return last - first
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def settle_heap() -> None:

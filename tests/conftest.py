@@ -58,7 +58,7 @@ def pytest_sessionfinish(session):
 def smol():
     """The bundled SmolLM2 through the Python API, loaded once per test module (imported here, after
     the settings above)."""
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     return Runtime().load("default", progress=False)
 
 

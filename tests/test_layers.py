@@ -9,9 +9,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "soma_runtime"
 RUNTIME = ("soma_runtime.ir", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",
-           "soma_runtime.text", "soma_runtime.api")
+           "soma_runtime.text", "soma_runtime.tasks")
 INTERFACES = ("soma_runtime.backends.base", "soma_runtime.backends.collective")
-ABOVE_BACKENDS = ("soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.api", "soma_runtime.server")
+ABOVE_BACKENDS = ("soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.tasks", "soma_runtime.server")
 
 
 def module_name(path: Path) -> str:

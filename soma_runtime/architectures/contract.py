@@ -1,7 +1,8 @@
 """The contract between a decoder template and the engine that runs it, declared once: the cache the
-model keeps between steps, and the graph's inputs and outputs by role. The template declares its
-inputs here (`DecoderIO.declare`), the engine feeds a step through it (`DecoderIO.feed`): no graph
-input is named anywhere else. Knows graphs, nothing of kernels or how a batch is scheduled.
+model keeps between steps and the layout of its pages in a step (kv_index), and the graph's inputs and
+outputs by role. The template declares its inputs here (`DecoderIO.declare`), the engine feeds a step
+through it (`DecoderIO.feed`): no graph input is named anywhere else. Knows graphs, nothing of kernels
+or how a batch is scheduled.
 """
 from __future__ import annotations
 
@@ -10,6 +11,28 @@ from dataclasses import dataclass, field
 
 from soma_runtime.ir.builder import GraphBuilder, Value
 from soma_runtime.quant import kv
+
+
+def kv_index(layer: int, which: int) -> int:
+    """Where a layer's keys (which=0) or values (1) sit in a flat list of KV pages, the layout every such list
+    has (DecoderStep.pages and copies, DecoderOutputs', the cross pages): k, v per layer, in layer order.
+    `layer` counts from the list's first layer."""
+    return 2 * layer + which
+
+
+def kv_pages(pages: list, layer: int) -> tuple:
+    """A layer's (keys, values) in a flat list of KV pages (kv_index)."""
+    return pages[kv_index(layer, 0)], pages[kv_index(layer, 1)]
+
+
+def kv_count(layers: int) -> int:
+    """The length of a flat list of KV pages of `layers` layers (kv_index)."""
+    return kv_index(layers, 0)
+
+
+def kv_flat(keys: list, values: list) -> list:
+    """A flat list of KV pages (kv_index) of each layer's keys and values."""
+    return [p for pair in zip(keys, values) for p in pair]
 
 
 @dataclass(frozen=True)
@@ -181,10 +204,10 @@ class DecoderIO:
         if self.last:
             named.update(logit_rows=step.logit_rows, sampling=step.sampling)
         named.update({self.spans_name(w): span for w, span in a.spans.items()})
-        named.update({f"{kv}_pages.{i}": step.pages[2 * i + j] for i in self.layers for j, kv in enumerate("kv")})
+        named.update({f"{kv}_pages.{i}": step.pages[kv_index(i, j)] for i in self.layers for j, kv in enumerate("kv")})
         if self.copy_layers:
             named.update(copy_slots=a.copy_slots, copy_written=a.copy_written)
-            named.update({f"{kv}_copies.{i}": step.copies[2 * i + j] for i in self.copy_layers for j, kv in enumerate("kv")})
+            named.update({f"{kv}_copies.{i}": step.copies[kv_index(i, j)] for i in self.copy_layers for j, kv in enumerate("kv")})
         return named
 
     def shared(self) -> set[str]:
@@ -195,7 +218,7 @@ class DecoderIO:
     def read(self, outputs: list) -> DecoderOutputs:
         """The step's results; `pages`, this graph's layers' (k, v per layer), then `copies`, its copy layers'."""
         head, outputs = (outputs[:2], outputs[2:]) if self.last else (outputs[:1], outputs[1:])
-        pages, copies = outputs[:2 * len(self.layers)], outputs[2 * len(self.layers):]
+        pages, copies = outputs[:kv_count(len(self.layers))], outputs[kv_count(len(self.layers)):]
         if self.last:
             return DecoderOutputs(*head, pages, copies=copies)
         return DecoderOutputs(None, None, pages, head[0], copies)
@@ -253,8 +276,8 @@ class EncoderDecoderIO:
 
     @staticmethod
     def pages_named(prefix: str, c: PagedKV, pages: list) -> dict:
-        return {f"{prefix}{kv}_pages.{i}": pages[2 * i + j] for i in range(c.layers) for j, kv in enumerate("kv")}
+        return {f"{prefix}{kv}_pages.{i}": pages[kv_index(i, j)] for i in range(c.layers) for j, kv in enumerate("kv")}
 
     def shared(self) -> set[str]:
-        return set(self.pages_named("", self.cache, [None] * 2 * self.cache.layers)) | \
-            set(self.pages_named("cross_", self.cross, [None] * 2 * self.cross.layers))
+        return set(self.pages_named("", self.cache, [None] * kv_count(self.cache.layers))) | \
+            set(self.pages_named("cross_", self.cross, [None] * kv_count(self.cross.layers)))

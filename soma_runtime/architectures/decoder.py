@@ -13,27 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.contract import DecoderIO, PagedKV
+from soma_runtime.architectures.contract import DecoderIO, PagedKV, kv_pages
 from soma_runtime.architectures.moe import build_moe_ffn, check_expert_shapes
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
 from soma_runtime.quant import kv
-
-
-class Weights:
-    """Canonical-name tensor lookup that says which tensor is missing and where it came from."""
-
-    def __init__(self, tensors: dict, source: str):
-        self.tensors, self.source = tensors, source
-
-    def __contains__(self, name):
-        return name in self.tensors
-
-    def __getitem__(self, name):
-        if name not in self.tensors:
-            raise ModelLoadError(f"{self.source}: missing tensor {name!r}")
-        return self.tensors[name]
 
 
 def expected_shapes(cfg: DecoderConfig, head_rows: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -143,8 +129,8 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
     pages_out, copies_out = [], []
     for i in io.layers:
         p = f"blk.{i}"
-        k_pages, v_pages = step.pages[2 * (i - io.layers.start): 2 * (i - io.layers.start) + 2]
-        k_copies, v_copies = step.copies[2 * (i - io.layers.start): 2 * (i - io.layers.start) + 2]
+        k_pages, v_pages = kv_pages(step.pages, i - io.layers.start)
+        k_copies, v_copies = kv_pages(step.copies, i - io.layers.start)
         h = norm(x, f"{p}.attn_norm")
         if f"{p}.attn_qkv.weight" in weights:
             q, k, v = g.split(linear(h, f"{p}.attn_qkv"), sizes=(H * hd, KV * hd, KV * hd), axis=-1)

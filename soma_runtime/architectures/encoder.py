@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
-from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.fields import ENCODER_FIELDS, check_fields, reading
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.dtypes import dtype, dtype_of
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.ir.builder import GraphBuilder

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights, check_shapes
+from soma_runtime.architectures.decoder import check_shapes
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ParallelError
 

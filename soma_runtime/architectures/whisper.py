@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.contract import EncoderDecoderIO, PagedKV, kv_pages
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.graph import Graph
@@ -180,7 +180,8 @@ def build_cross(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO, acti
     for i in range(cfg.decoder_layers):
         p = f"model.decoder.layers.{i}.encoder_attn"
         k, v = (b.heads(encoded, f"{p}.{n}_proj", "F", cfg.decoder_heads) for n in "kv")
-        out += [g.kv_append(pages[2 * i], k, slots), g.kv_append(pages[2 * i + 1], v, slots)]
+        k_pages, v_pages = kv_pages(pages, i)
+        out += [g.kv_append(k_pages, k, slots), g.kv_append(v_pages, v, slots)]
     return g.output(*out)
 
 
@@ -198,11 +199,12 @@ def build_step(cfg: WhisperConfig, weights: Weights, io: EncoderDecoderIO, activ
         p = f"{d}.layers.{i}"
         h = b.norm(x, f"{p}.self_attn_layer_norm")
         k, v = (b.heads(h, f"{p}.self_attn.{n}_proj", "S", H) for n in "kv")
-        k_pages, v_pages = g.kv_append(s.step.pages[2 * i], k, att.slots), g.kv_append(s.step.pages[2 * i + 1], v, att.slots)
+        k_cache, v_cache = kv_pages(s.step.pages, i)
+        k_pages, v_pages = g.kv_append(k_cache, k, att.slots), g.kv_append(v_cache, v, att.slots)
         pages_out += [k_pages, v_pages]
         x = g.add(x, b.cached_attention(h, f"{p}.self_attn", k_pages, v_pages, att.ctx_slots, att.spans[0], H))
         h = b.norm(x, f"{p}.encoder_attn_layer_norm")
-        x = g.add(x, b.cached_attention(h, f"{p}.encoder_attn", s.cross_pages[2 * i], s.cross_pages[2 * i + 1],
+        x = g.add(x, b.cached_attention(h, f"{p}.encoder_attn", *kv_pages(s.cross_pages, i),
                                         s.cross_slots, s.cross_spans, H))
         x = g.add(x, b.mlp(b.norm(x, f"{p}.final_layer_norm"), p))
     rows = g.embedding(x, s.step.logit_rows)

@@ -5,8 +5,8 @@ import statistics
 
 import numpy as np
 
-from soma_runtime.api import check_count
 from soma_runtime.errors import RequestError
+from soma_runtime.tasks import check_count
 
 
 def bench_model(model, prompt_tokens: int = 128, new_tokens: int = 128, runs: int = 3, **sampling) -> dict:

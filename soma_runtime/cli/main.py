@@ -113,7 +113,7 @@ def add_sha256_arg(p) -> None:
 
 
 def load_model(args):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     options = {name: getattr(args, name, None) for name in ("activations", "draft", "overflow", "gpu_layers")}
     return Runtime(getattr(args, "backend", "auto"), threads=args.threads).load(
         args.model, n_ctx=args.ctx, sha256=args.sha256, kv_dtype=getattr(args, "kv_cache", None),
@@ -267,8 +267,8 @@ def cmd_classify(args) -> int:
 
 def cmd_autotune(args) -> int:
     """Time the kernel variants for the model's weight shapes on this machine and cache the choices."""
-    from soma_runtime.api import Runtime
     from soma_runtime.backends import get
+    from soma_runtime.tasks import Runtime
     model = Runtime(threads=args.threads).load(args.model, n_ctx=args.ctx, sha256=args.sha256, autotune=False)
     measured = model.autotune()
     for key, result in measured.items():

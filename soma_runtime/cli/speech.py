@@ -14,7 +14,7 @@ NEEDS = {"transcribe": "a whisper model", "speak": "a piper voice (its .onnx bes
 
 
 def runtime(args):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     return Runtime(args.backend, threads=args.threads)
 
 

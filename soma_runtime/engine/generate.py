@@ -9,7 +9,6 @@ and the server alike.
 """
 from __future__ import annotations
 
-import resource
 import threading
 import time
 from collections import Counter
@@ -20,7 +19,8 @@ import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderStep, PagedKV
-from soma_runtime.architectures.decoder import Weights, cache_of, sample_width
+from soma_runtime.architectures.decoder import cache_of, sample_width
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.backends import collective
 from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine import calibration
@@ -109,10 +109,6 @@ class GenerationRequest:
     logprobs: int | None = None        # alternatives to report per token (0: only the chosen one)
     ignore_eos: bool = False           # run to max_tokens past end-of-sequence tokens (benchmarks)
     constraint: Constraint | None = None   # what the generated text must match
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Stream:

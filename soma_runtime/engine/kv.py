@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.architectures.contract import Attention, PagedKV
+from soma_runtime.architectures.contract import Attention, PagedKV, kv_flat, kv_pages
 from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv
 
@@ -162,12 +162,12 @@ class KVPool:
     @property
     def pages(self) -> list:
         """Every layer's key and value pages, in the graph's order (k, v per layer)."""
-        return [p for pair in zip(self.k, self.v) for p in pair]
+        return kv_flat(self.k, self.v)
 
     @property
     def copies(self) -> list:
         """Every layer's key and value copy pages (k, v per layer; None for a layer that keeps none)."""
-        return [p for pair in zip(self.kc, self.vc) for p in pair]
+        return kv_flat(self.kc, self.vc)
 
     def transcode(self, source: PagedKV, target: PagedKV) -> None:
         """Every layer's pages re-encoded from `source`'s kinds into `target`'s (quant/kv.py), the pages that
@@ -211,7 +211,7 @@ class KVPool:
         all; a backend that updates out of place gives new ones)."""
         layers = range(len(self.k)) if layers is None else layers
         for i, layer in enumerate(layers):
-            self.k[layer], self.v[layer] = pages[2 * i], pages[2 * i + 1]
+            self.k[layer], self.v[layer] = kv_pages(pages, i)
         kept = iter(copies)
         for layer in layers:
             if copies and self.kc[layer] is not None:

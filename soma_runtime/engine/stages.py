@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, PagedKV
-from soma_runtime.architectures.decoder import Weights, build_decoder
+from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, PagedKV, kv_index
+from soma_runtime.architectures.decoder import build_decoder
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.backends.base import Backend
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.plan import Plan
@@ -60,7 +61,7 @@ class Stage:
         """One step of this stage's layers (`step.pages`: every layer's; `step.hidden`: the rows the stage
         before gave, where this one does not start at the embedding)."""
         rows = len(step.attention.positions)
-        bindings = self.bindings(rows, logit_rows, step.pages[2 * self.layers.start])
+        bindings = self.bindings(rows, logit_rows, step.pages[kv_index(self.layers.start, 0)])
         return self.io.read(self.program.step(bindings, self.io.feed(step), self.io.shared(), rows, context))
 
     def layer_weights(self) -> list:

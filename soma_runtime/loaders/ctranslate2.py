@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 from soma_runtime.loaders.model import LoadedModel

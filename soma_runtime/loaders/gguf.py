@@ -149,9 +149,9 @@ def tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 
 
 def load_gguf_model(path: str):
-    from soma_runtime.architectures.decoder import Weights
     from soma_runtime.architectures.moe import merge_split_experts
     from soma_runtime.architectures.registry import config_for_gguf
+    from soma_runtime.architectures.weights import Weights
     from soma_runtime.text.tokenizer import Tokenizer
     f = read_gguf(path)
     tensors = merge_split_experts(f.tensors, path)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import canonical_encoder_weights, check_encoder_shapes, encoder_config_from_hf, is_encoder
 from soma_runtime.architectures.fields import check_token_ids
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.model import LoadedModel

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.architectures.pooling import Pooling
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.tokenizer import Tokenizer

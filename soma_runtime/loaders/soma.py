@@ -17,9 +17,9 @@ import shutil
 
 import tomllib
 
-from soma_runtime.architectures.decoder import Weights
 from soma_runtime.architectures.fields import table
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.hf import sampling_defaults
 from soma_runtime.loaders.integrity import file_sha256, verify_pinned

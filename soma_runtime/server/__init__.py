@@ -56,11 +56,11 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
 
     import uvicorn
 
-    from soma_runtime.api import Runtime
     from soma_runtime.memory import map_large_blocks
     from soma_runtime.server.app import create_app
     from soma_runtime.server.registry import ModelRegistry
     from soma_runtime.server.security import GuardedH11, Policy
+    from soma_runtime.tasks import Runtime
 
     policy = policy or Policy()
     check_listen(port, uds, max_connections)

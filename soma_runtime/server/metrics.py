@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from soma_runtime.engine.generate import peak_rss_mb
+from soma_runtime.memory import peak_rss_mb
 from soma_runtime.server.registry import DEGRADATIONS, ModelRegistry
 from soma_runtime.server.security import label_value
 

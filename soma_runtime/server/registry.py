@@ -21,12 +21,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from soma_runtime.api import Model, Runtime, TextModel
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.memory import give_back_freed, settle_heap
 from soma_runtime.server.security import check_model_id, safe_model_id
+from soma_runtime.tasks import Model, Runtime, TextModel
 
 log = logging.getLogger("soma_runtime.server")
 DRAIN_SECONDS = 120        # how long a load waits for an unloaded model to finish its requests

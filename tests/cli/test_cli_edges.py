@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from soma_runtime import api, errors
+from soma_runtime import errors, tasks
 from soma_runtime.cli import main as cli
 from soma_runtime.loaders import package_file
 
@@ -46,7 +46,7 @@ def sqrt_onnx(tmp_path):
 def test_every_typed_error_is_one_line_and_exit_1(monkeypatch, capsys, error):
     def failing(*args, **kwargs):
         raise error("what went wrong")
-    monkeypatch.setattr(api.Runtime, "load", failing)
+    monkeypatch.setattr(tasks.Runtime, "load", failing)
     assert cli.main(["run", "--prompt", "hi"]) == 1
     assert one_error_line(capsys) == "soma-runtime: error: what went wrong"
 

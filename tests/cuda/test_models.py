@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.backends import gpu_available
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.sampling import greedy_rows
 from soma_runtime.engine.transcribe.runner import Hypothesis
+from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS
 from tests.fixtures.decoders import FAMILIES, build_model
 from tests.fixtures.encoders import FAMILIES as ENCODERS

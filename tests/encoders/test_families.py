@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 from tests.fixtures.encoders import FAMILIES, build
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world", "this is a tiny test of encoders and some more words",

@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.errors import RequestError
+from soma_runtime.tasks import Runtime
 
 LONG = " ".join(["the history of the city spans many centuries of trade, war and art"] * 24)   # > 256 tokens
 SENTENCES = [

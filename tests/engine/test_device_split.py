@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import RequestError
+from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS
 from tests.engine.test_batching import run_all
 from tests.fixtures.decoders import build_model

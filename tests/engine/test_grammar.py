@@ -10,10 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.grammar import Constraint, check_schema, constraint_of
 from soma_runtime.errors import RequestError
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 
 SCHEMAS = [

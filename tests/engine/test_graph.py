@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from soma_runtime.api import Runtime
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.builder import GraphBuilder
+from soma_runtime.tasks import Runtime
 from tests.ir.test_fuse import layernorm_pow_div
 
 RNG = np.random.default_rng(0)

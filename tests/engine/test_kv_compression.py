@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.backends import run_op
 from soma_runtime.engine import calibration
 from soma_runtime.engine.batching import Scheduler
@@ -19,6 +18,7 @@ from soma_runtime.engine.generate import Engine
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv
+from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS
 from tests.engine.test_speculative import run_together
 from tests.fixtures.decoders import build_model

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine import calibration
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.quant import kv
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.engine.grammar import constraint_of
 from soma_runtime.engine.sampling import Sampler, SamplingParams
 from soma_runtime.engine.speculate import IDLE_STEPS, REST_STEPS, Drafter, DraftLength, PromptLookup, lookup
 from soma_runtime.ir.sampling import probabilities
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import FAMILIES, build_model
 
 GROUNDED = ("Summarize: The committee met on Tuesday. The committee approved the budget for the new library. "

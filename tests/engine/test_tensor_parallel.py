@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from soma_runtime import parallel
-from soma_runtime.api import Runtime
 from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import ParallelError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.server.registry import ModelRegistry
+from soma_runtime.tasks import Runtime
 from tests.engine.test_batching import run_all
 from tests.fixtures.decoders import build_model
 

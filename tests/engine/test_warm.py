@@ -2,7 +2,7 @@
 before any request, so the first reply is timed on compiled kernels, and the warm-up holds no page."""
 from __future__ import annotations
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 
 

@@ -50,8 +50,8 @@ def report(case: str, attempt: Callable[[str], tuple[str, str]], typed: tuple[ty
 
 
 def main(cap: int, paths: list[str]) -> None:
-    from soma_runtime.api import Runtime
     from soma_runtime.errors import ModelLoadError
+    from soma_runtime.tasks import Runtime
     capped(cap)
     runtime = Runtime(threads=1)
 

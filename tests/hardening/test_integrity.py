@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders import default_model_path
 from soma_runtime.loaders.soma import import_hf_dir
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 from tests.server.conftest import ServerProcess
 

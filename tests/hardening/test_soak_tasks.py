@@ -179,7 +179,7 @@ class HealthWatch(threading.Thread):
 
 
 def test_a_minute_of_task_traffic_with_hostile_requests_leaves_every_good_request_its_solo_answer(served):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     voice = Runtime("cpu").load(VOICE, progress=False)
     recordings = {text: wav_bytes(*voice.speak(text)) for text in SENTENCES}
     requests = Requests(served.port, recordings)

@@ -22,13 +22,13 @@ import pytest
 import scipy.signal
 import soundfile
 
-from soma_runtime.api import Runtime
 from soma_runtime.audio.io import MAX_SAMPLES, load_audio, read_wav, resample, wav_bytes, wav_header
 from soma_runtime.cli.main import main as cli
 from soma_runtime.engine.speak import ID_BUCKET, MAX_PHONEMES, MAX_SENTENCES, MAX_TEXT, Voice, VoiceConfig
 from soma_runtime.engine.transcribe.segments import Options
 from soma_runtime.errors import ModelLoadError, RequestError
 from soma_runtime.loaders import package_file
+from soma_runtime.tasks import Runtime
 from tests.hardening.test_fuzz_audio import set_bits
 from tests.hardening.test_memory_cycles import rss_mb
 from tests.server.conftest import ServerProcess

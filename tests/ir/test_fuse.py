@@ -187,7 +187,7 @@ def test_keys_given_already_transposed_are_transposed_back_for_sdpa():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     from tests.fixtures.decoders import build_model
     directory = str(tmp_path_factory.mktemp("llama"))
     hf_model, tok = build_model("llama", directory)
@@ -220,8 +220,8 @@ def test_the_fused_plan_computes_the_plain_one_and_verifies_against_its_atoms(ti
     SOMA_VERIFY=1 (every jet beside its atoms) passes on the fused plan; both are transformers'."""
     import torch
 
-    from soma_runtime.api import Runtime
     from soma_runtime.ir import program
+    from soma_runtime.tasks import Runtime
     directory, hf_model, tok, model = tiny_llama
     ids = tok.encode("The quick brown fox jumps over the lazy dog.").ids
     fused = model.logits(ids)

@@ -139,7 +139,7 @@ def test_a_models_plans_share_its_weights_on_a_device(tmp_path):
     from tests.backends import BACKENDS
     if "cuda" not in BACKENDS:
         pytest.skip("needs a GPU or Triton (interpreted)")
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     from tests.fixtures.decoders import build_model
     build_model("qwen2", str(tmp_path))
     engine = Runtime("cuda").load(str(tmp_path), progress=False).engine

@@ -84,7 +84,7 @@ def test_a_kernel_failing_in_the_compiled_steps_names_its_node():
 def test_a_loaded_model_has_run_its_prompt_and_decode_steps_and_holds_no_page_for_them(tmp_path):
     """Loading compiles (and captures) what a request runs, by running it: a prompt's step and decode
     steps; the sequence it used is let go, and nothing of it reaches the prefix cache."""
-    from soma_runtime.api import Runtime
+    from soma_runtime.tasks import Runtime
     from tests.fixtures.decoders import build_model
     build_model("llama", str(tmp_path))
     engine = Runtime("cpu").load(str(tmp_path), progress=False).engine

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.loaders import default_model_path, load
 from soma_runtime.loaders.gguf import read_gguf
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 
 

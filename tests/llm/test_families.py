@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import FAMILIES, build_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.convert import convert_hf_to_gguf
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
 from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.backends import run_op
 from soma_runtime.convert import convert_hf_to_gguf
 from soma_runtime.dtypes import DTYPES, F16_FIELDS, QTensor
@@ -19,6 +18,7 @@ from soma_runtime.engine.batching import Scheduler
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.quant import quantize
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import MOE_FAMILIES, build_model
 from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
 from tests.llm.test_families import hf_greedy

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.loaders import default_model_path
+from soma_runtime.tasks import Runtime
 from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
 
 TEXT = ("The history of astronomy is a long story. Ancient people watched the sky, named the stars, and used "

@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 import transformers
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.grammar import Constraint, Grammars
+from soma_runtime.tasks import Runtime
 from soma_runtime.tools.formats import Generic, Hermes, Llama3, Mistral, detect
 from soma_runtime.tools.turn import ReplyStream, Turn
 from tests.fixtures import templates

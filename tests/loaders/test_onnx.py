@@ -10,9 +10,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from soma_runtime.api import Runtime
 from soma_runtime.cli.main import main
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
+from soma_runtime.tasks import Runtime
 
 ort = pytest.importorskip("onnxruntime")
 rng = np.random.default_rng(0)

@@ -13,9 +13,9 @@ import warnings
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.graph import GraphRunner
 from soma_runtime.loaders import package_file
+from soma_runtime.tasks import Runtime
 
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")

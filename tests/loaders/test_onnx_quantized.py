@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 
 ort = pytest.importorskip("onnxruntime")
 rng = np.random.default_rng(53)

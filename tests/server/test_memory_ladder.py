@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.architectures.decoder import cache_of
 from soma_runtime.engine.kv import Sequence, pool_slots
 from soma_runtime.engine.stages import stage_bytes
 from soma_runtime.errors import PromptTooLong
 from soma_runtime.quant import kv
 from soma_runtime.server.registry import ModelRegistry
+from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS
 from tests.fixtures.decoders import build_model
 from tests.server.conftest import ServerProcess

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.architectures.decoder import cache_of
 from soma_runtime.engine.kv import pool_slots
 from soma_runtime.server.registry import ModelRegistry, OutOfMemory
+from soma_runtime.tasks import Runtime
 
 
 @pytest.fixture(scope="module")

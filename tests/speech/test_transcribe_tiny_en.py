@@ -10,9 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from soma_runtime.api import Runtime
 from soma_runtime.audio.io import read_wav, resample
 from soma_runtime.loaders import package_file, packaged_model_dir
+from soma_runtime.tasks import Runtime
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

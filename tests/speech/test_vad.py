@@ -8,9 +8,9 @@ import pytest
 import silero_vad as silero
 import torch
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.vad import VoiceActivity, speech_segments
 from soma_runtime.errors import RequestError
+from soma_runtime.tasks import Runtime
 from tests.loaders.test_onnx_models import package_data
 
 

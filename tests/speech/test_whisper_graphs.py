@@ -9,10 +9,10 @@ import torch
 from transformers import WhisperConfig as HFWhisperConfig
 from transformers import WhisperForConditionalGeneration
 
-from soma_runtime.api import Runtime
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_decoder, build_encoder
 from soma_runtime.errors import ModelLoadError
+from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import randomize
 
 HF = {"vocab_size": 120, "d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from faster_whisper import WhisperModel
 
-from soma_runtime.api import Runtime
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.engine.transcribe.runner import Hypothesis
 from soma_runtime.errors import RequestError
 from soma_runtime.loaders import load
+from soma_runtime.tasks import Runtime
 from tests.fixtures.whisper import SOT, build_whisper
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.architectures.contract import CrossStep, DecoderStep
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_cross, build_encoder, build_step, caches_of
 from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import GraphRunner

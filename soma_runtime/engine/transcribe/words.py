@@ -12,7 +12,7 @@ import string
 import numpy as np
 from numba import njit
 
-from soma_runtime.architectures.decoder import Weights
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_decoder
 from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import GraphRunner

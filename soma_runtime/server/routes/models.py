@@ -9,7 +9,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from soma_runtime.engine.generate import peak_rss_mb
+from soma_runtime.memory import peak_rss_mb
 from soma_runtime.schedule import detect
 from soma_runtime.server.http import ServerState, parse
 from soma_runtime.server.metrics import render
