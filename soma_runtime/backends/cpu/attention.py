@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from soma_runtime.backends.cpu import amx
+from soma_runtime.backends.cpu import amx, blas
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, f32, out_f32
 from soma_runtime.backends.cpu.elementwise import attention_bias
 from soma_runtime.backends.cpu.linear import rope
@@ -46,7 +46,7 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
         return deliver(blocked_attention(grouped * scale, f32(k), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
     if not softcap:                               # scaled where it is cheapest: on q, not on the scores
         grouped, scale = grouped * scale, np.float32(1)
-    scores = np.matmul(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk)
+    scores = stacked_product(grouped, np.swapaxes(f32(k), -1, -2)).reshape(B, Hq, Sq, Sk)
     if scale != 1:
         scores *= scale
     if softcap:
@@ -58,7 +58,15 @@ def sdpa(q, k, v, mask, out=None, causal=False, scale=None, softcap=0.0, window=
     probs = softmax_in_place(scores).reshape(B, Hkv, (Hq // Hkv) * Sq, Sk)
     if dtype_of(v) != like:
         probs = probs.astype(v.dtype)
-    return deliver(np.matmul(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
+    return deliver(stacked_product(f32(probs), f32(v)).reshape(B, Hq, Sq, v.shape[3]), like, out)
+
+
+def stacked_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [B, H, M, K] @ b [B, H, K, N] -> [B, H, M, N] f32, every head's product on the backend's pool."""
+    out = np.empty((*a.shape[:-1], b.shape[-1]), np.float32)
+    flat = lambda x: x.reshape(-1, *x.shape[-2:])          # a copy only where the heads cannot be one stack
+    blas.matmul(flat(a), flat(b), out.reshape(-1, *out.shape[-2:]))
+    return out
 
 
 BLOCKED_SCORES = 1 << 20        # scores past this many per head are made a block of query rows at a time
@@ -73,8 +81,9 @@ def blocked_attention(q, k, v):
         for h in range(q.shape[1]):
             keys = np.ascontiguousarray(k[b, h].T)
             for start in range(0, q.shape[2], QUERY_BLOCK):
-                scores = q[b, h, start:start + QUERY_BLOCK] @ keys
-                out[b, h, start:start + QUERY_BLOCK] = softmax_in_place(scores) @ v[b, h]
+                rows = q[b, h, start:start + QUERY_BLOCK]
+                scores = blas.matmul(rows, keys, np.empty((len(rows), keys.shape[1]), np.float32))
+                blas.matmul(softmax_in_place(scores), v[b, h], out[b, h, start:start + QUERY_BLOCK])
     return out
 
 
@@ -213,8 +222,9 @@ def dense_attention(q, k_pages, v_pages, run: slice, scale) -> np.ndarray:
     out = np.empty((S, H, values.shape[2]), np.float32)
     for h in range(KV):
         rows = (q[:, h * group:(h + 1) * group] * scale).reshape(S * group, D)
-        probs = softmax_in_place(rows @ keys[:, h].T)
-        out[:, h * group:(h + 1) * group] = (probs @ values[:, h]).reshape(S, group, -1)
+        probs = softmax_in_place(blas.matmul(rows, keys[:, h].T, np.empty((len(rows), len(keys)), np.float32)))
+        heads = blas.matmul(probs, values[:, h], np.empty((S * group, values.shape[2]), np.float32))
+        out[:, h * group:(h + 1) * group] = heads.reshape(S, group, -1)
     return out
 
 

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from soma_runtime.backends.cpu import blas
 from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32, padded
 from soma_runtime.backends.cpu.linear import product
 from soma_runtime.ir.jets import jet
@@ -268,7 +269,7 @@ def winograd(x, w, bias, residual, code, pad, y):
             last = min(TH, first + rows)
             tiles = (last - first) * TW
             _winograd_in(x[n], pad, first, last, TW, V[:, :, :tiles])
-            np.matmul(U, V[:, :, :tiles], out=M[:, :, :tiles])
+            blas.matmul(U, V[:, :, :tiles], M[:, :, :tiles])
             _winograd_out(M[:, :, :tiles], bias, residual[n] if residual.size else NO_IMAGE, code, first, last, TW, y[n])
 
 
@@ -345,11 +346,11 @@ def _im2col_gemm(x, w, bias, residual, code, st, pd, dl, groups, y):
         for first in range(0, P, span):
             last = min(P, first + span)
             if pointwise:
-                np.matmul(weights[g], image.reshape(Cg, H * W), out=into)
+                blas.matmul(weights[g], image.reshape(Cg, H * W), into)
             else:
                 block = cols[:, :last - first]
                 _im2col(image, KH, KW, *st, *pd, *dl, first, last, OW, block)
-                np.matmul(weights[g], block, out=into[:, first:last])
+                blas.matmul(weights[g], block, into[:, first:last])
             if finish:
                 joined = residual[n, g * Og:(g + 1) * Og].reshape(Og, P) if residual.size else NO_ROWS
                 _finish(into, bias[g * Og:(g + 1) * Og] if bias.size else bias, joined, code, first, last)
@@ -377,7 +378,8 @@ def _conv_sum(x, weight, bias, stride, padding, dilation, groups):
     P, K, G = math.prod(spatial), math.prod(kernel), groups
     cols = cols.reshape(N, G, C // G, P, K).transpose(1, 0, 3, 2, 4).reshape(G, N * P, (C // G) * K)
     w = weight.reshape(G, O // G, (C // G) * K)
-    y = product(cols[0], w[0], None, True, "f32")[None] if G == 1 else np.matmul(cols, w.transpose(0, 2, 1))  # [G, N*P, O/G]
+    y = product(cols[0], w[0], None, True, "f32")[None] if G == 1 else \
+        blas.matmul(cols, w.transpose(0, 2, 1), np.empty((G, N * P, O // G), np.float32))              # [G, N*P, O/G]
     y = y.reshape(G, N, P, O // G).transpose(1, 0, 3, 2).reshape(N, O, *spatial)
     return y if bias is None else y + bias.reshape((O,) + (1,) * nd)
 
@@ -397,7 +399,8 @@ def conv_transpose(x, weight, bias, stride, dilation, groups, crop):
     st, dl = as_tuple(stride, nd), as_tuple(dilation, nd)
     crops = tuple(crop) or ((0, 0),) * nd
     xs = x.reshape(N, G, C // G, -1).transpose(1, 2, 0, 3).reshape(G, C // G, -1)
-    z = np.matmul(weight.reshape(G, C // G, -1).transpose(0, 2, 1), xs)              # [G, Og * K, N * P]
+    w = weight.reshape(G, C // G, -1).transpose(0, 2, 1)
+    z = blas.matmul(w, xs, np.empty((G, w.shape[1], xs.shape[2]), np.float32))     # [G, Og * K, N * P]
     z = np.moveaxis(z.reshape(G * Og, *kernel, N, *spatial), 1 + nd, 0)               # [N, O, *kernel, *spatial]
     full = [s * (n - 1) + (k - 1) * d + 1 for n, k, s, d in zip(spatial, kernel, st, dl)]
     y = np.zeros((N, G * Og, *(f + max(0, -c[1]) for f, c in zip(full, crops))), np.float32)

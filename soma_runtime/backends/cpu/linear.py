@@ -7,7 +7,7 @@ import types
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu import amx, qdot
+from soma_runtime.backends.cpu import amx, blas, qdot
 from soma_runtime.backends.cpu.common import CPU, HALF, INT, ROPE_INPUTS, F, all_f32, deliver, dense, f32, float_kernel, out_f32
 from soma_runtime.backends.cpu.elementwise import geglu, gelu_in_place, rmsnorm, swiglu
 from soma_runtime.backends.cpu.qmatmul import GEMV_MAX_ROWS, matmul_stored
@@ -120,9 +120,10 @@ def product(a, b, out, transpose_b, activations):
         kernel(dense(a).reshape(-1, a.shape[-1]), dense(b), result.reshape(-1, b.shape[0]))
         return result
     b = np.swapaxes(b, -1, -2) if transpose_b else b
-    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:     # one BLAS call over all rows, not one per batch item
-        rows = np.matmul(f32(a).reshape(-1, a.shape[-1]), b)
-        return deliver(rows.reshape(*a.shape[:-1], b.shape[-1]), like, out)
+    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:    # one product over all rows, not one per batch item
+        rows = out_f32(out if like == "f32" else None, (*a.shape[:-1], b.shape[-1]))
+        blas.matmul(f32(a).reshape(-1, a.shape[-1]), b, rows.reshape(-1, b.shape[-1]))
+        return deliver(rows, like, out)
     if out is not None and like == "f32":
         return np.matmul(a, b, out=out)
     return deliver(np.matmul(f32(a), b), like, out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from soma_runtime.backends.cpu import amx, autotune, qdot, simd
+from soma_runtime.backends.cpu import amx, autotune, blas, qdot, simd
 from soma_runtime.backends.cpu.common import deliver
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.quant.formats import BF16, F16, F16_TABLE, dequant_row, dequant_rows_serial
@@ -116,7 +116,7 @@ def gemm_tiled(rows: np.ndarray, data: np.ndarray, fmt: int, n: int) -> np.ndarr
             tile[: stop - start] = data[start:stop].view(HALF_NUMPY[fmt])
         else:
             dequant_rows_serial(data[start:stop], fmt, tile[: stop - start], F16_TABLE)
-        np.matmul(tile[: stop - start], rows.T, out=result_t[start:stop])
+        blas.matmul(tile[: stop - start], rows.T, result_t[start:stop])
     return result_t.T
 
 
