@@ -16,8 +16,8 @@ import numpy as np
 from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.weights import Weights
-from soma_runtime.backends.base import Backend
 from soma_runtime.errors import ModelLoadError, RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.program import Program
 from soma_runtime.text.tokenizer import Tokenizer, check_text
