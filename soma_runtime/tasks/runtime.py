@@ -11,7 +11,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from soma_runtime import loaders, schedule
 from soma_runtime.dtypes import FLOATS, dtype_of
-from soma_runtime.engine.speculate import Drafter
+from soma_runtime.engine.generate import Drafter
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.backend import Precision
 from soma_runtime.ir.graph import Graph
