@@ -169,7 +169,7 @@ def greedy_ours(model, prompts: list[list[int]], tokens: int) -> list[list[int]]
     """Each prompt's greedy tokens (up to `tokens`, or an end of sequence), all submitted at once."""
     import queue
 
-    from soma_runtime.engine.batching import Scheduler
+    from soma_runtime.engine.generate.batching import Scheduler
     inbox, got = queue.Queue(), [[] for _ in prompts]
     scheduler = Scheduler(model.engine, max_batch=64, step_tokens=1024, thread=True)
     try:
@@ -290,8 +290,8 @@ def decode_step_seconds(model, context: int) -> float:
     values do not matter: attention reads them all the same)."""
     import statistics
 
+    from soma_runtime.engine.generate.sampling import greedy_rows
     from soma_runtime.engine.kv import Sequence
-    from soma_runtime.engine.sampling import greedy_rows
     engine, seq = model.engine, Sequence()
     engine.pool.reserve(seq, context + 1)
     try:

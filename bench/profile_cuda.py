@@ -31,9 +31,9 @@ STEPS = 20
 def decode_steps(model, rows: int, context: int = 0):
     """A function running one decode step for `rows` sequences whose prompts are already cached (or whose
     caches hold `context` tokens: their values do not matter, attention reads them all the same)."""
-    from soma_runtime.engine.generate import Stream
+    from soma_runtime.engine.generate.engine import Stream
+    from soma_runtime.engine.generate.sampling import greedy_rows
     from soma_runtime.engine.kv import Sequence
-    from soma_runtime.engine.sampling import greedy_rows
     engine = model.engine
     if context:
         seqs = [Sequence() for _ in range(rows)]

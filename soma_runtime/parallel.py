@@ -1,4 +1,4 @@
-"""Tensor parallel: one decoder run by a group of processes (backends/collective.py), each holding one
+"""Tensor parallel: one decoder run by a group of processes (ir/collective.py), each holding one
 rank's shard of its weights and KV cache (architectures/shard.py).
 
 Rank 0 is the process that loads the model: it starts ranks 1..N-1 (`python -m soma_runtime.parallel`),
@@ -21,10 +21,10 @@ import numpy as np
 
 from soma_runtime import loaders, schedule
 from soma_runtime.architectures.shard import shard
-from soma_runtime.backends import collective
-from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.generate import Engine
 from soma_runtime.errors import ParallelError
+from soma_runtime.ir import collective
+from soma_runtime.ir.backend import Backend, Precision
 
 JOIN_TIMEOUT_S = 120.0         # how long ranks wait for each other in a collective (a follower imports, maps, compiles)
 STOP_TIMEOUT_S = 30.0

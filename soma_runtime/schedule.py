@@ -8,8 +8,9 @@ several correct kernels whose speed depends on the machine; a backend times them
 """
 from __future__ import annotations
 
-from soma_runtime.backends import BACKENDS, Backend, detect_all, get, gpu_available
+from soma_runtime.backends import BACKENDS, detect_all, get, gpu_available
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend
 
 
 def check_backend(requested: str) -> str:

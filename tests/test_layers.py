@@ -1,6 +1,7 @@
-"""The package's layers, read from its source: the runtime reaches backends only through the Backend
-interface (and the process group every backend's collectives share), backends know nothing of models
-or the engine, and no modules import each other in a circle.
+"""The package's layers, read from its source: the IR (with the Backend interface and the process group
+every backend's collectives share) imports nothing above it, the runtime reaches backends only through
+the Backend interface (a backend object from schedule.py), nothing outside backends/ imports a backend's
+own modules, backends know nothing of models or the engine, and no modules import each other in a circle.
 Every import counts, those inside functions too."""
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "soma_runtime"
 RUNTIME = ("soma_runtime.ir", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",
            "soma_runtime.text", "soma_runtime.tasks")
-INTERFACES = ("soma_runtime.backends.base", "soma_runtime.backends.collective")
+REGISTRY = ("soma_runtime.backends",)      # the package's entry points: get, detect_all, gpu_available, run_op
+ABOVE_IR = ("soma_runtime.backends", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",
+            "soma_runtime.tasks", "soma_runtime.server")
 ABOVE_BACKENDS = ("soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.tasks", "soma_runtime.server")
 
 
@@ -45,9 +48,22 @@ def within(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_the_runtime_imports_no_backend_beyond_the_backend_interface():
+def test_the_ir_imports_nothing_above_it():
+    leaks = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if within(m, ("soma_runtime.ir",))
+                   for i in deps if within(i, ABOVE_IR))
+    assert not leaks, "\n".join(leaks)
+
+
+def test_the_runtime_imports_no_backends_module():
+    """It holds a Backend (ir/backend.py) that schedule.py looked up; no registry entry point is needed."""
     leaks = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if within(m, RUNTIME)
-                   for i in deps if within(i, ("soma_runtime.backends",)) and i not in INTERFACES)
+                   for i in deps if within(i, ("soma_runtime.backends",)))
+    assert not leaks, "\n".join(leaks)
+
+
+def test_outside_backends_only_the_registry_is_imported_never_a_backends_own_modules():
+    leaks = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if not within(m, ("soma_runtime.backends",))
+                   for i in deps if within(i, ("soma_runtime.backends",)) and i not in REGISTRY)
     assert not leaks, "\n".join(leaks)
 
 

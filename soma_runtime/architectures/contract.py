@@ -41,7 +41,7 @@ class PagedKV:
     steps (engine/kv.py holds them): the cache of a decoder. `windows` gives each layer's sliding window
     (0: the layer sees its whole context); `dtype` is a kv_dtype spec (quant/kv.py): a float type, or
     codecs whose pages hold each head's vector as bytes [P, block, kv_heads, row_bytes]. `centers`: each
-    layer's mean key [kv_heads, head_dim] (engine/calibration.py), which layers whose keys are coded
+    layer's mean key [kv_heads, head_dim] (engine/generate/calibration.py), which layers whose keys are coded
     rotated store their keys about (`key_center`)."""
     layers: int
     kv_heads: int

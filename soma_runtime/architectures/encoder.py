@@ -8,9 +8,7 @@ position-to-content terms read from a table of (log-bucketed) relative distances
 GeGLU mlp, add) -> final layernorm, pre-norm and bias-free. Outputs hidden states [B, S, D], or a
 task head's logits: sequence classification (BERT: pooler dense + tanh on [CLS]; RoBERTa: dense
 + tanh; DeBERTa: dense + gelu; ModernBERT: cls or mean pooling, dense + gelu + layernorm) or token classification.
-Graph inputs: `ids`, `positions`, `types` [B, S], additive key masks [B, 1, 1, S] (`mask`) and,
-for local attention, [B, 1, S, S] (`mask_local`), `token_mask` [B, S, 1] for mean pooling, and for
-DeBERTa the relative-distance columns [B, H, S, S] (`rel_c2p`, `rel_p2c`; EncoderConfig.relative_columns).
+A graph's inputs and output are declared once, by its EncoderIO (encoder_io), which the runner asks.
 """
 from __future__ import annotations
 
@@ -108,6 +106,33 @@ class EncoderConfig:
             distance = log_buckets(distance, self.position_buckets, self.max_relative_positions)
         span = self.att_span
         return np.clip(distance + span, 0, 2 * span - 1), np.clip(-distance + span, 0, 2 * span - 1)
+
+
+@dataclass(frozen=True)
+class EncoderIO:
+    """An encoder graph's inputs and output, declared once: the template builds these inputs and the
+    runner feeds them. Always `ids`, `positions`, `types` [B, S] and the additive key mask `mask`
+    [B, 1, 1, S]; `mask_local` [B, 1, S, S] where some layers attend locally; `token_mask` [B, S, 1] where
+    the sequence head mean-pools; DeBERTa's relative-distance columns `rel_c2p`, `rel_p2c` [B, H, S, S]
+    (EncoderConfig.relative_columns). The one output: hidden states [B, S, D] (head None), a "sequence"
+    head's logits [B, labels] or a "token" head's [B, S, labels]."""
+    head: str | None
+    local_mask: bool
+    token_mask: bool
+    relative: tuple[str, ...]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("ids", "positions", "types", "mask", *(("mask_local",) if self.local_mask else ()),
+                *(("token_mask",) if self.token_mask else ()), *(f"rel_{term}" for term in self.relative))
+
+
+def encoder_io(cfg: EncoderConfig, head: str | None) -> EncoderIO:
+    """The inputs and output of `cfg`'s graph with `head` (build_encoder)."""
+    sequence = head is not None and head != "token"
+    return EncoderIO(head, local_mask=cfg.modern and any(cfg.layer_windows),
+                     token_mask=cfg.modern and sequence and cfg.classifier_pooling == "mean",
+                     relative=() if cfg.modern else cfg.pos_att)
 
 
 def log_buckets(distance: np.ndarray, buckets: int, max_position: int) -> np.ndarray:
@@ -307,7 +332,7 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
     """Hidden states [B, S, D] (head None), or the logits of a "sequence" [B, labels] or "token"
     [B, S, labels] head. `precision` "bf16" lets attention's products take bf16 inputs (the
     projections follow their weights' dtype: see matmul_weights_in)."""
-    g = GraphBuilder()
+    g, io = GraphBuilder(), encoder_io(cfg, head)
     H, hd, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     ids = g.input("ids", ("B", "S"), "i64")
     positions = g.input("positions", ("B", "S"), "i64")
@@ -331,14 +356,14 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
         return g.transpose(g.reshape(x, shape=("B", "S", H, hd)), dim0=1, dim1=2)
 
     if cfg.modern:
-        return modernbert_body(g, cfg, weights, head, ids, positions, mask, const, linear, norm, precision)
+        return modernbert_body(g, cfg, io, weights, ids, positions, mask, const, linear, norm, precision)
     x = g.embedding(const("tok_embd.weight"), ids)
     if cfg.position_biased_input:
         x = g.add(x, g.embedding(const("pos_embd.weight"), positions))
     if "type_embd.weight" in weights:
         x = g.add(x, g.embedding(const("type_embd.weight"), types))
     x = norm(x, "embd_norm")
-    relative = RelativeScores(g, cfg, weights, linear, norm) if cfg.pos_att else None
+    relative = RelativeScores(g, cfg, io.relative, weights, linear, norm) if io.relative else None
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
@@ -368,13 +393,13 @@ class RelativeScores:
     plan folds; the per-(query, key) columns come in as inputs. Content and both relative terms
     share one scale, 1 / sqrt(head_dim * (1 + number of relative terms))."""
 
-    def __init__(self, g, cfg: EncoderConfig, weights: Weights, linear, norm):
+    def __init__(self, g, cfg: EncoderConfig, terms: tuple[str, ...], weights: Weights, linear, norm):
         self.g, self.cfg, self.linear = g, cfg, linear
         table = g.const("rel_embd.weight", np.asarray(weights["rel_embd.weight"], np.float32))
         self.table = norm(table, "rel_norm") if "rel_norm.weight" in weights else table
         shape = ("B", cfg.num_heads, "S", "S")
-        self.columns = {term: g.input(f"rel_{term}", shape, "i64") for term in cfg.pos_att}
-        self.scale = 1 / math.sqrt(cfg.head_dim * (1 + len(cfg.pos_att)))
+        self.columns = {term: g.input(f"rel_{term}", shape, "i64") for term in terms}
+        self.scale = 1 / math.sqrt(cfg.head_dim * (1 + len(terms)))
         self.scale_const = g.const("rel_scale", np.full(1, self.scale, np.float32))
 
     def heads(self, name: str):
@@ -397,10 +422,10 @@ class RelativeScores:
         return bias, self.scale
 
 
-def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, positions, mask, const, linear, norm,
+def modernbert_body(g, cfg: EncoderConfig, io: EncoderIO, weights: Weights, ids, positions, mask, const, linear, norm,
                     precision: str) -> Graph:
     H, hd, D, F = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    local = g.input("mask_local", ("B", 1, "S", "S"), "f32") if any(cfg.layer_windows) else None
+    local = g.input("mask_local", ("B", 1, "S", "S"), "f32") if io.local_mask else None
     freqs = {w: g.const(f"inv_freq_{'local' if w else 'global'}",
                         rope_inv_freq({"rope_theta": cfg.local_rope_theta if w else cfg.rope_theta}, hd))
              for w in set(cfg.layer_windows)}
@@ -417,15 +442,15 @@ def modernbert_body(g, cfg: EncoderConfig, weights: Weights, head, ids, position
         up, gate = g.split(linear(norm(x, f"{p}.ffn_norm"), f"{p}.ffn_up"), sizes=(F, F), axis=-1)
         x = g.add(x, linear(g.geglu(up, gate, approximate=cfg.gelu), f"{p}.ffn_down"))
     x = norm(x, "output_norm")
-    if head is None:
+    if io.head is None:
         return g.output(x)
 
     def predict(t):                                   # ModernBertPredictionHead: dense, gelu, layernorm
         return norm(g.gelu(linear(t, "pooler"), approximate="none"), "head_norm")
 
-    if head == "token":
+    if io.head == "token":
         return g.output(linear(predict(x), "classifier"))
-    if cfg.classifier_pooling == "mean":
+    if io.token_mask:
         tokens = g.input("token_mask", ("B", "S", 1), "f32")
         pooled = g.div(g.reshape(g.matmul(g.transpose(tokens, dim0=1, dim1=2), x), shape=("B", D)),
                        g.reshape(g.matmul(g.transpose(tokens, dim0=1, dim1=2), tokens), shape=("B", 1)))

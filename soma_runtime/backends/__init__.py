@@ -1,4 +1,4 @@
-"""Backends: one package each, whose `BACKEND` object (base.Backend) is its one public surface.
+"""Backends: one package each, whose `BACKEND` object (ir.backend.Backend) is its one public surface.
 
 The runtime names a backend ("reference", "cpu", "cuda") and gets its object here; importing the
 package registers its jets. Nothing outside this package imports a backend's own modules.
@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from soma_runtime.backends.base import Backend
+from soma_runtime.ir.backend import Backend
 
 BACKENDS = ("reference", "cpu", "cuda")
 

@@ -1,1 +1,2 @@
-"""Generation: paged KV cache, sampling, and the prefill -> decode loop."""
+"""The runners, one per task: generate/ (decoder LLMs), encode, graph, transcribe/ (whisper), speak (piper
+voices) and vad; beside them the paged KV cache (kv) and grammar-constrained decoding (grammar)."""

@@ -13,11 +13,11 @@ from collections import Counter
 
 import numpy as np
 
-from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, matmul_weights_in
+from soma_runtime.architectures.encoder import EncoderConfig, build_encoder, encoder_io, matmul_weights_in
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.weights import Weights
-from soma_runtime.backends.base import Backend
 from soma_runtime.errors import ModelLoadError, RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.program import Program
 from soma_runtime.text.tokenizer import Tokenizer, check_text
@@ -108,19 +108,20 @@ class Encoder:
         keys = mask[:, None, None, :] > 0
         inputs = {"ids": ids, "positions": self.cfg.positions(mask), "types": types,
                   "mask": np.where(keys, np.float32(0), np.float32(-np.inf))}
-        plan = self.plan(head, len(encodings), length)
-        if "mask_local" in plan.graph.inputs:         # local layers also drop keys farther than the window
+        self.plan(head, len(encodings), length)
+        io = encoder_io(self.cfg, head)
+        if io.local_mask:                             # local layers also drop keys farther than the window
             distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
             near = distance <= max(self.cfg.layer_windows)
             # a padding query far from every token still sees itself: no all -inf row, no NaN to spread
             visible = (keys & near[None, None]) | (distance == 0)[None, None]
             inputs["mask_local"] = np.where(visible, np.float32(0), np.float32(-np.inf))
-        if "token_mask" in plan.graph.inputs:
+        if io.token_mask:
             inputs["token_mask"] = mask[..., None]
-        if self.cfg.pos_att:                          # DeBERTa: the same columns for every row and head
+        if io.relative:                               # DeBERTa: the same columns for every row and head
             shape = (len(encodings), self.cfg.num_heads, length, length)
             for term, columns in zip(("c2p", "p2c"), self.cfg.relative_columns(length)):
-                if f"rel_{term}" in plan.graph.inputs:
+                if term in io.relative:
                     inputs[f"rel_{term}"] = np.broadcast_to(columns, shape)
         rows = len(encodings) * length
         (out,) = self.programs[head].step({"B": len(encodings), "S": length}, inputs, set(), rows, 0)

@@ -13,9 +13,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import BY_NUMPY
 from soma_runtime.errors import GraphError, RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
 from soma_runtime.ir.plan import RunBudget, bindings_from
 from soma_runtime.ir.program import Program

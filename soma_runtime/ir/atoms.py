@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.backends import collective
 from soma_runtime.dtypes import DTYPES, QTensor, descending, highest, lowest
+from soma_runtime.ir import collective
 from soma_runtime.quant import dequantize, kv
 
 ATOMS: dict[str, tuple[str, ...]] = {

@@ -18,10 +18,10 @@ import os
 
 import numpy as np
 
-from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import JetMismatchError
 from soma_runtime.ir.atoms import interpret
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.graph import Sym, TensorMeta, meta_of
 from soma_runtime.ir.ops import OPS, OpDef
 

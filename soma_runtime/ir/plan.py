@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy._core.umath import _extobj_contextvar, _make_extobj
 
-from soma_runtime.backends.base import Backend
 from soma_runtime.dtypes import QTensor, dtype
 from soma_runtime.errors import GraphError, RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.builder import validate
 from soma_runtime.ir.codegen import Compiled, compile_steps
 from soma_runtime.ir.graph import Graph, Node, Sym, TensorMeta, is_dynamic, meta_of, names_in, resolve

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from soma_runtime.backends.base import Backend
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.graph import Graph
 from soma_runtime.ir.passes import fuse
 from soma_runtime.ir.plan import Plan, RunBudget

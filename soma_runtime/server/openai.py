@@ -14,9 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from soma_runtime.engine.generate import GenerationRequest, Token
+from soma_runtime.engine.generate import MAX_TOP_K, SEED_LIMIT, GenerationRequest, Token
 from soma_runtime.engine.grammar import Constraint, constraint_of
-from soma_runtime.engine.sampling import MAX_TOP_K, SEED_LIMIT
 from soma_runtime.errors import RequestError
 from soma_runtime.tasks import TextModel
 from soma_runtime.tools.turn import ReplyStream, Turn

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate import Scheduler
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.graph import Graph
 from soma_runtime.memory import give_back_freed, settle_heap

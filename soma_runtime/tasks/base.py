@@ -6,8 +6,8 @@ from __future__ import annotations
 import reprlib
 
 from soma_runtime import loaders
-from soma_runtime.backends.base import Backend
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend
 
 # The task-specific methods of the Model classes, and the tasks whose models have each; called on a model of
 # another task, one is a RequestError naming both tasks (Model's stand-ins below), never an AttributeError.

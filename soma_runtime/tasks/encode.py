@@ -7,9 +7,9 @@ import reprlib
 import numpy as np
 
 from soma_runtime import loaders
-from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.encode import Encoder
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend, Precision
 from soma_runtime.tasks.base import Model
 from soma_runtime.text.tokenizer import check_text
 

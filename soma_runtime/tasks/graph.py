@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 
 from soma_runtime import loaders
-from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
+from soma_runtime.ir.backend import Backend, Precision
 from soma_runtime.ir.graph import Graph
 from soma_runtime.ir.plan import RunBudget
 from soma_runtime.tasks.base import Model

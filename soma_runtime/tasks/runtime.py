@@ -10,10 +10,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from soma_runtime import loaders, schedule
-from soma_runtime.backends.base import Precision
 from soma_runtime.dtypes import FLOATS, dtype_of
-from soma_runtime.engine.speculate import Drafter
+from soma_runtime.engine.generate import Drafter
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Precision
 from soma_runtime.ir.graph import Graph
 from soma_runtime.memory import peak_rss_mb
 from soma_runtime.quant import kv

@@ -11,7 +11,6 @@ from tqdm import tqdm
 from soma_runtime import loaders
 from soma_runtime.audio.features import SAMPLE_RATE
 from soma_runtime.audio.io import load_audio
-from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.engine.transcribe.runner import MAX_BATCH, WhisperRunner
 from soma_runtime.engine.transcribe.segments import Options as TranscribeOptions
 from soma_runtime.engine.transcribe.segments import Transcriber, Transcript, features_of
@@ -20,6 +19,7 @@ from soma_runtime.engine.transcribe.tokens import WhisperTokens
 from soma_runtime.engine.transcribe.words import Aligner
 from soma_runtime.engine.vad import VoiceActivity
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend, Precision
 from soma_runtime.loaders import package_file
 from soma_runtime.tasks.base import Model
 from soma_runtime.tasks.graph import GraphModel

@@ -8,14 +8,20 @@ import numpy as np
 
 from soma_runtime import loaders, parallel, schedule
 from soma_runtime.architectures.shard import check_split
-from soma_runtime.backends.base import Backend, Precision
-from soma_runtime.engine.batching import Scheduler
-from soma_runtime.engine.generate import Engine, GenerationRequest, Token
+from soma_runtime.engine.generate import (
+    Drafter,
+    DraftModel,
+    Engine,
+    GenerationRequest,
+    PromptLookup,
+    SamplingParams,
+    Scheduler,
+    Token,
+    check_stops,
+)
 from soma_runtime.engine.grammar import Constraint, constraint_of
-from soma_runtime.engine.sampling import SamplingParams
-from soma_runtime.engine.speculate import Drafter, DraftModel, PromptLookup
-from soma_runtime.engine.stops import check_stops
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
+from soma_runtime.ir.backend import Backend, Precision
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
 from soma_runtime.text.chat import ChatTemplate, characters, check_messages

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from soma_runtime import loaders
-from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import FamilyRunner, GraphRunner
 from soma_runtime.engine.speak import Voice, VoiceConfig
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.tasks.base import check_flag
 from soma_runtime.tasks.graph import GraphModel
 

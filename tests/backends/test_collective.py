@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.backends import collective, run_op
+from soma_runtime.backends import run_op
 from soma_runtime.errors import ParallelError
+from soma_runtime.ir import collective
 from soma_runtime.parallel import free_port
 from tests.backends import BACKENDS
 
@@ -19,7 +20,8 @@ DTYPES = {"f32": (np.float32, 1e-6), "f16": (np.float16, 2e-3)}
 HELPER = """
 import sys
 import numpy as np
-from soma_runtime.backends import collective, run_op
+from soma_runtime.backends import run_op
+from soma_runtime.ir import collective
 from soma_runtime.errors import ParallelError
 collective.join(1, 2, sys.argv[1])
 for backend in sys.argv[2].split(","):

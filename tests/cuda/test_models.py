@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from soma_runtime.backends import gpu_available
+from soma_runtime.engine.generate.sampling import greedy_rows
 from soma_runtime.engine.kv import Sequence
-from soma_runtime.engine.sampling import greedy_rows
 from soma_runtime.engine.transcribe.runner import Hypothesis
 from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from soma_runtime.architectures.encoder import build_encoder, encoder_io
 from soma_runtime.tasks import Runtime
 from tests.fixtures.encoders import FAMILIES, build
 
@@ -105,3 +106,12 @@ def test_unsupported_encoder_and_mismatched_weights_are_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     with pytest.raises(ModelLoadError, match="ffn_up.weight.*shape"):
         Runtime().load(str(tmp_path), progress=False, activations="f32")
+
+
+@pytest.mark.parametrize("family, head, pooling", [*((f, h, "cls") for f in FAMILIES for h in (None, "sequence", "token")),
+                                                   ("modernbert", "sequence", "mean")])
+def test_an_encoder_graph_takes_exactly_the_inputs_its_io_declares(family, head, pooling, tmp_path):
+    build(family, head, tmp_path, pooling=pooling)
+    ours = Runtime().load(str(tmp_path), progress=False, activations="f32")
+    graph = build_encoder(ours.loaded.config, ours.encoder.weights, head)
+    assert tuple(graph.inputs) == encoder_io(ours.loaded.config, head).inputs

@@ -6,7 +6,7 @@ import queue
 
 import pytest
 
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
 
 PROMPTS = ["The capital of France is", "Write a poem about the moon.", "def fibonacci(n):", "List three colors:",
            "Once upon a time, in a land far far away, there lived a", "1, 2, 3, 4,", "Translate to French: good morning",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
 from soma_runtime.errors import RequestError
 from soma_runtime.tasks import Runtime
 from tests.backends import BACKENDS

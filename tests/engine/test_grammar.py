@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
 from soma_runtime.engine.grammar import Constraint, check_schema, constraint_of
 from soma_runtime.errors import RequestError
 from soma_runtime.tasks import Runtime
@@ -141,7 +141,7 @@ def test_a_masked_draw_equals_the_draw_over_the_masked_vocabulary():
     whole pipeline chooses with every other logit at -inf, for the same uniform."""
     import numpy as np
 
-    from soma_runtime.engine.sampling import Sampler, SamplingParams
+    from soma_runtime.engine.generate.sampling import Sampler, SamplingParams
     from soma_runtime.ir.sampling import choose
     rng = np.random.default_rng(0)
     for trial in range(300):

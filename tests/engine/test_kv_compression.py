@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from soma_runtime.backends import run_op
-from soma_runtime.engine import calibration
-from soma_runtime.engine.batching import Scheduler
-from soma_runtime.engine.generate import Engine
+from soma_runtime.engine.generate import calibration
+from soma_runtime.engine.generate.batching import Scheduler
+from soma_runtime.engine.generate.engine import Engine
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.errors import RequestError
 from soma_runtime.quant import kv

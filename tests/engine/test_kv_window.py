@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from soma_runtime.engine import calibration
+from soma_runtime.engine.generate import calibration
 from soma_runtime.engine.kv import Sequence
 from soma_runtime.quant import kv
 from soma_runtime.tasks import Runtime

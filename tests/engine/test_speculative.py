@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
+from soma_runtime.engine.generate.sampling import Sampler, SamplingParams
+from soma_runtime.engine.generate.speculate import IDLE_STEPS, REST_STEPS, Drafter, DraftLength, PromptLookup, lookup
 from soma_runtime.engine.grammar import constraint_of
-from soma_runtime.engine.sampling import Sampler, SamplingParams
-from soma_runtime.engine.speculate import IDLE_STEPS, REST_STEPS, Drafter, DraftLength, PromptLookup, lookup
 from soma_runtime.ir.sampling import probabilities
 from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import FAMILIES, build_model

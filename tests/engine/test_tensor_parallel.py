@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from soma_runtime import parallel
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
 from soma_runtime.errors import ParallelError, RequestError
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.server.registry import ModelRegistry

@@ -312,7 +312,7 @@ def test_a_constraint_breaking_mid_batch_ends_its_own_request_alone(tiny, monkey
     the other two get the tokens they get alone."""
     import queue
 
-    from soma_runtime.engine.batching import Scheduler
+    from soma_runtime.engine.generate.batching import Scheduler
     allowed, steps = Guide.allowed, {}
 
     def breaking(guide):

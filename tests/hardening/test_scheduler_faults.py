@@ -6,10 +6,10 @@ import queue
 
 import pytest
 
-from soma_runtime.engine import batching
-from soma_runtime.engine.batching import Scheduler
-from soma_runtime.engine.generate import GenerationRequest
-from soma_runtime.engine.sampling import SamplingParams
+from soma_runtime.engine.generate import batching
+from soma_runtime.engine.generate.batching import Scheduler
+from soma_runtime.engine.generate.engine import GenerationRequest
+from soma_runtime.engine.generate.sampling import SamplingParams
 from soma_runtime.errors import RequestError
 from tests.engine.test_batching import run_all, solo
 

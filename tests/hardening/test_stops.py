@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from soma_runtime.engine.stops import MAX_STOP_CHARS, MAX_STOPS, StopMatcher, check_stops
+from soma_runtime.engine.generate.stops import MAX_STOP_CHARS, MAX_STOPS, StopMatcher, check_stops
 from soma_runtime.errors import RequestError
 
 

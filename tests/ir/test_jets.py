@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from soma_runtime.backends import get, run_op
-from soma_runtime.backends.base import Backend
 from soma_runtime.errors import JetMismatchError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.graph import TensorMeta, meta_of
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.ir.ops import OPS

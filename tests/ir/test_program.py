@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from soma_runtime.backends import get
-from soma_runtime.backends.base import Captures
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Captures
 from soma_runtime.ir.builder import GraphBuilder
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.program import Program

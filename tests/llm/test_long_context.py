@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from soma_runtime.convert import convert_hf_to_gguf
-from soma_runtime.engine.batching import Scheduler
-from soma_runtime.engine.generate import Engine
+from soma_runtime.engine.generate.batching import Scheduler
+from soma_runtime.engine.generate.engine import Engine
 from soma_runtime.errors import PromptTooLong, RequestError
 from soma_runtime.tasks import Runtime
 from tests.engine.test_batching import run_all

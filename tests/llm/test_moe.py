@@ -14,7 +14,7 @@ import torch
 from soma_runtime.backends import run_op
 from soma_runtime.convert import convert_hf_to_gguf
 from soma_runtime.dtypes import DTYPES, F16_FIELDS, QTensor
-from soma_runtime.engine.batching import Scheduler
+from soma_runtime.engine.generate.batching import Scheduler
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.quant import quantize

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_runtime.engine.sampling import Sampler, SamplingParams, apply_repeat_penalty
+from soma_runtime.engine.generate.sampling import Sampler, SamplingParams, apply_repeat_penalty
 from soma_runtime.errors import RequestError
 from soma_runtime.ir.sampling import min_p_filter, softmax, top_k_filter, top_p_filter
 

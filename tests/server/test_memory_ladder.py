@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from soma_runtime.architectures.decoder import cache_of
+from soma_runtime.engine.generate.stages import stage_bytes
 from soma_runtime.engine.kv import Sequence, pool_slots
-from soma_runtime.engine.stages import stage_bytes
 from soma_runtime.errors import PromptTooLong
 from soma_runtime.quant import kv
 from soma_runtime.server.registry import ModelRegistry

@@ -10,7 +10,6 @@ import sys
 
 import numba
 
-from soma_runtime.backends.base import Backend, Precision
 from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
     amx,
     attention,
@@ -25,6 +24,7 @@ from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
     primitive,
     qmatmul,
 )
+from soma_runtime.ir.backend import Backend, Precision
 
 
 def prefer_tbb() -> None:

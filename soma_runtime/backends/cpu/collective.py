@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from soma_runtime.backends import collective
 from soma_runtime.backends.cpu.common import CPU
+from soma_runtime.ir import collective
 from soma_runtime.ir.jets import jet
 
 

@@ -9,10 +9,10 @@ Triton's interpreter (tests, CI).
 from __future__ import annotations
 
 from soma_runtime.backends import get
-from soma_runtime.backends.base import Backend, Captures
 from soma_runtime.backends.cuda import attention, blocks, collective, conv, elementwise, layout, linear, primitive, rope, sampling  # noqa: F401  (registers jets)
 from soma_runtime.backends.cuda.device import INTERPRET, device, fetch, fetch_soon, free_bytes, place, zeros
 from soma_runtime.backends.cuda.graphs import GraphedSteps
+from soma_runtime.ir.backend import Backend, Captures
 
 
 class CudaBackend(Backend):

@@ -2,8 +2,8 @@
 stream (captured with the rest of a decode step)."""
 from __future__ import annotations
 
-from soma_runtime.backends import collective
 from soma_runtime.backends.cuda.device import CUDA, F, device_jet
+from soma_runtime.ir import collective
 from soma_runtime.ir.jets import jet
 
 

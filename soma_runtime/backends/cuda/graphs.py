@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from soma_runtime.backends.base import Captures
 from soma_runtime.backends.cuda.chain import chaining
 from soma_runtime.backends.cuda.device import place
 from soma_runtime.errors import GraphError
+from soma_runtime.ir.backend import Captures
 
 ALIGN = 256            # each input's offset in the packed buffers
 GRAPH_ROWS = 32        # steps of up to this many rows replay as one graph ...

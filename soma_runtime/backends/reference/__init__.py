@@ -1,6 +1,6 @@
 """The reference backend: every op runs as its atom decomposition (ir/atoms.py). It registers no
 jets on purpose, so each lookup falls through to the atoms: slow, obvious and the spec for the rest."""
-from soma_runtime.backends.base import Backend
+from soma_runtime.ir.backend import Backend
 
 
 class ReferenceBackend(Backend):

@@ -14,10 +14,10 @@ import numpy as np
 from soma_runtime.architectures.contract import CrossStep, DecoderStep
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_cross, build_encoder, build_step, caches_of
-from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import GraphRunner
 from soma_runtime.engine.kv import KVPool, Sequence
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.program import Program
 
 MAX_BATCH = 8                 # windows decoding at once (one per recording in a batch)

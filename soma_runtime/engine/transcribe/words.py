@@ -14,9 +14,9 @@ from numba import njit
 
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig, build_decoder
-from soma_runtime.backends.base import Backend
 from soma_runtime.engine.graph import GraphRunner
 from soma_runtime.engine.transcribe.tokens import WhisperTokens
+from soma_runtime.ir.backend import Backend
 
 MEDIAN_WIDTH = 7
 TOKENS_PER_SECOND = 50                     # encoder positions per second of audio

@@ -1,4 +1,4 @@
-"""Collective ops: what the ranks of a tensor-parallel group (backends/collective.py) compute together.
+"""Collective ops: what the ranks of a tensor-parallel group (ir/collective.py) compute together.
 Each rank's graph holds the same collectives in the same order; their meaning reads every rank's
 value (the `ranks` read, a stack over the group) and combines it."""
 from __future__ import annotations

@@ -13,8 +13,8 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, PagedKV, kv_index
 from soma_runtime.architectures.decoder import build_decoder
 from soma_runtime.architectures.weights import Weights
-from soma_runtime.backends.base import Backend
 from soma_runtime.errors import RequestError
+from soma_runtime.ir.backend import Backend
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.program import Program
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from soma_runtime.engine.generate import Engine, GenerationRequest, Stream, Token
+from soma_runtime.engine.generate.engine import Engine, GenerationRequest, Stream, Token
+from soma_runtime.engine.generate.sampling import greedy_rows
+from soma_runtime.engine.generate.speculate import Drafter, DraftLength
 from soma_runtime.engine.kv import prefix_hashes
-from soma_runtime.engine.sampling import greedy_rows
-from soma_runtime.engine.speculate import Drafter, DraftLength
 from soma_runtime.errors import RequestError
 from soma_runtime.memory import peak_rss_mb
 

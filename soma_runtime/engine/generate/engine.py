@@ -21,16 +21,16 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.contract import DecoderStep, PagedKV
 from soma_runtime.architectures.decoder import cache_of, sample_width
 from soma_runtime.architectures.weights import Weights
-from soma_runtime.backends import collective
-from soma_runtime.backends.base import Backend, Precision
-from soma_runtime.engine import calibration
+from soma_runtime.engine.generate import calibration
+from soma_runtime.engine.generate.sampling import Sampler, SamplingParams, greedy_rows
+from soma_runtime.engine.generate.speculate import DraftLength
+from soma_runtime.engine.generate.stages import Stage, fusions, split, stage_bytes
+from soma_runtime.engine.generate.stops import StopMatcher, check_stops
 from soma_runtime.engine.grammar import Constraint, Grammars
 from soma_runtime.engine.kv import BLOCK, ROLLBACK, KVPool, Sequence, pool_slots
-from soma_runtime.engine.sampling import Sampler, SamplingParams, greedy_rows
-from soma_runtime.engine.speculate import DraftLength
-from soma_runtime.engine.stages import Stage, fusions, split, stage_bytes
-from soma_runtime.engine.stops import StopMatcher, check_stops
 from soma_runtime.errors import ParallelError, PromptTooLong, RequestError
+from soma_runtime.ir import collective
+from soma_runtime.ir.backend import Backend, Precision
 from soma_runtime.ir.passes import plan_memory
 from soma_runtime.ir.plan import Plan
 from soma_runtime.ir.sampling import log_softmax
