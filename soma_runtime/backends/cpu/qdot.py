@@ -63,31 +63,31 @@ def quantize(x):
     return qs, d, s, groups
 
 
-def make_tile(fmt: int, path: int):
+@njit(inline="always")
+def dot_tile(fmt, path, w, qs, d, s, groups, m_lo, m_hi, lo, hi, out):
     """out[m, n] for activation rows m_lo..m_hi-1 and weight rows lo..hi-1 of `w`: each weight block
-    decoded once per 8 (or 4) activation rows."""
-    @njit(inline="always")
-    def tile(w, qs, d, s, groups, m_lo, m_hi, lo, hi, out):
-        m = m_lo
-        while m + 8 <= m_hi:
-            for n in range(lo, hi):
-                simd.row_dots(fmt, 8, path, w, qs, d, s, groups, m, n, out)
-            m += 8
-        while m + 4 <= m_hi:
-            for n in range(lo, hi):
-                simd.row_dots(fmt, 4, path, w, qs, d, s, groups, m, n, out)
-            m += 4
-        while m < m_hi:
-            for n in range(lo, hi):
-                simd.row_dots(fmt, 1, path, w, qs, d, s, groups, m, n, out)
-            m += 1
-    return tile
+    decoded once per 8 (or 4) activation rows. `fmt` and `path` (1: no VNNI) are compile-time constants."""
+    m = m_lo
+    while m + 8 <= m_hi:
+        for n in range(lo, hi):
+            simd.row_dots(fmt, 8, path, w, qs, d, s, groups, m, n, out)
+        m += 8
+    while m + 4 <= m_hi:
+        for n in range(lo, hi):
+            simd.row_dots(fmt, 4, path, w, qs, d, s, groups, m, n, out)
+        m += 4
+    while m < m_hi:
+        for n in range(lo, hi):
+            simd.row_dots(fmt, 1, path, w, qs, d, s, groups, m, n, out)
+        m += 1
 
 
 def make_matmul(fmt: int, portable: bool = False):
     """x [M, K] f32 @ weight rows [N, row bytes] of `fmt` -> out [M, N]: activations quantized once,
-    then tiles of weight rows in parallel. `portable` skips VNNI (to test that path where the CPU has it)."""
-    tile_of, stamp = make_tile(fmt, int(portable)), simd.SOURCE_STAMP
+    then tiles of weight rows in parallel. `portable` skips VNNI (to test that path where the CPU has it).
+    The closure holds integers only: numba's disk cache keys a kernel on its closure's pickle, which a
+    function in it would change in every process (a recompile at every start)."""
+    path, stamp = int(portable), simd.SOURCE_STAMP
 
     @njit(parallel=True, cache=True)
     def matmul(w, x, out, tile_rows, norm, eps, residual):
@@ -102,7 +102,7 @@ def make_matmul(fmt: int, portable: bool = False):
         m_rows, n_rows = x.shape[0], w.shape[0]
         for tile in prange((n_rows + tile_rows - 1) // tile_rows):
             lo, hi = tile * tile_rows, min(n_rows, (tile + 1) * tile_rows)
-            tile_of(w, qs, d, s, groups, 0, m_rows, lo, hi, out)
+            dot_tile(fmt, path, w, qs, d, s, groups, 0, m_rows, lo, hi, out)
             if residual.size:
                 for m in range(m_rows):
                     for n in range(lo, hi):
@@ -114,7 +114,7 @@ def make_grouped_matmul(fmt: int):
     """Rows grouped by expert times each group's expert: out[m] = x[m] @ expert(e).T for the rows m in
     bounds[i]..bounds[i+1]-1 of expert e = experts[i], experts stacked as w [E * N, row bytes]; one
     parallel pass over every (expert, tile of its weight rows), the activations quantized once."""
-    tile_of, stamp = make_tile(fmt, 0), simd.SOURCE_STAMP
+    stamp = simd.SOURCE_STAMP
 
     @njit(parallel=True, cache=True)
     def grouped(w, n_rows, x, bounds, experts, out, tile_rows):
@@ -124,7 +124,7 @@ def make_grouped_matmul(fmt: int):
         for task in prange(experts.size * tiles):
             i, t = task // tiles, task % tiles
             e = experts[i]
-            tile_of(w[e * n_rows:(e + 1) * n_rows], qs, d, s, groups, bounds[i], bounds[i + 1], t * tile_rows,
+            dot_tile(fmt, 0, w[e * n_rows:(e + 1) * n_rows], qs, d, s, groups, bounds[i], bounds[i + 1], t * tile_rows,
                     min(n_rows, (t + 1) * tile_rows), out)
     return grouped
 
