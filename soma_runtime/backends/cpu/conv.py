@@ -275,6 +275,7 @@ def winograd(x, w, bias, residual, code, pad, y):
 
 COLUMN_BYTES = 4 << 20         # a convolution's im2col is built this many bytes of columns at a time
 SERIAL_WORK = 1 << 19          # multiply-adds under which a convolution's kernels run on one thread
+SERIAL_DIRECT = 1 << 16        # ... where they are direct loops (slower a multiply-add: the others repay sooner)
 NO_ROWS, NO_IMAGE = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)   # an absent residual, to numba
 DIRECT_OUTPUTS = 4             # up to this many outputs per group (depthwise: a product too thin for BLAS): direct loops
 
@@ -300,8 +301,9 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
     b = np.zeros(0, np.float32) if bias is None else dense(bias)
     r = np.zeros((0,) * 4, np.float32) if residual is None else dense(residual).reshape(y4.shape)
     code = CONV_EPILOGUES.index(epilogue)
-    with threads_for(work):
-        if O // groups <= DIRECT_OUTPUTS:
+    thin = O // groups <= DIRECT_OUTPUTS
+    with threads_for(work, SERIAL_DIRECT if thin else SERIAL_WORK):
+        if thin:
             direct(x4, w4, b, r, code, st, pd, dl, y4)
         elif (*w4.shape[2:], groups, *st, *dl) == (3, 3, 1, 1, 1, 1, 1) and pd[0] == pd[1] \
                 and min(Cg, O) >= WINOGRAD_MIN_CHANNELS and OH * OW >= WINOGRAD_MIN_OUTPUTS:
@@ -312,11 +314,11 @@ def conv(x, weight, bias, residual, stride, padding, dilation, groups, epilogue,
 
 
 @contextmanager
-def threads_for(work: int):
-    """numba's kernels on one thread for a convolution of less `work` (multiply-adds) than SERIAL_WORK:
-    waking the others costs more than they save (a streaming model's chunk)."""
+def threads_for(work: int, serial: int):
+    """numba's kernels on one thread for a convolution of less `work` (multiply-adds) than `serial`: waking
+    the others costs more than they save (a streaming model's chunk)."""
     threads = numba.get_num_threads()
-    if work >= SERIAL_WORK or threads == 1:
+    if work >= serial or threads == 1:
         yield
         return
     numba.set_num_threads(1)
