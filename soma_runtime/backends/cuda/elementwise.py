@@ -1,4 +1,4 @@
-"""CUDA jets for elementwise ops, activations, norms and softmax: Triton kernels over flat or row
+"""CUDA jets for elementwise ops, activations, norms (row, group and per-channel) and softmax: Triton kernels over flat or row
 views, computing in f32 and storing in the op's dtype (broadcast operands are expanded first)."""
 from __future__ import annotations
 
@@ -276,6 +276,87 @@ def rmsnorm(x, weight, eps=1e-6):
 @device_jet
 def layernorm(x, weight, bias, eps=1e-5):
     return normalize(x, weight, bias, eps, center=True)
+
+
+@chained
+@triton.jit
+def _channel_affine_kernel(x_ptr, mean_ptr, var_ptr, w_ptr, b_ptr, out_ptr, total, channels, spatial, eps,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """batchnorm of x [N, C, spatial]: each value less its channel's mean, over sqrt(var + eps), then the
+    channel's weight and bias if given."""
+    after_prior()
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < total
+    c = offs // spatial % channels
+    x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
+    mean = tl.load(mean_ptr + c, mask=keep).to(tl.float32)
+    var = tl.load(var_ptr + c, mask=keep, other=1.0).to(tl.float32)
+    y = tl.div_rn(x - mean, tl.sqrt_rn(var + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + c, mask=keep).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + c, mask=keep).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("batchnorm", CUDA, [(F, F, F, a, b) for a in (F, "none") for b in (F, "none")])
+@device_jet
+def batchnorm(x, mean, var, weight, bias, eps=1e-5):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    spatial = x[0, 0].numel() if x.ndim > 2 else 1
+    _channel_affine_kernel[flat_grid(x.numel())](x, mean, var, weight if weight is not None else x,
+                                                 bias if bias is not None else x, out, x.numel(), x.shape[1], spatial,
+                                                 float(eps), HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=BLOCK)
+    return out
+
+
+@chained
+@triton.jit
+def _groupnorm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, group_channels, spatial, groups, eps, HAS_W: tl.constexpr,
+                      HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """One (sample, group) row of n values (its channels' spatial values, in order): the mean, then the
+    variance about it, BLOCK values at a time, then the row normalized and each channel's weight and bias."""
+    after_prior()
+    row = tl.program_id(0).to(tl.int64)
+    first = (row % groups) * group_channels
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        total += tl.load(x_ptr + row * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+    mean = tl.sum(total, 0) / n
+    squares = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+        d = tl.where(cols < n, x - mean, 0.0)
+        squares += d * d
+    scale = 1.0 / tl.sqrt_rn(tl.sum(squares, 0) / n + eps)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < n
+        y = (tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32) - mean) * scale
+        channel = first + cols // spatial
+        if HAS_W:
+            y = y * tl.load(w_ptr + channel, mask=keep).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + channel, mask=keep).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("groupnorm", CUDA, [(F, a, b) for a in (F, "none") for b in (F, "none")])
+@device_jet
+def groupnorm(x, weight, bias, groups=32, eps=1e-5):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.shape[0] * groups
+    n = x.numel() // max(rows, 1)
+    if out.numel():
+        _groupnorm_kernel[(rows,)](x, weight if weight is not None else x, bias if bias is not None else x, out, n,
+                                   x.shape[1] // groups, n // (x.shape[1] // groups), groups, float(eps),
+                                   HAS_W=weight is not None, HAS_B=bias is not None,
+                                   BLOCK=min(BLOCK, triton.next_power_of_2(max(n, 1))))
+    return out
 
 
 @chained
