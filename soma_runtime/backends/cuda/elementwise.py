@@ -16,6 +16,8 @@ UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu":
          "rsqrt": 10, "reciprocal": 11, "erf": 12, "sin": 13, "cos": 14, "floor": 15, "ceil": 16, "round": 17, "neg": 18,
          "abs": 19, "clip": 20}
 GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
+ATAN = 21                                          # `activate`'s kind for atan (not a named UNARY: its atoms differ)
+MOD, FMOD = 7, 8                                   # `_binary_kernel`'s ops for the mod op: floored, truncated
 
 
 @triton.jit
@@ -50,6 +52,21 @@ def _power(a, b):
     signed = tl.where(odd, -magnitude, magnitude)
     y = tl.where(a < 0, tl.where(whole, signed, float("nan")), magnitude)
     return tl.where(b == 0, 1.0, y)
+
+
+@triton.jit
+def _atan(x):
+    """atan as the op's atoms: |x| folded into [0, 1] (atan t = pi/2 - atan 1/t), a first guess within
+    2e-3 refined by three Newton steps on tan y = t, the sign put back."""
+    size = tl.abs(x)
+    inverted = size > 1.0
+    t = tl.where(inverted, 1.0 / size, size)
+    y = t * 0.7853981633974483 + t * (1.0 - t) * 0.273
+    for _ in tl.static_range(3):
+        cos = tl.cos(y)
+        y = y - cos * (tl.sin(y) - t * cos)
+    y = tl.where(inverted, 1.5707963267948966 - y, y)
+    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -96,6 +113,8 @@ def activate(x, kind: tl.constexpr, a, b):
         y = -x
     elif kind == 19:
         y = tl.abs(x)
+    elif kind == 21:
+        y = _atan(x)
     else:
         y = tl.minimum(tl.maximum(x, a), b)
     return y
@@ -124,8 +143,15 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, FLOAT: tl.constex
         y = _power(a, b)
     elif op == 5:
         y = tl.minimum(a, b)
-    else:
+    elif op == 6:
         y = tl.maximum(a, b)
+    else:                                   # mod: C's remainder (a float's exact fmod), an integer's by 0 being 0
+        if FLOAT:
+            y = a % b
+        else:
+            y = tl.where(b == 0, 0, a % tl.where(b == 0, 1, b))
+        if op == 7:                         # floored, as Python's: the divisor's sign
+            y = tl.where((y != 0) & ((y < 0) != (b < 0)), y + b, y)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -199,6 +225,14 @@ def unary_jet(kind: int):
 
 for _name, _kind in UNARY.items():
     jet(_name, CUDA, [(F,)])(unary_jet(_kind))
+jet("atan", CUDA, [(F,)])(unary_jet(ATAN))
+
+
+@jet("mod", CUDA, [(F, F), (INT, INT)])
+@device_jet
+def mod(a, b, fmod=False):
+    """a mod b: floored (the divisor's sign, as Python and numpy's mod) or, with fmod, truncated (C's)."""
+    return binary(a, b, FMOD if fmod else MOD)
 
 
 def gated_jet(gelu: bool):
