@@ -1,6 +1,7 @@
 """CUDA jets for the primitive ops beyond elementwise.py's float functions: comparisons and logic (one
-kernel, the relation a compile-time constant, a bool out), where, and reductions (reduced axes moved last,
-each row reduced by one program, in f32)."""
+kernel, the relation a compile-time constant, a bool out), where, reductions (reduced axes moved last,
+each row reduced by one program, in f32) and running sums and products (likewise, a row scanned by one
+program BLOCK values at a time)."""
 from __future__ import annotations
 
 import math
@@ -154,3 +155,40 @@ def reduce_jet(kind: int):
 
 for _name, _kind in REDUCE.items():
     jet(_name, CUDA, [(F,)])(reduce_jet(_kind))
+
+
+@chained
+@triton.jit
+def _running_kernel(x_ptr, out_ptr, n, PRODUCT: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of [rows, n]: its running sums (products), floats in f32, integers in their own width
+    (wrapping), each block's scan carried on from the blocks before."""
+    after_prior()
+    row = tl.program_id(0).to(tl.int64)
+    carry = tl.full((), 1 if PRODUCT else 0, tl.float32 if FLOAT else out_ptr.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n + cols, mask=cols < n, other=1 if PRODUCT else 0).to(carry.dtype)
+        if PRODUCT:
+            run = tl.cumprod(x, 0) * carry
+            carry = carry * tl.reduce(x, 0, _times)
+        else:
+            run = tl.cumsum(x, 0) + carry
+            carry = carry + tl.sum(x, 0)
+        tl.store(out_ptr + row * n + cols, run.to(out_ptr.dtype.element_ty), mask=cols < n)
+
+
+def running_jet(product: bool):
+    @device_jet
+    def run(x, axis=-1):
+        rows = x.movedim(axis, -1).contiguous()
+        n = rows.shape[-1]
+        out = torch.empty_like(rows)
+        if out.numel():
+            _running_kernel[(out.numel() // n,)](rows, out, n, PRODUCT=product, FLOAT=x.is_floating_point(),
+                                                 BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)))
+        return out.movedim(-1, axis)
+    return run
+
+
+jet("cumsum", CUDA, [(F,), (INT,)])(running_jet(False))
+jet("cumprod", CUDA, [(F,), (INT,)])(running_jet(True))
