@@ -293,6 +293,17 @@ case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
      lambda p, s: p.reshape(-1, *p.shape[2:])[s])
 
 
+def q8_0_read(pages, slots):
+    """kv_read of a q8_0 cache: each 34-byte block an f16 scale times its 32 signed bytes."""
+    blocks = pages.reshape(-1, *pages.shape[2:])[slots].reshape(*slots.shape, pages.shape[2], -1, 34)
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()
+    return (blocks[..., 2:].contiguous().view(torch.int8).float() * scale).flatten(-2)
+
+
+case("kv_read", lambda dt: [kv.encode("q8_0", randn(8, 64)).reshape(2, 2, 2, 68), np.array([[3, 0], [-1, 2]], np.int64)],
+     q8_0_read, ("f32",), id="q8_0", codec="q8_0")
+
+
 
 def paged_attention_inputs(rows, heads, kv_heads, dim, slots, seed=0):
     """q [rows, H, D], pages [4, 4, KV, D] (16 slots), ctx_slots in scrambled page order, and a causal
