@@ -16,7 +16,7 @@ UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu":
          "rsqrt": 10, "reciprocal": 11, "erf": 12, "sin": 13, "cos": 14, "floor": 15, "ceil": 16, "round": 17, "neg": 18,
          "abs": 19, "clip": 20}
 GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
-ATAN = 21                                          # `activate`'s kind for atan (not a named UNARY: its atoms differ)
+ATAN = 21                                          # `activate`'s kind for atan (not a UNARY: no atom of its own)
 MOD, FMOD = 7, 8                                   # `_binary_kernel`'s ops for the mod op: floored, truncated
 
 
@@ -56,16 +56,15 @@ def _power(a, b):
 
 @triton.jit
 def _atan(x):
-    """atan as the op's atoms: |x| folded into [0, 1] (atan t = pi/2 - atan 1/t), a first guess within
-    2e-3 refined by three Newton steps on tan y = t, the sign put back."""
+    """atan to about 2 ulp (Cephes' atanf): |x| reduced to [0, tan(pi/8)] about pi/2 or pi/4, an odd
+    polynomial there, the sign put back (no sin or cos: they would spill the unary kernel's registers)."""
     size = tl.abs(x)
-    inverted = size > 1.0
-    t = tl.where(inverted, 1.0 / size, size)
-    y = t * 0.7853981633974483 + t * (1.0 - t) * 0.273
-    for _ in tl.static_range(3):
-        cos = tl.cos(y)
-        y = y - cos * (tl.sin(y) - t * cos)
-    y = tl.where(inverted, 1.5707963267948966 - y, y)
+    big = size > 2.414213562373095
+    mid = size > 0.4142135623730950
+    t = tl.where(big, -1.0 / size, tl.where(mid, (size - 1.0) / (size + 1.0), size))
+    z = t * t
+    y = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
+    y += (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z - 3.33329491539e-1) * z * t + t
     return tl.where(x < 0, -y, y)
 
 

@@ -9,7 +9,6 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, device_jet
-from soma_runtime.backends.cuda.elementwise import BLOCK, flat_grid
 from soma_runtime.ir.jets import jet
 
 ANY = "*"
@@ -73,6 +72,7 @@ def take(x, index, axis=0):
 
 
 RANK = 6                                                # the remap kernel's axes: fewer are led by unit ones
+REMAP_BLOCK = 256                                       # outputs a program: 1024 spill six axes' int64 indices
 REMAP = {"constant": 0, "edge": 1, "reflect": 2, "tile": 3, "gather": 4}
 
 
@@ -128,9 +128,9 @@ def remap(x, shape, mode: str, before=(), value=0.0, index=None, axis=-1):
         strides = (0,) * lead + tuple(x.stride())
         index = out if index is None else index.contiguous()
         value = float(value) if x.is_floating_point() else int(value)      # an integer x's pads stay exact
-        _remap_kernel[flat_grid(out.numel())](x, index, out, out.numel(), value, *sizes, *dims, *starts, *strides,
-                                              MODE=REMAP[mode], AXIS=lead + axis % x.ndim if mode == "gather" else -1,
-                                              BLOCK=BLOCK)
+        _remap_kernel[(triton.cdiv(out.numel(), REMAP_BLOCK),)](
+            x, index, out, out.numel(), value, *sizes, *dims, *starts, *strides, MODE=REMAP[mode],
+            AXIS=lead + axis % x.ndim if mode == "gather" else -1, BLOCK=REMAP_BLOCK)
     return out
 
 
