@@ -9,6 +9,7 @@ import triton.language as tl
 
 from soma_runtime.backends.cuda.chain import after_prior, chained
 from soma_runtime.backends.cuda.device import CUDA, INT, device_jet
+from soma_runtime.errors import GraphError
 from soma_runtime.ir.jets import jet
 
 ANY = "*"
@@ -117,20 +118,44 @@ def _remap_kernel(x_ptr, index_ptr, out_ptr, total, value, o0, o1, o2, o3, o4, o
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
+def remap_axes(sizes, dims, starts, strides, gathered: int) -> list[tuple[int, int, int, int, bool]]:
+    """The remap's axes as (outputs, inputs, before, stride, gathered), each run of neighbours that it
+    copies as they are (as many outputs as inputs, none before, not the gathered axis) and that lie one
+    after another in x merged into one, and axes of one value left out: how a tensor of more than RANK
+    axes fits."""
+    axes: list[tuple[int, int, int, int, bool]] = []
+    for i, (size, n, start, stride) in enumerate(zip(sizes, dims, starts, strides)):
+        plain = size == n and start == 0 and i != gathered
+        if plain and n == 1:
+            continue
+        last = axes[-1] if axes else None
+        if plain and last and last[0] == last[1] and last[2] == 0 and not last[4] and last[3] == stride * n:
+            axes[-1] = (last[0] * n, last[1] * n, 0, stride, False)
+        else:
+            axes.append((size, n, start, stride, i == gathered))
+    return axes
+
+
 def remap(x, shape, mode: str, before=(), value=0.0, index=None, axis=-1):
     """`_remap_kernel`'s output of `shape` from x (read where it lies, however strided)."""
     out = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
-    if out.numel():
-        lead = RANK - x.ndim
-        sizes = (1,) * lead + tuple(out.shape)
-        dims = (1,) * lead + tuple(x.shape)
-        starts = (0,) * RANK if not before else (0,) * lead + tuple(before)
-        strides = (0,) * lead + tuple(x.stride())
-        index = out if index is None else index.contiguous()
-        value = float(value) if x.is_floating_point() else int(value)      # an integer x's pads stay exact
-        _remap_kernel[(triton.cdiv(out.numel(), REMAP_BLOCK),)](
-            x, index, out, out.numel(), value, *sizes, *dims, *starts, *strides, MODE=REMAP[mode],
-            AXIS=lead + axis % x.ndim if mode == "gather" else -1, BLOCK=REMAP_BLOCK)
+    if not out.numel():
+        return out
+    gathered = axis % x.ndim if mode == "gather" else -1
+    axes = remap_axes(out.shape, x.shape, tuple(before) or (0,) * x.ndim, x.stride(), gathered)
+    if len(axes) > RANK and not x.is_contiguous():           # its axes may merge once copied in order
+        x = x.contiguous()
+        axes = remap_axes(out.shape, x.shape, tuple(before) or (0,) * x.ndim, x.stride(), gathered)
+    if len(axes) > RANK:
+        raise GraphError(f"{mode} of x {list(x.shape)} into {list(out.shape)}: more than the {RANK} axes the cuda "
+                         "remap kernel reads")
+    axes = [(1, 1, 0, 0, False)] * (RANK - len(axes)) + axes
+    sizes, dims, starts, strides, gathered = zip(*axes)
+    index = out if index is None else index.contiguous()
+    value = float(value) if x.is_floating_point() else int(value)      # an integer x's pads stay exact
+    _remap_kernel[(triton.cdiv(out.numel(), REMAP_BLOCK),)](
+        x, index, out, out.numel(), value, *sizes, *dims, *starts, *strides, MODE=REMAP[mode],
+        AXIS=gathered.index(True) if mode == "gather" else -1, BLOCK=REMAP_BLOCK)
     return out
 
 
