@@ -1,5 +1,6 @@
-"""CUDA jets for elementwise ops, activations, norms (row, group and per-channel) and softmax: Triton kernels over flat or row
-views, computing in f32 and storing in the op's dtype (broadcast operands are expanded first)."""
+"""CUDA jets for elementwise ops, activations, norms (of rows, groups and channels) and softmax: Triton
+kernels over flat or row views, computing in f32 and storing in the op's dtype (broadcast operands are
+expanded first)."""
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,8 @@ BLOCK = 1024
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "minimum": 5, "maximum": 6}
 UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5, "exp": 7, "log": 8, "sqrt": 9,
          "rsqrt": 10, "reciprocal": 11, "erf": 12, "sin": 13, "cos": 14, "floor": 15, "ceil": 16, "round": 17, "neg": 18,
-         "abs": 19, "clip": 20}
+         "abs": 19, "clip": 20, "atan": 21}
 GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
-ATAN = 21                                          # `activate`'s kind for atan (not a UNARY: no atom of its own)
 MOD, FMOD = 7, 8                                   # `_binary_kernel`'s ops for the mod op: floored, truncated
 
 
@@ -224,7 +224,6 @@ def unary_jet(kind: int):
 
 for _name, _kind in UNARY.items():
     jet(_name, CUDA, [(F,)])(unary_jet(_kind))
-jet("atan", CUDA, [(F,)])(unary_jet(ATAN))
 
 
 @jet("mod", CUDA, [(F, F), (INT, INT)])
