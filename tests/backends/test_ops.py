@@ -293,6 +293,17 @@ case("kv_read", int_inputs(mk((4, 2, 2, 3)), [[5, 0, 6], [1, 2, 3]]),
      lambda p, s: p.reshape(-1, *p.shape[2:])[s])
 
 
+def q8_0_read(pages, slots):
+    """kv_read of a q8_0 cache: each 34-byte block an f16 scale times its 32 signed bytes."""
+    blocks = pages.reshape(-1, *pages.shape[2:])[slots].reshape(*slots.shape, pages.shape[2], -1, 34)
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()
+    return (blocks[..., 2:].contiguous().view(torch.int8).float() * scale).flatten(-2)
+
+
+case("kv_read", lambda dt: [kv.encode("q8_0", randn(8, 64)).reshape(2, 2, 2, 68), np.array([[3, 0], [-1, 2]], np.int64)],
+     q8_0_read, ("f32",), id="q8_0", codec="q8_0")
+
+
 
 def paged_attention_inputs(rows, heads, kv_heads, dim, slots, seed=0):
     """q [rows, H, D], pages [4, 4, KV, D] (16 slots), ctx_slots in scrambled page order, and a causal
@@ -700,6 +711,34 @@ def test_op_matches_torch(backend, op, make, ref, dt, attrs):
             assert str(g.dtype) == {"f32": "float32", "f16": "float16"}[dt], f"{op} returned {g.dtype}"
         err, scale = max_error(g, w)
         assert err <= TOL[dt] * scale, f"{op} on {backend}: max error {err:.3g} > {TOL[dt] * scale:.3g}"
+
+
+# the cases no cuda jet takes (their op, or its dtypes): on cuda they run on the CPU backend, inputs copied there
+HOSTED_ON_CUDA = {
+    "div-int-trunc-f32", "div-int8-smallest-f32", "neg-int-f32", "reduce_sum-int-f32", "topk-int-f32",
+    "range-int-f32", "range-float-f32", "range-down-f32", "nonzero-f32", "nonzero-f16",    # lengths the host learns
+    "router-f32", "router-f16", "router-normalized-f32", "router-normalized-f16", "router-sigmoid-bias-f32",
+    "moe_ffn-f32", "moe_ffn-f16", "moe_ffn-one-token-f32", "moe_ffn-one-token-f16",
+    "chain-f32", "chain-broadcast-f32",
+}
+
+
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+def test_cuda_runs_every_other_case_on_its_own_jet():
+    """The op test on cuda checks cuda's jets: a case that falls back to the CPU (passing, as the CPU's) is
+    one listed in HOSTED_ON_CUDA."""
+    from soma_runtime.backends import get
+    from soma_runtime.ir.graph import meta_of
+    from soma_runtime.ir.jets import REGISTRY
+    from soma_runtime.ir.ops import OPS
+    hosted = set()
+    for c in CASES:
+        op, make, _, dt, attrs = c.values
+        inputs = OPS[op].pad(make(dt))
+        kernel = REGISTRY.kernel_for(OPS[op], [None if x is None else meta_of(x) for x in inputs], attrs, get("cuda"))
+        if getattr(kernel, "hosted", False):
+            hosted.add(c.id)
+    assert hosted == HOSTED_ON_CUDA
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -1,5 +1,6 @@
-"""CUDA jets for elementwise ops, activations, norms and softmax: Triton kernels over flat or row
-views, computing in f32 and storing in the op's dtype (broadcast operands are expanded first)."""
+"""CUDA jets for elementwise ops, activations, norms (of rows, groups and channels) and softmax: Triton
+kernels over flat or row views, computing in f32 and storing in the op's dtype (broadcast operands are
+expanded first)."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ BLOCK = 1024
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "minimum": 5, "maximum": 6}
 UNARY = {"silu": 0, "sigmoid": 1, "tanh": 2, "relu": 3, "leaky_relu": 4, "gelu": 5, "exp": 7, "log": 8, "sqrt": 9,
          "rsqrt": 10, "reciprocal": 11, "erf": 12, "sin": 13, "cos": 14, "floor": 15, "ceil": 16, "round": 17, "neg": 18,
-         "abs": 19, "clip": 20}
+         "abs": 19, "clip": 20, "atan": 21}
 GELU_TANH = 6                                      # `activate`'s kind for gelu's tanh approximation
+MOD, FMOD = 7, 8                                   # `_binary_kernel`'s ops for the mod op: floored, truncated
 
 
 @triton.jit
@@ -50,6 +52,20 @@ def _power(a, b):
     signed = tl.where(odd, -magnitude, magnitude)
     y = tl.where(a < 0, tl.where(whole, signed, float("nan")), magnitude)
     return tl.where(b == 0, 1.0, y)
+
+
+@triton.jit
+def _atan(x):
+    """atan to about 2 ulp (Cephes' atanf): |x| reduced to [0, tan(pi/8)] about pi/2 or pi/4, an odd
+    polynomial there, the sign put back (no sin or cos: they would spill the unary kernel's registers)."""
+    size = tl.abs(x)
+    big = size > 2.414213562373095
+    mid = size > 0.4142135623730950
+    t = tl.where(big, -1.0 / size, tl.where(mid, (size - 1.0) / (size + 1.0), size))
+    z = t * t
+    y = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
+    y += (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z - 3.33329491539e-1) * z * t + t
+    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -96,6 +112,8 @@ def activate(x, kind: tl.constexpr, a, b):
         y = -x
     elif kind == 19:
         y = tl.abs(x)
+    elif kind == 21:
+        y = _atan(x)
     else:
         y = tl.minimum(tl.maximum(x, a), b)
     return y
@@ -124,8 +142,15 @@ def _binary_kernel(a_ptr, b_ptr, out_ptr, n, op: tl.constexpr, FLOAT: tl.constex
         y = _power(a, b)
     elif op == 5:
         y = tl.minimum(a, b)
-    else:
+    elif op == 6:
         y = tl.maximum(a, b)
+    else:                                   # mod: C's remainder (a float's exact fmod), an integer's by 0 being 0
+        if FLOAT:
+            y = a % b
+        else:
+            y = tl.where(b == 0, 0, a % tl.where(b == 0, 1, b))
+        if op == 7:                         # floored, as Python's: the divisor's sign
+            y = tl.where((y != 0) & ((y < 0) != (b < 0)), y + b, y)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -199,6 +224,13 @@ def unary_jet(kind: int):
 
 for _name, _kind in UNARY.items():
     jet(_name, CUDA, [(F,)])(unary_jet(_kind))
+
+
+@jet("mod", CUDA, [(F, F), (INT, INT)])
+@device_jet
+def mod(a, b, fmod=False):
+    """a mod b: floored (the divisor's sign, as Python and numpy's mod) or, with fmod, truncated (C's)."""
+    return binary(a, b, FMOD if fmod else MOD)
 
 
 def gated_jet(gelu: bool):
@@ -276,6 +308,87 @@ def rmsnorm(x, weight, eps=1e-6):
 @device_jet
 def layernorm(x, weight, bias, eps=1e-5):
     return normalize(x, weight, bias, eps, center=True)
+
+
+@chained
+@triton.jit
+def _channel_affine_kernel(x_ptr, mean_ptr, var_ptr, w_ptr, b_ptr, out_ptr, total, channels, spatial, eps,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """batchnorm of x [N, C, spatial]: each value less its channel's mean, over sqrt(var + eps), then the
+    channel's weight and bias if given."""
+    after_prior()
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < total
+    c = offs // spatial % channels
+    x = tl.load(x_ptr + offs, mask=keep).to(tl.float32)
+    mean = tl.load(mean_ptr + c, mask=keep).to(tl.float32)
+    var = tl.load(var_ptr + c, mask=keep, other=1.0).to(tl.float32)
+    y = tl.div_rn(x - mean, tl.sqrt_rn(var + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + c, mask=keep).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + c, mask=keep).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("batchnorm", CUDA, [(F, F, F, a, b) for a in (F, "none") for b in (F, "none")])
+@device_jet
+def batchnorm(x, mean, var, weight, bias, eps=1e-5):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    spatial = x[0, 0].numel() if x.ndim > 2 else 1
+    _channel_affine_kernel[flat_grid(x.numel())](x, mean, var, weight if weight is not None else x,
+                                                 bias if bias is not None else x, out, x.numel(), x.shape[1], spatial,
+                                                 float(eps), HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=BLOCK)
+    return out
+
+
+@chained
+@triton.jit
+def _groupnorm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, group_channels, spatial, groups, eps, HAS_W: tl.constexpr,
+                      HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """One (sample, group) row of n values (its channels' spatial values, in order): the mean, then the
+    variance about it, BLOCK values at a time, then the row normalized and each channel's weight and bias."""
+    after_prior()
+    row = tl.program_id(0).to(tl.int64)
+    first = (row % groups) * group_channels
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        total += tl.load(x_ptr + row * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+    mean = tl.sum(total, 0) / n
+    squares = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+        d = tl.where(cols < n, x - mean, 0.0)
+        squares += d * d
+    scale = 1.0 / tl.sqrt_rn(tl.sum(squares, 0) / n + eps)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < n
+        y = (tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32) - mean) * scale
+        channel = first + cols // spatial
+        if HAS_W:
+            y = y * tl.load(w_ptr + channel, mask=keep).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + channel, mask=keep).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@jet("groupnorm", CUDA, [(F, a, b) for a in (F, "none") for b in (F, "none")])
+@device_jet
+def groupnorm(x, weight, bias, groups=32, eps=1e-5):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.shape[0] * groups
+    n = x.numel() // max(rows, 1)
+    if out.numel():
+        _groupnorm_kernel[(rows,)](x, weight if weight is not None else x, bias if bias is not None else x, out, n,
+                                   x.shape[1] // groups, n // (x.shape[1] // groups), groups, float(eps),
+                                   HAS_W=weight is not None, HAS_B=bias is not None,
+                                   BLOCK=min(BLOCK, triton.next_power_of_2(max(n, 1))))
+    return out
 
 
 @chained

@@ -1,7 +1,8 @@
 """Compressed KV caches on the GPU (quant/kv.py's codecs): rows encoded into their slots by one kernel,
 byte for byte as the host encodes them (the least-squares sums in f64), and `decoded`, which the
-attention kernel calls on each tile of a compressed page's bytes. QJL's kinds are not here: their sketch's
-32 x 32 product per block would cost more than it is worth measuring on the device; they run on the host."""
+attention kernel calls on each tile of a compressed page's bytes and kv_read on the rows it reads. QJL's
+kinds are not here: their sketch's 32 x 32 product per block would cost more than it is worth measuring
+on the device; they run on the host."""
 from __future__ import annotations
 
 import functools
@@ -192,3 +193,44 @@ def kv_append(pages, new, slots, positions=None, inv_freq=None, v_pages=None, v_
         return pages
     return pages, kv_append(v_pages, v_new, slots, codec=codec)
 
+
+
+@chained
+@triton.jit
+def _kv_read_kernel(words_ptr, slots_ptr, out_ptr, curves_ptr, rows, heads, cached, row_words, blocks, dim,
+                    CODEC: tl.constexpr, BITS: tl.constexpr, SIZE: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+    """BT of the (slot, head) rows read, (i, h) for slots[i] (negative: from the end of the cached slots):
+    their bytes decoded to f32 [BT, dim]."""
+    after_prior()
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = r < rows * heads
+    slot = tl.load(slots_ptr + r // heads, mask=ok, other=0).to(tl.int64)
+    slot = tl.where(slot < 0, slot + cached, slot)
+    values = decoded(words_ptr, slot * heads + r % heads, ok, row_words, blocks, curves_ptr, CODEC, BITS, SIZE, NB)
+    cols = tl.arange(0, NB * 32)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * dim + cols[None, :], values, mask=ok[:, None] & (cols < dim)[None, :])
+
+
+KV_READ_ROWS = 16                       # (slot, head) rows a program decodes
+
+
+@jet("kv_read", CUDA, [(F, INT)], struct={"codec": ("none",)})
+@jet("kv_read", CUDA, [("u8", INT)], struct={"codec": ON_DEVICE})
+@device_jet
+def kv_read(pages, slots, codec="none"):
+    """The cached head vectors at `slots` [..., H, D]: a float cache's rows as they are (the take jet's
+    read), a compressed cache's decoded to f32 as the attention kernel decodes them."""
+    P, block, heads, width = pages.shape
+    if codec == "none":
+        flat = slots.reshape(-1).to(torch.int64)
+        flat = torch.where(flat < 0, flat + P * block, flat)
+        return pages.reshape(P * block, heads, width).index_select(0, flat).reshape(*slots.shape, heads, width)
+    number, bits, size = codec_constants(codec)
+    blocks = width // size
+    out = torch.empty((*slots.shape, heads, blocks * 32), dtype=torch.float32, device=pages.device)
+    if out.numel():
+        n = slots.numel()
+        _kv_read_kernel[(triton.cdiv(n * heads, KV_READ_ROWS),)](
+            words(pages, codec), slots.reshape(-1).contiguous(), out, curves(pages.device), n, heads, P * block, width // 2,
+            blocks, blocks * 32, CODEC=number, BITS=bits, SIZE=size, NB=triton.next_power_of_2(blocks), BT=KV_READ_ROWS)
+    return out

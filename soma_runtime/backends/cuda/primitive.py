@@ -1,6 +1,8 @@
 """CUDA jets for the primitive ops beyond elementwise.py's float functions: comparisons and logic (one
-kernel, the relation a compile-time constant, a bool out), where, and reductions (reduced axes moved last,
-each row reduced by one program, in f32)."""
+kernel, the relation a compile-time constant, a bool out), where, reductions (reduced axes moved last,
+each row reduced by one program, in f32), running sums and products (likewise, a row scanned by one
+program BLOCK values at a time), and scatters (each output reading the updates aimed at it, in index order:
+no atomics, the CPU jet's order of combining)."""
 from __future__ import annotations
 
 import math
@@ -154,3 +156,98 @@ def reduce_jet(kind: int):
 
 for _name, _kind in REDUCE.items():
     jet(_name, CUDA, [(F,)])(reduce_jet(_kind))
+
+
+@chained
+@triton.jit
+def _running_kernel(x_ptr, out_ptr, n, PRODUCT: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of [rows, n]: its running sums (products), floats in f32, integers in their own width
+    (wrapping), each block's scan carried on from the blocks before."""
+    after_prior()
+    row = tl.program_id(0).to(tl.int64)
+    carry = tl.full((), 1 if PRODUCT else 0, tl.float32 if FLOAT else out_ptr.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n + cols, mask=cols < n, other=1 if PRODUCT else 0).to(carry.dtype)
+        if PRODUCT:
+            run = tl.cumprod(x, 0) * carry
+            carry = carry * tl.reduce(x, 0, _times)
+        else:
+            run = tl.cumsum(x, 0) + carry
+            carry = carry + tl.sum(x, 0)
+        tl.store(out_ptr + row * n + cols, run.to(out_ptr.dtype.element_ty), mask=cols < n)
+
+
+def running_jet(product: bool):
+    @device_jet
+    def run(x, axis=-1):
+        rows = x.movedim(axis, -1).contiguous()
+        n = rows.shape[-1]
+        out = torch.empty_like(rows)
+        if out.numel():
+            _running_kernel[(out.numel() // n,)](rows, out, n, PRODUCT=product, FLOAT=x.is_floating_point(),
+                                                 BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)))
+        return out.movedim(-1, axis)
+    return run
+
+
+jet("cumsum", CUDA, [(F,), (INT,)])(running_jet(False))
+jet("cumprod", CUDA, [(F,), (INT,)])(running_jet(True))
+
+
+SCATTER = {"replace": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
+
+
+@chained
+@triton.jit
+def _scatter_kernel(x_ptr, index_ptr, updates_ptr, out_ptr, total, n, m, inner, REDUCE: tl.constexpr,
+                    FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """out [outer, n, inner]: x, each of its slices j taking the update slices i of [outer, m, inner] whose
+    index (negative: from the end) is j, in order of i: in place of it (REDUCE 0: the last one stays) or
+    combined with it (SCATTER's add, mul, max, min; NaN wins a max or min, as numpy's)."""
+    after_prior()
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < total
+    at, j, outer = offs % inner, offs // inner % n, offs // (inner * n)
+    y = tl.load(x_ptr + offs, mask=keep)
+    if FLOAT:
+        y = y.to(tl.float32)
+    for i in range(m):
+        slot = tl.load(index_ptr + i).to(tl.int64)
+        hit = keep & (j == tl.where(slot < 0, slot + n, slot))
+        u = tl.load(updates_ptr + (outer * m + i) * inner + at, mask=hit, other=0).to(y.dtype)
+        if REDUCE == 0:
+            z = u
+        elif REDUCE == 1:
+            z = y + u
+        elif REDUCE == 2:
+            z = y * u
+        elif REDUCE == 3:
+            z = tl.maximum(y, u, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            z = tl.minimum(y, u, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.where(hit, z, y)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def scattered(x, index, updates, axis, reduction):
+    axis = axis % x.ndim
+    x, updates, index = x.contiguous(), updates.contiguous(), index.contiguous()
+    out = torch.empty_like(x)
+    if out.numel():
+        inner = math.prod(x.shape[axis + 1:])
+        _scatter_kernel[flat_grid(out.numel())](x, index, updates, out, out.numel(), x.shape[axis], index.shape[0], inner,
+                                                REDUCE=SCATTER[reduction], FLOAT=x.is_floating_point(), BLOCK=BLOCK)
+    return out
+
+
+@jet("scatter", CUDA, [("*", INT, "*")])
+@device_jet
+def scatter(x, index, updates, axis=0):
+    return scattered(x, index, updates, axis, "replace")
+
+
+@jet("scatter_reduce", CUDA, [("*", INT, "*")])
+@device_jet
+def scatter_reduce(x, index, updates, axis=0, reduction="add"):
+    return scattered(x, index, updates, axis, reduction)

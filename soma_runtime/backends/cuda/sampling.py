@@ -1,7 +1,8 @@
 """On-device token choice, the `sample` op: each part of a row's vocabulary gives its `width` largest
 logits, groups of parts merge theirs in rounds until few are left, one program per row takes the
 last, and temperature, top-k, top-p, min-p and the draw with the row's uniform run over those
-candidates alone. One id per row crosses to the host, never the logits."""
+candidates alone. One id per row crosses to the host, never the logits. The `topk` op's rows are
+reduced to their k largest the same way."""
 from __future__ import annotations
 
 import torch
@@ -112,3 +113,79 @@ def sample(logits, params, width=64):
             keys = merged
         _choose_kernel[(rows,)](keys, params, out, n, width, CANDIDATES=parts * W, W=W, num_warps=last_warps)
     return out
+
+
+TOPK_PART, TOPK_GROUP = 1024, 16            # columns a first-round program takes; parts a merge takes
+
+
+@triton.jit
+def _topk_keys(x, cols, n):
+    """`_keys` in the CPU jet's order: -0.0 ties with 0.0, NaN below -inf, columns past n below all."""
+    x = tl.where(x == 0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(x != x, -2147483648, bits ^ ((bits >> 31) & 0x7FFFFFFF))     # noqa: PLR0124  (NaN)
+    keys = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+    return tl.where(cols < n, keys, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _topk_store(keys, keys_ptr, x_ptr, values_ptr, index_ptr, r, n, at, k, FINAL: tl.constexpr, W: tl.constexpr):
+    """A part's W best keys at `at`; once FINAL, row r's k best values (read back from x, as they are) and
+    columns."""
+    slot = tl.arange(0, W)
+    if FINAL:
+        column = (0x7FFFFFFF - (keys & 0xFFFFFFFF)).to(tl.int64)
+        value = tl.load(x_ptr + r * n + column, mask=slot < k)
+        tl.store(values_ptr + r * k + slot, value, mask=slot < k)
+        tl.store(index_ptr + r * k + slot, column, mask=slot < k)
+    else:
+        tl.store(keys_ptr + at + slot, keys)
+
+
+@chained
+@triton.jit
+def _topk_parts_kernel(x_ptr, keys_ptr, values_ptr, index_ptr, n, k, FINAL: tl.constexpr, PART: tl.constexpr,
+                       W: tl.constexpr):
+    """Part p of row r of x [rows, n]: its W largest values as keys (the lower column first among equals)."""
+    after_prior()
+    r, p, parts = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
+    cols = p * PART + tl.arange(0, PART)
+    x = tl.load(x_ptr + r * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+    _topk_store(tl.topk(_topk_keys(x, cols, n), W), keys_ptr, x_ptr, values_ptr, index_ptr, r, n, (r * parts + p) * W,
+                k, FINAL, W)
+
+
+@chained
+@triton.jit
+def _topk_merge_kernel(keys_ptr, out_ptr, x_ptr, values_ptr, index_ptr, n, k, FINAL: tl.constexpr, G: tl.constexpr,
+                       W: tl.constexpr):
+    """Group g of row r's parts: G parts' W keys each -> their W largest."""
+    after_prior()
+    r, g, groups = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
+    keys = tl.load(keys_ptr + (r * groups + g) * G * W + tl.arange(0, G * W))
+    _topk_store(tl.topk(keys, W), out_ptr, x_ptr, values_ptr, index_ptr, r, n, (r * groups + g) * W, k, FINAL, W)
+
+
+@jet("topk", "cuda", [(("f32", "f16", "bf16"),)])
+@device_jet
+def topk(x, k=1, axis=-1):
+    """The k largest along `axis`, largest first, the lower index first among equals (as the CPU jet)."""
+    rows_view = x.movedim(axis, -1)
+    n = rows_view.shape[-1]
+    rows = rows_view.contiguous().reshape(-1, n)
+    values = torch.empty((rows.shape[0], k), dtype=x.dtype, device=x.device)
+    index = torch.empty((rows.shape[0], k), dtype=torch.int64, device=x.device)
+    if values.numel():
+        W = triton.next_power_of_2(k)
+        part = max(W, min(TOPK_PART, triton.next_power_of_2(n)))
+        parts = triton.next_power_of_2(triton.cdiv(n, part))
+        keys = torch.empty((rows.shape[0], parts * W), dtype=torch.int64, device=x.device)
+        _topk_parts_kernel[(rows.shape[0], parts)](rows, keys, values, index, n, k, FINAL=parts == 1, PART=part, W=W)
+        while parts > 1:
+            G = min(TOPK_GROUP, parts)
+            parts //= G
+            merged = torch.empty((rows.shape[0], parts * W), dtype=torch.int64, device=x.device)
+            _topk_merge_kernel[(rows.shape[0], parts)](keys, merged, rows, values, index, n, k, FINAL=parts == 1, G=G, W=W)
+            keys = merged
+    shape = rows_view.shape[:-1] + (k,)
+    return values.reshape(shape).movedim(-1, axis), index.reshape(shape).movedim(-1, axis)
