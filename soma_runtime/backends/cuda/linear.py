@@ -20,7 +20,7 @@ BF16_DOT = tl.constexpr(not INTERPRET)
 SKINNY_ROWS = 64       # up to this many activation rows, against bf16 weights, the decode-batch kernel
 CACHED_WEIGHT = 65536  # a weight this small (a KV basis, 64 x 64 to 256 x 256) stays in cache: a matrix-vector
 #                        kernel per row beats tiles of rows (a decode's 32 heads rotated: 8-25 -> 1.4-2 us, H100)
-INTERPRETED_ROWS = 128 # interpreted, a matrix-vector program's weight rows and its step along them
+INTERPRETED_ROWS = 128 # interpreted, a matrix-vector program's weight rows
 MAX_GRID_Y = 65535     # the most programs a launch grid's second dimension takes
 # dense matrix-vector (BN, BK, warps) for N rows up to K long: the first (longest K, most N) that holds, as swept
 # on an H200 in place in decode steps (bench/sweep_cuda.py): the o projection, qkv, gate_up, a vocabulary head, 8B
@@ -168,9 +168,10 @@ def skinny_matmul(rows: torch.Tensor, w: torch.Tensor, residual=None, gate=NO_GA
 
 def gemv_tiles(N: int, K: int) -> tuple[int, int, int]:
     """(BN, BK, warps) for N dense rows K long: GEMV_TILES' first rule that holds (bench/sweep_cuda.py tries others).
-    Interpreted (no GPU: the tests), wide tiles: the interpreter's time goes by programs, not by their width."""
+    Interpreted (no GPU: the tests), wide tiles: the interpreter's time goes by programs, not by their width
+    (16 warps: the launches, compiled for sm_90 by the tests, hold them without spilling)."""
     if INTERPRET:
-        return min(INTERPRETED_ROWS, triton.next_power_of_2(N)), INTERPRETED_ROWS, 4
+        return min(INTERPRETED_ROWS, triton.next_power_of_2(N)), 64, 16
     return next(tiles for longest, most, tiles in GEMV_TILES if (longest is None or K <= longest) and (most is None or N <= most))
 
 
