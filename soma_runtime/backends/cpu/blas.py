@@ -114,12 +114,12 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, accumulate: bool = Fal
     (ta, lda), (tb, ldb), (_, ldc) = layout
     beta = 1.0 if accumulate else 0.0
     args = (SGEMM, a.ctypes.data, b.ctypes.data, out.ctypes.data, M, N, K, lda, ldb, ldc, ta, tb, beta)
-    if items == 1 and (M * N * K < PARALLEL_WORK or numba.get_num_threads() == 1):
+    threads = numba.get_num_threads()
+    if items == 1 and (M * N * K < PARALLEL_WORK or threads == 1):
         _block(*args, True, 0, M)
         return out
     rows = M >= N
     total = M if rows else N
-    threads = numba.get_num_threads()
     count = 1 if items >= threads else max(1, min(-(-threads // items), total // MIN_BLOCK))
     step = -(-total // count)
     _blocks(*args, rows, step, -(-total // step), total, items, *strides)
