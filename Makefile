@@ -25,13 +25,22 @@ $(VENV)/.test: $(VENV)/.runtime pyproject.toml
 	$(PIP) --no-deps ddddocr==1.6.1 basic-pitch==0.4.0
 	touch $@
 
-setup: $(VENV)/.test
+# the vision exporters (torchvision, ultralytics) in an environment of their own: torchvision needs the CUDA
+# build of torch, which does not go beside the CPU build the tests use (pins: pyproject.toml's `exporters`)
+EXPORTERS := .venv-exporters
+$(EXPORTERS)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(EXPORTERS)
+	$(EXPORTERS)/bin/python -m pip install --quiet --disable-pip-version-check $$($(PYTHON) -c \
+		"import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['exporters']))")
+	touch $@
+
+setup: $(VENV)/.test $(EXPORTERS)/.ready
 
 run: $(VENV)/.runtime
 	$(VENV)/bin/soma-runtime run --chat --prompt "$(PROMPT)" --seed 42 --max-tokens 128
 
 # two processes (pytest-xdist), the slowest tests listed (CI time); the compile check of every Triton launch after them all, from their records
-test: $(VENV)/.test
+test: $(VENV)/.test $(EXPORTERS)/.ready
 	$(VENV)/bin/ruff check .
 	export SOMA_TEST_LAUNCHES=$$(mktemp -d) && $(PY) -m pytest -n 2 --durations=25 --deselect tests/cuda/test_sm90.py \
 		&& $(PY) -m pytest tests/cuda/test_sm90.py
@@ -43,4 +52,4 @@ bench: $(VENV)/.test
 	$(PY) bench/serve.py
 
 clean:
-	rm -rf $(VENV) bench/out
+	rm -rf $(VENV) $(EXPORTERS) bench/out

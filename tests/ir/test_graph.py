@@ -20,6 +20,15 @@ def test_builder_infers_symbolic_shapes():
     assert g.concat(*parts, axis=-1).shape[-1] == 64
 
 
+
+def test_a_reshapes_minus_one_cancels_symbolic_factors_with_coefficients():
+    """torch's dynamo export of ViT: [(B*12), 197, 64] -> [-1, 12, 197, 64] is B (the 12 cancels the 12)."""
+    g = GraphBuilder()
+    x = g.reshape(g.input("x", ("B", 12, 197, 64), "f32"), shape=(-1, 197, 64))
+    assert x.shape == (Sym("B") * 12, 197, 64)
+    assert g.reshape(x, shape=(-1, 12, 197, 64)).shape == (Sym("B"), 12, 197, 64)
+    assert g.reshape(x, shape=(-1, 4, 197, 64)).shape == (Sym("B") * 3, 4, 197, 64)
+
 def test_cycle_raises_naming_a_node():
     g = Graph(inputs={"x": TensorMeta.of((4,), "f32")}, outputs=["b"])
     g.nodes = [Node("add", ["x", "b"], ["a"], name="first"), Node("relu", ["a"], ["b"], name="second")]

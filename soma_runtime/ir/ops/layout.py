@@ -24,18 +24,45 @@ def reshape(A, x, shape): return A.read("reshape", x, shape=shape)
 
 
 def inferred_dim(source, known, target):
-    """The -1 of a reshape: symbols common to both sides cancel, so (B, S, 128) -> (B, S, 2, -1) gives 64."""
-    syms = Counter(str(d) for d in source if isinstance(d, Sym))
+    """The -1 of a reshape: symbolic factors common to both sides cancel, so (B, S, 128) -> (B, S, 2, -1) gives 64
+    and ((B*12), 197, 64) -> (-1, 12, 197, 64) gives B."""
+    syms, src = Counter(), 1
+    for d in source:
+        names, coefficient = factors(d)
+        syms.update(names)
+        src *= coefficient
+    dst = 1
     for d in known:
-        if isinstance(d, Sym) and syms[str(d)]:
-            syms[str(d)] -= 1
-        elif isinstance(d, Sym):
+        names, coefficient = factors(d)
+        if any(syms[name] < n for name, n in names.items()):
             return dim_prod(source) // dim_prod(known)
-    src = dim_prod([d for d in source if isinstance(d, int)])
-    dst = dim_prod([d for d in known if isinstance(d, int)])
+        syms.subtract(names)
+        dst *= coefficient
     check(dst and src % dst == 0, f"cannot reshape {list(source)} to {list(target)}")
     leftover = [Sym(name) for name, n in syms.items() for _ in range(n)]
     return dim_prod(leftover) * (src // dst) if leftover else src // dst
+
+
+def factors(d) -> tuple[Counter, int]:
+    """A size as a product: its symbolic factors (by expression) and its integer coefficient; (B*12) gives
+    ({B: 1}, 12), ((B*3)*4) gives ({B: 1}, 12), a number n gives ({}, n), any other expression itself."""
+    if isinstance(d, int):
+        return Counter(), d
+    expr = d.expr
+    depth = 0
+    for i, ch in enumerate(expr):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and i < len(expr) - 1:
+            break                                   # the outer parentheses do not enclose it all
+        if depth == 1 and ch == "*":
+            left, right = expr[1:i], expr[i + 1:-1]
+            names, coefficient = Counter(), 1
+            for side in (left, right):
+                n, k = factors(int(side) if side.lstrip("-").isdigit() else Sym(side))
+                names.update(n)
+                coefficient *= k
+            return names, coefficient
+    return Counter({expr: 1}), 1
 
 
 def permute_rule(metas, attrs):
