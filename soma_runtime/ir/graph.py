@@ -61,7 +61,23 @@ class Sym:
 Dim = int | Sym
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 _OFFSET = re.compile(r"^\((.*)([+-])(\d+)\)$")        # (expression + constant), as _op writes it
+FUNCTIONS = {"min": min, "max": max}       # what a size's expression may call (dim_min, dim_max)
 DYNAMIC = Sym("dynamic")       # what a shape rule says of a size only the data decides (a range's length)
+
+
+def dim_min(a: Dim, b: Dim) -> Dim:
+    """The smaller of two sizes: a number where both are, else a symbolic min (a slice's end past a length the
+    data decides, a detector's limit on its boxes)."""
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return min(int(a), int(b))
+    return a if a == b else Sym(f"min({a},{b})")
+
+
+def dim_max(a: Dim, b: Dim) -> Dim:
+    """The larger of two sizes (as dim_min)."""
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return max(int(a), int(b))
+    return a if a == b else Sym(f"max({a},{b})")
 
 
 def dynamic_dim(node: str, output: int) -> Sym:
@@ -75,7 +91,7 @@ def is_dynamic(d: Dim) -> bool:
 
 def names_in(d: Sym) -> set[str]:
     """The named sizes a symbolic size is an expression of."""
-    return set(_NAME.findall(d.expr))
+    return set(_NAME.findall(d.expr)) - FUNCTIONS.keys()
 
 
 def dim(d) -> Dim:
@@ -94,7 +110,7 @@ def resolve(d: Dim, bindings: dict[str, int]) -> int:
     missing = names_in(d) - bindings.keys()
     if missing:
         raise GraphError(f"dim {d} needs a value for {', '.join(sorted(missing))}")
-    return int(eval(d.expr, {"__builtins__": {}}, dict(bindings)))
+    return int(eval(d.expr, {"__builtins__": {}, **FUNCTIONS}, dict(bindings)))
 
 
 def same_dim(a: Dim, b: Dim) -> bool | None:

@@ -201,7 +201,7 @@ class Plan:
     @staticmethod
     def _count(node: Node, inputs: list) -> int:
         try:
-            return OPS[node.op].count(*inputs)
+            return OPS[node.op].count(*inputs, **OPS[node.op].full_attrs(node.attrs))
         except ValueError as e:
             raise failed(node, e) from None
 

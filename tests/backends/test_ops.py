@@ -506,6 +506,46 @@ case("range", lambda dt: [np.array(5, np.int64), np.array(1, np.int64), np.array
      lambda a, b, c: torch.arange(int(a), int(b), int(c)), id="down", dtypes=("f32",))
 case("nonzero", lambda dt: [np.round(randn(3, 4, 5)).astype(NP[dt])], lambda x: torch.nonzero(x).T)
 
+
+def greedy_nms(boxes, scores, most, iou, threshold, center):
+    """torch, box by box: per batch and class, in order of score, a box is kept unless one kept before it
+    overlaps it by more than iou (corners as ONNX reads them), at most `most` a class."""
+    if center:
+        x, y, w, h = boxes.unbind(-1)
+        boxes = torch.stack([y - h / 2, x - w / 2, y + h / 2, x + w / 2], -1)
+    lo, hi = torch.minimum(boxes[..., :2], boxes[..., 2:]), torch.maximum(boxes[..., :2], boxes[..., 2:])
+    rows = []
+    for b, c in itertools.product(range(scores.shape[0]), range(scores.shape[1])):
+        kept = []
+        for i in torch.sort(-scores[b, c], stable=True).indices.tolist():
+            if len(kept) == most or threshold is not None and not scores[b, c, i] > threshold:
+                continue
+            inter = (torch.minimum(hi[b, i], hi[b, kept]) - torch.maximum(lo[b, i], lo[b, kept])).clamp(min=0).prod(-1)
+            union = (hi[b, i] - lo[b, i]).prod() + (hi[b, kept] - lo[b, kept]).prod(-1) - inter
+            if not (inter / union > iou).any():
+                kept.append(i)
+                rows.append((b, c, i))
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+
+
+def boxes_and_scores(center):
+    def make(dt):
+        rng = np.random.default_rng(3)
+        boxes = (rng.random((2, 40, 4)) * 10).astype(NP[dt])
+        if center:
+            boxes[..., 2:] = rng.random((2, 40, 2)) * 4 + 0.5
+        return [boxes, rng.random((2, 3, 40)).astype(NP[dt])]
+    return make
+
+
+for centered in (False, True):
+    for most, threshold in ((40, None), (4, 0.3)):
+        case("non_max_suppression", boxes_and_scores(centered),
+             lambda b, s, most=most, threshold=threshold, centered=centered: greedy_nms(b.float(), s.float(), most, 0.4,
+                                                                                       threshold, centered),
+             id=f"{'center' if centered else 'corners'}-{most}-{threshold}", most=most, iou=0.4, threshold=threshold,
+             center=centered)
+
 # layout and indexing
 case("reshape", mk((2, 3, 4)), lambda x: x.reshape(6, -1), shape=(6, -1))
 case("transpose", non_contiguous(mk((2, 3, 4))), lambda x: x.transpose(0, 2), dim0=0, dim1=2)
@@ -720,6 +760,8 @@ HOSTED_ON_CUDA = {
     "router-f32", "router-f16", "router-normalized-f32", "router-normalized-f16", "router-sigmoid-bias-f32",
     "moe_ffn-f32", "moe_ffn-f16", "moe_ffn-one-token-f32", "moe_ffn-one-token-f16",
     "chain-f32", "chain-broadcast-f32",
+    *(f"non_max_suppression-{v}-{dt}" for v in ("corners-40-None", "corners-4-0.3", "center-40-None", "center-4-0.3")
+      for dt in ("f32", "f16")),                                  # a greedy walk, box by box: the host's
 }
 
 

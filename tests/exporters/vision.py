@@ -107,8 +107,9 @@ def detector(out: Path) -> list[dict]:
 
 
 def yolos(out: Path) -> list[dict]:
-    """ultralytics' YOLOv8n and YOLO11n from their yaml (random weights), exported by ultralytics itself with
-    dynamic axes, plain ([1, 84, N] rows of box and class scores) and with NMS in the graph."""
+    """ultralytics' YOLOv8n and YOLO11n from their yaml (random weights, the class scores drawn to spread), exported
+    by ultralytics itself with dynamic axes, plain ([1, 84, N] rows of box and class scores) and with NMS in the
+    graph ([B, 300, 6]: box, score, class, padded with zeros)."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
     from ultralytics import YOLO
     entries = []
@@ -118,6 +119,9 @@ def yolos(out: Path) -> list[dict]:
             if not path.exists():
                 torch.manual_seed(0)
                 model = YOLO(f"{name}.yaml")
+                for branch in model.model.model[-1].cv3:        # class scores spread over (0, 1), not ultralytics'
+                    branch[-1].weight.data.normal_(0, 0.05)     # prior of ~0.01: random weights then find boxes
+                    branch[-1].bias.data.normal_(0, 2)          # to suppress, their scores seldom tied
                 made = model.export(format="onnx", dynamic=True, nms=nms, imgsz=320, simplify=False, opset=17,
                                     verbose=False)
                 os.replace(made, path)

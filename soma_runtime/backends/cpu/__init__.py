@@ -16,6 +16,7 @@ from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
     autotune,
     collective,
     conv,
+    detection,
     elementwise,
     experts,
     generated,

@@ -43,8 +43,11 @@ class OpDef:
     tol: float = 1.0                             # tolerance multiplier for accumulating ops
     ranks: tuple = ()                            # input ranks for tracing the formula (default 2)
     any_rank: bool = False                       # its formula depends on its input's rank: traced at ranks 1-6
-    count: Callable | None = None                # a length only the data decides, from the input values (before
-                                                 # the kernel allocates it; ValueError where they give none)
+    count: Callable | None = None                # a length only the data decides, from the input values and attrs,
+                                                 # or its bound (before the kernel allocates it, the run's budget is
+                                                 # checked against it; ValueError where they give none)
+    canonical: Callable | None = None            # (metas, attrs) -> those its formula is hashed at, for an op
+                                                 # whose formula's length follows a size or limit (a loop of picks)
 
     def aliased(self, output: int) -> int:
         """The input a view op's output aliases."""
@@ -88,6 +91,8 @@ class OpDef:
         return A
 
     def formula_hash(self, metas: list, attrs: dict) -> str:
+        if self.canonical is not None:
+            metas, attrs = self.canonical(metas, self.full_attrs(attrs))
         return formula_hash(self.decomposition(metas, attrs))
 
 

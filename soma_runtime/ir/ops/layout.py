@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from soma_runtime.ir.graph import Sym, TensorMeta, same_dim
+from soma_runtime.ir.graph import Sym, TensorMeta, dim_min, is_dynamic, same_dim
 from soma_runtime.ir.ops.base import check, concat_atoms, dim_prod, float_dtype, op, same_dtype
 
 
@@ -89,9 +89,11 @@ def transpose(A, x, dim0, dim1): return A.read("transpose", x, axis1=dim0, axis2
 
 def slice_length(n, start, stop, step):
     """Elements in x[start:stop:step] of an axis of n; a symbolic stop (a length the data binds) is taken
-    to be within the axis."""
+    to be within the axis, and a number past an axis the data sizes is held to it (a detector's most boxes)."""
     if isinstance(n, int) and not isinstance(stop, Sym) and not isinstance(start, Sym):
         return len(range(*slice(start, stop, step).indices(n)))
+    if is_dynamic(n) and isinstance(stop, int) and stop >= 0 and isinstance(start, int) and start >= 0:
+        stop = dim_min(stop, n)
     if isinstance(start, int) and start < 0 and stop is None and step == 1:     # a tail, e.g. the last token
         return -start
     stop = n if stop is None else stop

@@ -106,6 +106,8 @@ class Lowering:
     def lower(self, n: Node) -> list[Term]:
         metas = [None if i is None else self.graph.tensors[i] for i in n.inputs]
         leaves = [None if i is None else self.terms[i] for i in n.inputs]
+        if OPS[n.op].canonical is not None:            # a loop as long as a limit: traced, it would be that long
+            return [leaf("tensor", o) for o in n.outputs]
         if n.op == "reshape" and not keeps_rows(metas[0], self.graph.tensors[n.outputs[0]]):
             last = self.graph.tensors[n.outputs[0]].shape[-1:]
             return [node("read", "regroup", (leaves[0],), (("last", repr(last)),))]

@@ -387,7 +387,7 @@ class Converter:
         except GraphError:
             return 0
         own = {d.expr for m in metas for d in m.shape if isinstance(d, Sym)}      # a length the values decide
-        counted = dict.fromkeys(own, OPS[op].count(*inputs)) if own else {}
+        counted = dict.fromkeys(own, OPS[op].count(*inputs, **OPS[op].full_attrs(attrs))) if own else {}
         return sum(meta_bytes(m.bind(counted)) for m in metas)
 
     def value(self, x: Tensor) -> Value:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from soma_runtime.dtypes import dtype, truncated_quotient
-from soma_runtime.ir.graph import Sym
+from soma_runtime.ir.graph import Sym, dim_max, dim_min
 
 
 class SymbolicError(Exception):
@@ -82,6 +82,27 @@ def reduce(fn):
     return run
 
 
+SYMBOLIC_MIN, SYMBOLIC_MAX = np.frompyfunc(dim_min, 2, 1), np.frompyfunc(dim_max, 2, 1)
+
+
+def extremum(numeric, symbolic_fn):
+    """np.minimum or np.maximum, over sizes some of which are symbolic too."""
+    return lambda a, b: symbolic_fn(a, b) if symbolic(a) or symbolic(b) else numeric(a, b)
+
+
+def reduce_extremum(numeric, symbolic_fn):
+    """A min or max reduction, over sizes some of which are symbolic too (one axis at a time)."""
+    numeric = reduce(numeric)
+
+    def run(x, axes=(-1,), keepdims=False):
+        if not symbolic(x):
+            return numeric(x, axes, keepdims)
+        for axis in sorted((a % x.ndim for a in (range(x.ndim) if axes is None else axes)), reverse=True):
+            x = symbolic_fn.reduce(x, axis=axis, keepdims=keepdims)
+        return np.asarray(x, dtype=object)
+    return run
+
+
 def expand(x, shape=()):
     return np.array(np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(shape))))
 
@@ -106,7 +127,8 @@ def arange(start, limit, delta):
 RAW = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": divide,
     "mod": lambda a, b, fmod: (np.fmod if fmod else np.mod)(a, b),
-    "maximum": np.maximum, "minimum": np.minimum, "neg": np.negative, "abs": np.abs,
+    "maximum": extremum(np.maximum, SYMBOLIC_MAX), "minimum": extremum(np.minimum, SYMBOLIC_MIN),
+    "neg": np.negative, "abs": np.abs,
     "floor": np.floor, "ceil": np.ceil, "round": np.round, "sqrt": np.sqrt, "reciprocal": np.reciprocal,
     "equal": compare(np.equal), "less": compare(np.less), "less_equal": compare(np.less_equal),
     "greater": compare(np.greater), "greater_equal": compare(np.greater_equal),
@@ -120,8 +142,8 @@ RAW = {
     "permute": lambda x, perm: np.transpose(x, perm),
     "expand": expand, "tile": lambda x, repeats: np.tile(x, repeats), "range": arange,
     "nonzero": lambda x: np.array(np.nonzero(x), np.int64).reshape(x.ndim, -1),
-    "reduce_sum": reduce(np.sum), "reduce_prod": reduce(np.prod), "reduce_max": reduce(np.max),
-    "reduce_min": reduce(np.min),
+    "reduce_sum": reduce(np.sum), "reduce_prod": reduce(np.prod), "reduce_max": reduce_extremum(np.max, SYMBOLIC_MAX),
+    "reduce_min": reduce_extremum(np.min, SYMBOLIC_MIN),
 }
 
 

@@ -619,7 +619,8 @@ def topk(cv, n):
     counted = n.opset >= 10 and not isinstance(n.inputs[1], np.ndarray)
     if counted and not isinstance(cv.meta(x).shape[axis], int):
         raise SymbolicError("TopK of a computed k over a symbolic axis")
-    k = cv.meta(x).shape[axis] if counted else int(n.attr("k")) if n.opset < 10 else int(cv.ints(n.inputs[1], "k")[0])
+    k = cv.meta(x).shape[axis] if counted else int(n.attr("k")) if n.opset < 10 else \
+        cv.ints(n.inputs[1], "k", symbolic=True)[0]          # a size (min(300, boxes found)) bound as the graph runs
     if n.attr("largest", 1):
         values, index = cv.emit("topk", x, k=k, axis=axis)
     else:
