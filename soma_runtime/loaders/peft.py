@@ -1,0 +1,106 @@
+"""PEFT LoRA directories (adapter_config.json + adapter_model.safetensors) read into a LoraAdapter for a
+given base: rank, lora_alpha (rank_pattern and alpha_pattern per module), rsLoRA's alpha / sqrt(rank),
+target modules by names or a regex, DoRA's magnitudes.
+
+Owns the file format and PEFT's names; what fits a base is architectures/lora.py's to say. Every
+mismatch is a ModelLoadError naming the file and the module or field.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.architectures.lora import TARGETS, LoraAdapter, check_name, check_rank, check_scale, factors
+from soma_runtime.architectures.registry import HF_LAYER_NAMES, canonical_hf_name, lookup
+from soma_runtime.architectures.weights import Weights
+from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+from soma_runtime.loaders.safetensors import read_safetensors
+from soma_runtime.text.tokenizer import read_json
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+TENSOR = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.(?:lora_(?P<factor>[AB])\.weight|lora_magnitude_vector)$")
+UNSUPPORTED = ("modules_to_save", "lora_bias", "fan_in_fan_out", "trainable_token_indices", "layer_replication",
+               "target_parameters", "use_qalora", "alora_invocation_tokens")      # options whose meaning is not a plain LoRA
+HF_TARGETS = {hf: kind for hf, kind in HF_LAYER_NAMES.items() if kind in TARGETS and hf != "mlp.gate_up_proj"}
+
+
+def base_modules(cfg: DecoderConfig) -> list[str]:
+    """The HF names of the base's modules a LoRA may target (PEFT's, without the wrapper's prefix)."""
+    return [f"model.layers.{i}.{hf}" for i in range(cfg.num_layers) for hf in HF_TARGETS]
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT's per-module override: the value of the first key matching the module name's end."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+def check_targets(targets, cfg: DecoderConfig, where: str) -> None:
+    """Each target name must be a module kind of the base (a regex: match one of its modules)."""
+    modules = base_modules(cfg)
+    if isinstance(targets, str):
+        try:
+            found = any(re.fullmatch(targets, m) for m in modules)
+        except re.error as e:
+            raise ModelLoadError(f"{where}: target_modules is not a valid regex ({e})") from None
+        if not found:
+            raise ModelLoadError(f"{where}: target_modules {targets!r} matches no module of the base")
+        return
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ModelLoadError(f"{where}: target_modules must be a regex or a list of module names, got {targets!r}")
+    for t in targets:
+        if not any(m == t or m.endswith(f".{t}") for m in modules):
+            raise ModelLoadError(f"{where}: target module {t!r} does not exist in the base "
+                                 f"(its linear layers: {', '.join(sorted({h.split('.')[-1] for h in HF_TARGETS}))})")
+
+
+def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None) -> LoraAdapter:
+    """The adapter in directory `path` for this base, named `name` (default: the directory's name)."""
+    if not isinstance(path, str) or ".." in path.replace("\\", "/").split("/"):
+        raise ModelLoadError(f"an adapter path must not contain '..', got {path!r}")
+    name = check_name(os.path.basename(os.path.normpath(path)) if name is None else name)
+    config_path, tensors_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
+    if not os.path.isfile(config_path) or not os.path.isfile(tensors_path):
+        raise ModelLoadError(f"{path}: not a PEFT adapter directory ({CONFIG} and {WEIGHTS} expected)")
+    config = read_json(config_path)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UnsupportedModelError(f"{config_path}: peft_type {config.get('peft_type')!r}; only LORA adapters load")
+    for key in UNSUPPORTED:
+        if config.get(key):
+            raise UnsupportedModelError(f"{config_path}: {key}={config[key]!r} is not supported at run time")
+    if config.get("bias", "none") != "none":
+        raise UnsupportedModelError(f"{config_path}: bias={config['bias']!r} is not supported at run time (only 'none')")
+    rank = check_rank(config.get("r"), f"{config_path}: r")
+    alpha = check_scale(config.get("lora_alpha", rank), f"{config_path}: lora_alpha")
+    check_targets(config.get("target_modules"), cfg, config_path)
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise ModelLoadError(f"{config_path}: rank_pattern and alpha_pattern must be objects")
+    rslora, dora = bool(config.get("use_rslora")), bool(config.get("use_dora"))
+    spec = lookup(cfg.model_type)
+    found: dict[str, dict] = {}
+    for key, tensor in read_safetensors(tensors_path).items():
+        m = TENSOR.fullmatch(key)
+        if m is None:
+            raise ModelLoadError(f"{tensors_path}: tensor {key!r} is not a LoRA factor of a module")
+        found.setdefault(m["module"], {})[m["factor"] or "magnitude"] = tensor
+    if not found:
+        raise ModelLoadError(f"{tensors_path}: no LoRA factors")
+    modules = {}
+    for hf, parts in found.items():
+        canonical = canonical_hf_name(f"{hf}.weight", spec)
+        module = canonical[: -len(".weight")] if canonical else hf
+        where = f"{tensors_path}: module {hf}"
+        if "A" not in parts or "B" not in parts:
+            raise ModelLoadError(f"{where} lacks lora_{'A' if 'A' not in parts else 'B'}")
+        if ("magnitude" in parts) != dora:
+            raise ModelLoadError(f"{where}: use_dora is {dora} but its magnitude is {'present' if not dora else 'missing'}")
+        r = check_rank(pattern_value(rank_pattern, hf, rank), f"{config_path}: rank of {hf}")
+        a_alpha = check_scale(pattern_value(alpha_pattern, hf, alpha), f"{config_path}: lora_alpha of {hf}")
+        scale = a_alpha / (math.sqrt(r) if rslora else r)
+        modules[module] = factors(cfg, weights, module, parts["A"], parts["B"], scale, r, parts.get("magnitude"), tensors_path)
+    return LoraAdapter(name, path, modules)

@@ -1,0 +1,308 @@
+"""LoRA adapters at run time against PEFT (transformers + peft) in the same run: a tiny random Llama base
+with random adapters of several ranks and targets (rsLoRA, DoRA, rank and alpha patterns, a regex). Each
+adapter's logits equal PEFT's; a batch mixing adapters and base rows gives each row its solo output; the
+merged weights (PEFT's merge_and_unload) give the same logits; bad adapters are ModelLoadErrors naming
+what is wrong, and the model runs on after them."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
+from soma_runtime.tasks import Runtime
+from tests.fixtures.decoders import build_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
+TOL = 1e-4           # of the logits' scale, as the families' test against transformers
+
+ADAPTERS = {         # name -> LoraConfig arguments: ranks 2 to 16, attention only to every linear layer
+    "qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "all-r8-rslora": {"r": 8, "lora_alpha": 16, "use_rslora": True,
+                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+    "mlp-r16": {"r": 16, "lora_alpha": 4, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "regex-r2": {"r": 2, "lora_alpha": 3, "target_modules": r".*\.1\.self_attn\.(o_proj|k_proj)"},
+    "patterns": {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"], "rank_pattern": {"down_proj": 6},
+                 "alpha_pattern": {"q_proj": 12}},
+    "dora-r4": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+}
+
+
+def make_adapter(base, config: dict, directory: str, seed: int) -> torch.nn.Module:
+    """A PEFT adapter of `config` on a copy of `base` with random factors (B too, which PEFT starts at zero)
+    and, for DoRA, random magnitudes; saved to `directory`. Returns the PEFT model (eval)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = str(root / "base")
+    base, tok = build_model("llama", base_dir)
+    peft_models = {name: make_adapter(base, cfg, str(root / name), seed) for seed, (name, cfg) in enumerate(ADAPTERS.items())}
+    ours = Runtime(backend="cpu").load(base_dir, progress=False, kv_dtype="f32", activations="f32")
+    for name in ADAPTERS:
+        ours.load_lora(str(root / name))
+    return root, base, tok, peft_models, ours
+
+
+def close(got, want, what: str) -> None:
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= TOL * scale, f"{what}: max logit error {err:.3g} > {TOL * scale:.3g}"
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_each_adapters_logits_equal_pefts(lora_setup, name):
+    _, base, tok, peft_models, ours = lora_setup
+    ids = tok.encode(PROMPT).ids
+    want = reference_logits(peft_models[name], ids)
+    assert np.abs(want - reference_logits(base, ids)).max() > 0.05, "the adapter changes nothing"
+    close(ours.logits(ids, lora=name), want, name)
+
+
+def test_base_rows_are_the_base_models_with_adapters_loaded(lora_setup):
+    _, base, tok, _, ours = lora_setup
+    ids = tok.encode(PROMPT).ids
+    close(ours.logits(ids), reference_logits(base, ids), "base")
+
+
+EXTRA = {"qv-r4-half": ("qv-r4", 0.5), "mlp-r16-double": ("mlp-r16", 2.0)}     # 8 adapters in all: two loaded twice
+
+
+@pytest.fixture(scope="module")
+def eight(lora_setup):
+    root, _, tok, _, ours = lora_setup
+    for name, (source, alpha) in EXTRA.items():
+        if name not in {x["name"] for x in ours.list_loras()}:
+            ours.load_lora(str(root / source), alpha=alpha, name=name)
+    return tok, ours
+
+
+def test_alpha_scales_the_update(eight, lora_setup, tmp_path):
+    """An adapter loaded at alpha 0.5 (or run at a request's scale 0.5) is PEFT's with half its lora_alpha."""
+    import copy
+
+    from peft import PeftModel
+    root, base, tok, _, ours = lora_setup
+    ids = tok.encode(PROMPT).ids
+    halved = rewrite(root / "qv-r4", tmp_path / "halved", {"lora_alpha": ADAPTERS["qv-r4"]["lora_alpha"] / 2})
+    want = reference_logits(PeftModel.from_pretrained(copy.deepcopy(base), halved).eval(), ids)
+    close(ours.logits(ids, lora="qv-r4-half"), want, "qv-r4 at alpha 0.5")
+    close(ours.logits(ids, lora="qv-r4", lora_scale=0.5), want, "qv-r4 at a request's scale 0.5")
+
+
+def test_a_batch_mixing_eight_adapters_and_base_rows_gives_each_row_its_solo_output(eight):
+    from soma_runtime.engine.kv import Sequence
+    tok, ours = eight
+    engine = ours.engine
+    names = [x["name"] for x in ours.list_loras()]
+    assert len(names) == 8
+    prompts = [tok.encode(f"{PROMPT} {i}" * (1 + i % 3)).ids for i in range(len(names) + 2)]
+    choices = [*names, None, None]                       # two rows of the base among them
+    solo = [ours.logits(ids, lora=name) for ids, name in zip(prompts, choices)]
+    seqs = [Sequence(variant=engine.variant(name)) for name in choices]
+    try:
+        batched = engine.forward([(seq, ids, len(ids)) for seq, ids in zip(seqs, prompts)])
+        for got, want, name in zip(batched, solo, choices):
+            close(got, want, f"{name or 'base'} in a mixed prompt batch")
+        steps = engine.forward([(seq, [int(np.argmax(logits[-1]))], 1) for seq, logits in zip(seqs, solo)])
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+    for ids, logits, name, got in zip(prompts, solo, choices, steps):
+        want = ours.logits(ids + [int(np.argmax(logits[-1]))], lora=name)[-1:]
+        close(got, want, f"{name or 'base'} in a mixed decode step")
+
+
+def test_streams_generated_together_under_different_adapters_match_their_solo_runs(eight):
+    tok, ours = eight
+    ids = tok.encode(PROMPT).ids
+    choices = ["qv-r4", "dora-r4", None, "mlp-r16-double", "all-r8-rslora"]
+    solo = [[t.id for t in ours.generate(ids, max_tokens=12, temperature=0, ignore_eos=True, lora=name)] for name in choices]
+    streams = [ours.generate(ids, max_tokens=12, temperature=0, ignore_eos=True, lora=name) for name in choices]
+    together = [[] for _ in choices]
+    for _ in range(12):                               # consumed side by side: the scheduler batches them
+        for out, stream in zip(together, streams):
+            out.append(next(stream).id)
+    assert together == solo
+    assert len({tuple(t) for t in solo}) > 2, "the adapters should change the greedy text"
+
+
+def test_merged_weights_give_the_adapters_logits(lora_setup, tmp_path):
+    """PEFT's merge_and_unload saved as a plain checkpoint, loaded as a model of its own: the same logits as
+    the base running the adapter at run time."""
+    root, _, tok, peft_models, ours = lora_setup
+    ids = tok.encode(PROMPT).ids
+    for name in ("all-r8-rslora", "dora-r4"):
+        merged_dir = tmp_path / name
+        shutil.copytree(root / "base", merged_dir)
+        import copy
+        copy.deepcopy(peft_models[name]).merge_and_unload().save_pretrained(str(merged_dir))
+        merged = Runtime(backend="cpu").load(str(merged_dir), progress=False, kv_dtype="f32", activations="f32")
+        close(merged.logits(ids), ours.logits(ids, lora=name), f"{name} merged")
+
+
+def test_a_prefix_cached_under_one_adapter_is_never_reused_under_another(eight):
+    tok, ours = eight
+    ids = tok.encode("Hello world, this is a tiny tokenizer for tests. " * 4).ids     # a prompt no other test runs
+    assert len(ids) > 48
+    ours.complete(ids, max_tokens=1, lora="qv-r4")
+    ours.complete(ids, max_tokens=1, lora="qv-r4")
+    assert ours.metrics()["cached_tokens"] >= 32, "the same adapter reuses its prefix"
+    for name in ("dora-r4", None, "qv-r4-half"):
+        got = [t.id for t in ours.generate(ids, max_tokens=4, temperature=0, ignore_eos=True, lora=name)]
+        assert ours.metrics()["cached_tokens"] == 0, f"{name or 'base'} reused qv-r4's prefix"
+        want = np.argmax(ours.logits(ids, lora=name)[-1])
+        assert got[0] == want
+    ours.complete(ids, max_tokens=1, lora="qv-r4", lora_scale=0.5)
+    assert ours.metrics()["cached_tokens"] == 0, "another scale is another variant"
+
+
+def rewrite(source, target, config=None, tensors=None) -> str:
+    """A copy of adapter directory `source` with its config updated by `config` and tensors by `tensors`
+    (a function of the tensor dict)."""
+    shutil.copytree(source, target)
+    with open(os.path.join(target, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(target, "adapter_config.json"), "w") as f:
+        json.dump({**cfg, **(config or {})}, f)
+    if tensors is not None:
+        path = os.path.join(target, "adapter_model.safetensors")
+        save_file(tensors(dict(load_file(path))), path)
+    return str(target)
+
+
+def renamed(tensors: dict, old: str, new: str) -> dict:
+    return {k.replace(old, new): v for k, v in tensors.items()}
+
+
+def nan_in_first(tensors: dict) -> dict:
+    key = min(tensors)
+    bad = tensors[key].copy()
+    bad.flat[0] = np.nan
+    return {**tensors, key: bad}
+
+
+BAD = {              # case -> (source adapter, config changes, tensor changes, error type, words the message has)
+    "rank 0": ("qv-r4", {"r": 0}, None, ModelLoadError, "rank must be an integer in [1, 1024], got 0"),
+    "rank 100000": ("qv-r4", {"r": 100000}, None, ModelLoadError, "got 100000"),
+    "rank disagrees with the factors": ("qv-r4", {"r": 3}, None, ModelLoadError, "at rank 3"),
+    "a target module that does not exist": ("qv-r4", {"target_modules": ["q_proj", "qq_proj"]}, None, ModelLoadError,
+                                            "target module 'qq_proj' does not exist"),
+    "a regex matching nothing": ("qv-r4", {"target_modules": r".*\.attention\.wq"}, None, ModelLoadError, "matches no module"),
+    "factors of a layer the base lacks": ("qv-r4", {}, lambda t: renamed(t, "layers.1.", "layers.7."), ModelLoadError,
+                                          "blk.7.attn_q"),
+    "factors of a module that is no linear layer": ("qv-r4", {}, lambda t: renamed(t, "self_attn.q_proj", "self_attn.rotary"),
+                                                    ModelLoadError, "self_attn.rotary"),
+    "a lone lora_A": ("qv-r4", {}, lambda t: {k: v for k, v in t.items() if "layers.0.self_attn.q_proj.lora_B" not in k},
+                      ModelLoadError, "lacks lora_B"),
+    "a NaN lora_alpha": ("qv-r4", {"lora_alpha": float("nan")}, None, ModelLoadError, "lora_alpha"),
+    "NaN factors": ("qv-r4", {}, nan_in_first, ModelLoadError, "not finite"),
+    "modules_to_save": ("qv-r4", {"modules_to_save": ["lm_head"]}, None, UnsupportedModelError, "modules_to_save"),
+    "another adapter type": ("qv-r4", {"peft_type": "LOHA"}, None, UnsupportedModelError, "LOHA"),
+    "DoRA magnitudes without use_dora": ("dora-r4", {"use_dora": False}, None, ModelLoadError, "use_dora"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_adapter_is_a_clear_error_and_the_model_runs_on(lora_setup, tmp_path, case):
+    root, _, tok, _, ours = lora_setup
+    source, config, tensors, error, words = BAD[case]
+    path = rewrite(root / source, tmp_path / "bad", config, tensors)
+    ids = tok.encode(PROMPT).ids
+    before, listed = ours.logits(ids, lora="qv-r4"), ours.list_loras()
+    with pytest.raises(error) as e:
+        ours.load_lora(path)
+    assert words in str(e.value)
+    assert ours.list_loras() == listed
+    np.testing.assert_array_equal(ours.logits(ids, lora="qv-r4"), before)
+
+
+def test_an_adapter_for_another_base_names_the_module(lora_setup, tmp_path):
+    ours = lora_setup[-1]
+    other, _ = build_model("llama", str(tmp_path / "other"), seed=3, hidden_size=32, intermediate_size=64, head_dim=8)
+    make_adapter(other, ADAPTERS["qv-r4"], str(tmp_path / "for-other"), 0)
+    with pytest.raises(ModelLoadError, match=r"module blk\.0\.attn_q: lora_A \[4, 32\].*another base"):
+        ours.load_lora(str(tmp_path / "for-other"))
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda m, root: m.load_lora(str(root / "qv-r4"), alpha=float("nan"), name="nan"), RequestError, "alpha"),
+    (lambda m, root: m.load_lora(str(root / "base") + "/../qv-r4", name="up"), ModelLoadError, "'..'"),
+    (lambda m, root: m.load_lora(str(root / "qv-r4"), name=".."), ModelLoadError, "adapter name"),
+    (lambda m, root: m.load_lora(str(root / "qv-r4"), name="a/b"), ModelLoadError, "adapter name"),
+    (lambda m, root: m.load_lora(str(root / "qv-r4")), RequestError, "loaded already"),
+    (lambda m, root: m.load_lora(str(root / "no-such-adapter")), ModelLoadError, "not a PEFT adapter directory"),
+    (lambda m, root: m.logits([1, 2, 3], lora="qv-r4", lora_scale=float("nan")), RequestError, "lora scale"),
+    (lambda m, root: m.complete([1, 2, 3], lora="nobody"), RequestError, "no adapter named 'nobody'"),
+    (lambda m, root: m.unload_lora("nobody"), RequestError, "no adapter named 'nobody'"),
+], ids=["nan-alpha", "dotdot-path", "dotdot-name", "slash-name", "name-taken", "missing-dir", "nan-scale", "unknown-request",
+        "unknown-unload"])
+def test_bad_calls_are_clear_errors(lora_setup, call, error, words):
+    root, ours = lora_setup[0], lora_setup[-1]
+    listed = ours.list_loras()
+    with pytest.raises(error) as e:
+        call(ours, root)
+    assert words in str(e.value)
+    assert ours.list_loras() == listed
+
+
+def test_slots_are_bounded_and_freed_by_unloading(eight, lora_setup):
+    """max_loras adapters at once (8): a ninth is refused, 1,000 more attempts too, and the model is unharmed;
+    unloading one frees its slot for another."""
+    root = lora_setup[0]
+    tok, ours = eight
+    ids = tok.encode(PROMPT).ids
+    before = ours.logits(ids, lora="mlp-r16")
+    for i in range(1000):
+        with pytest.raises(RequestError, match="all 8 adapter slots are taken"):
+            ours.load_lora(str(root / "qv-r4"), name=f"ninth-{i}")
+    assert len(ours.list_loras()) == 8
+    np.testing.assert_array_equal(ours.logits(ids, lora="mlp-r16"), before)
+    ours.unload_lora("qv-r4-half")
+    ours.load_lora(str(root / "regex-r2"), name="in-its-place")
+    close(ours.logits(ids, lora="in-its-place"), ours.logits(ids, lora="regex-r2"), "a reloaded adapter")
+    ours.unload_lora("in-its-place")
+    ours.load_lora(str(root / "qv-r4"), alpha=0.5, name="qv-r4-half")
+
+
+def test_an_adapter_unloaded_mid_request_serves_that_request_to_its_end(eight):
+    """Its slot stays the running request's (with every other slot taken, no adapter may load into it) until
+    the request ends; new requests cannot pick it."""
+    tok, ours = eight
+    ids = tok.encode(PROMPT).ids
+    want = [t.id for t in ours.generate(ids, max_tokens=10, temperature=0, ignore_eos=True, lora="patterns")]
+    stream = ours.generate(ids, max_tokens=10, temperature=0, ignore_eos=True, lora="patterns")
+    got = [next(stream).id]
+    source = next(x["source"] for x in ours.list_loras() if x["name"] == "patterns")
+    ours.unload_lora("patterns")
+    with pytest.raises(RequestError, match="no adapter named 'patterns'"):
+        ours.complete(ids, max_tokens=1, lora="patterns")
+    with pytest.raises(RequestError, match="slots are taken"):
+        ours.load_lora(source, name="taker")
+    got += [t.id for t in stream]
+    assert got == want
+    ours.load_lora(source, name="patterns")          # its slot free again once the request ended
