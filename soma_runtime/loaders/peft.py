@@ -58,11 +58,17 @@ def check_targets(targets, cfg: DecoderConfig, where: str) -> None:
                                  f"(its linear layers: {', '.join(sorted({h.split('.')[-1] for h in HF_TARGETS}))})")
 
 
-def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None) -> LoraAdapter:
-    """The adapter in directory `path` for this base, named `name` (default: the directory's name)."""
+def adapter_name(path, name: str | None = None) -> str:
+    """The checked name of the adapter at `path`: `name`, or the directory's; ModelLoadError for a path
+    that climbs ('..') or a name that is not one."""
     if not isinstance(path, str) or ".." in path.replace("\\", "/").split("/"):
         raise ModelLoadError(f"an adapter path must not contain '..', got {path!r}")
-    name = check_name(os.path.basename(os.path.normpath(path)) if name is None else name)
+    return check_name(os.path.basename(os.path.normpath(path)) if name is None else name)
+
+
+def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None) -> LoraAdapter:
+    """The adapter in directory `path` for this base, named `name` (default: the directory's name)."""
+    name = adapter_name(path, name)
     config_path, tensors_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
     if not os.path.isfile(config_path) or not os.path.isfile(tensors_path):
         raise ModelLoadError(f"{path}: not a PEFT adapter directory ({CONFIG} and {WEIGHTS} expected)")

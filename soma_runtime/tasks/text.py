@@ -22,7 +22,7 @@ from soma_runtime.engine.generate import (
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.backend import Backend, Precision
-from soma_runtime.loaders.peft import read_peft
+from soma_runtime.loaders.peft import adapter_name, read_peft
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
 from soma_runtime.text.chat import ChatTemplate, characters, check_messages
@@ -204,6 +204,8 @@ class TextModel(Model):
         layer, for up to `max_loras` adapters at once; requests already running go on. ModelLoadError for an
         adapter that does not fit the base (naming the module), RequestError where the name is taken or
         every slot is."""
+        if self.engine.lora is not None:          # refused before its files are read
+            self.engine.lora.check_room(adapter_name(path, name))
         adapter = read_peft(path, self.engine.cfg, self.engine.weights, name)
         self.engine.enable_lora(max_loras).add(adapter, alpha)
         return next(entry for entry in self.list_loras() if entry["name"] == adapter.name)

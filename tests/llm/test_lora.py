@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.tasks import Runtime
+from tests.fixtures.adapters import make_adapter
 from tests.fixtures.decoders import build_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
@@ -31,24 +32,6 @@ ADAPTERS = {         # name -> LoraConfig arguments: ranks 2 to 16, attention on
                  "alpha_pattern": {"q_proj": 12}},
     "dora-r4": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]},
 }
-
-
-def make_adapter(base, config: dict, directory: str, seed: int) -> torch.nn.Module:
-    """A PEFT adapter of `config` on a copy of `base` with random factors (B too, which PEFT starts at zero)
-    and, for DoRA, random magnitudes; saved to `directory`. Returns the PEFT model (eval)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-            elif "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(directory)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -317,10 +317,9 @@ class Engine:
         """The model's adapter slots: its graphs rebuilt with an adapter op beside every linear layer, between
         steps, the first time (running sequences go on where they were); the table as it is after."""
         self.whole("LoRA adapters")
-        if self.lora is None:
-            table = LoraTable(adapted_modules(self.cfg, self.weights), max_loras)
-            with self.lock:
-                self.lora = table
+        with self.lock:
+            if self.lora is None:
+                self.lora = LoraTable(adapted_modules(self.cfg, self.weights), max_loras)
                 self.stages, self.row_bytes = self.build_stages(), None
         return self.lora
 

@@ -78,12 +78,7 @@ class LoraTable:
         if missing:
             raise RequestError(f"adapter {adapter.name}: this model's graph takes no adapter on {', '.join(missing[:4])}")
         with self.lock:
-            if adapter.name in self.loaded:
-                raise RequestError(f"an adapter named {adapter.name!r} is loaded already; unload it first")
-            taken = {x.slot for x in self.loaded.values()} | self.retired
-            free = next((s for s in range(self.slots) if s not in taken), None)
-            if free is None:
-                raise RequestError(f"all {self.slots} adapter slots are taken (max_loras); unload one first")
+            free = self.room(adapter.name)
             loaded = Loaded(adapter, free, alpha, next(KEYS))
             if adapter.rank > self.rank:
                 self.loaded[adapter.name] = loaded
@@ -91,6 +86,20 @@ class LoraTable:
             else:
                 self.write(self.factors, free, adapter)
                 self.loaded[adapter.name] = loaded
+
+    def room(self, name: str) -> int:
+        """The slot an adapter named `name` would take; RequestError where the name is taken or none is free."""
+        if name in self.loaded:
+            raise RequestError(f"an adapter named {name!r} is loaded already; unload it first")
+        taken = {x.slot for x in self.loaded.values()} | self.retired
+        free = next((s for s in range(self.slots) if s not in taken), None)
+        if free is None:
+            raise RequestError(f"all {self.slots} adapter slots are taken (max_loras); unload one first")
+        return free
+
+    def check_room(self, name: str) -> None:
+        with self.lock:
+            self.room(name)
 
     def remove(self, name: str) -> None:
         with self.lock:
