@@ -122,7 +122,7 @@ class Attention:
 @dataclass
 class LoraStep:
     """What every adapted linear layer reads in one step: each row's adapter slot [S] (-1: none) and scale
-    [S], and per module ("blk.3.attn_q") the slots' stacked factors a [LN, LR, in], b [LN, LR, out] and
+    [S], and per module ("blk.3.attn_q") the slots' stacked factors a [LN, LR, in], b [LN, out, LR] and
     DoRA magnitudes [LN, out] (architectures/lora.py's, padded to the widest rank LR)."""
     index: object
     scale: object
@@ -202,7 +202,7 @@ class DecoderIO:
         lora = None
         if self.lora:
             lora = LoraStep(g.input("lora_index", ("S",), "i64"), g.input("lora_scale", ("S",), "f32"),
-                            {m: (g.input(f"lora_a.{m}", ("LN", "LR", k), "f32"), g.input(f"lora_b.{m}", ("LN", "LR", n), "f32"),
+                            {m: (g.input(f"lora_a.{m}", ("LN", "LR", k), "f32"), g.input(f"lora_b.{m}", ("LN", n, "LR"), "f32"),
                                  g.input(f"lora_m.{m}", ("LN", n), "f32")) for m, (k, n) in self.lora.items()})
         return DecoderStep(ids, attention, rows, sampling, pages, hidden, copies, lora)
 

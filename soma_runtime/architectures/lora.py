@@ -27,7 +27,7 @@ NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 @dataclass(frozen=True)
 class LoraFactors:
-    """One module's update: a [rank, in] and b [rank, out] (its scale folded in), so x -> (x a.T) b; with
+    """One module's update: a [rank, in] and b [out, rank] (its scale folded in), so x -> (x a.T) b.T; with
     DoRA, `magnitude` [out]: m / ||W + s B A|| per output row, multiplying the module's whole product."""
     a: np.ndarray
     b: np.ndarray
@@ -93,7 +93,7 @@ def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: floa
                              f"[{out}, {inp}] weight at rank {rank} (an adapter of another base?)")
     if rank > min(out, inp):
         raise ModelLoadError(f"{where}: rank {rank} exceeds the weight's [{out}, {inp}]")
-    a, b = a.astype(np.float32), (b.astype(np.float32) * np.float32(scale)).T.copy()
+    a, b = a.astype(np.float32), b.astype(np.float32) * np.float32(scale)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ModelLoadError(f"{where}: the factors hold values that are not finite")
     if magnitude is not None:
@@ -101,7 +101,7 @@ def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: floa
         if magnitude.shape != (out,) or not np.isfinite(magnitude).all():
             raise ModelLoadError(f"{where}: DoRA's magnitude must be {out} finite values, got {list(magnitude.shape)}")
         base = weights[f"{module}.weight"]
-        merged = np.asarray(dequantize(base) if isinstance(base, QTensor) else base, np.float32) + b.T @ a
+        merged = np.asarray(dequantize(base) if isinstance(base, QTensor) else base, np.float32) + b @ a
         norm = np.linalg.norm(merged, axis=1)
         magnitude = (magnitude / np.where(norm > 0, norm, 1)).astype(np.float32)
-    return LoraFactors(np.ascontiguousarray(a), b, magnitude)
+    return LoraFactors(np.ascontiguousarray(a), np.ascontiguousarray(b), magnitude)

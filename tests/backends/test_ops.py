@@ -680,7 +680,7 @@ def adapted(rows, adapters, rank, inputs, outputs, index, seed=0, dora=False):
     def make(dt):
         rng = np.random.default_rng(seed)
         y, x = randn(rows, outputs, rng=rng), randn(rows, inputs, rng=rng)
-        a, b = randn(adapters, rank, inputs, rng=rng), randn(adapters, rank, outputs, rng=rng)
+        a, b = randn(adapters, rank, inputs, rng=rng), randn(adapters, outputs, rank, rng=rng)
         scale = rng.random(rows).astype(np.float32) + 0.5
         magnitude = [rng.random((adapters, outputs)).astype(np.float32) + 0.5] if dora else []
         return [y.astype(NP[dt]), x.astype(NP[dt]), a.astype(NP[dt]), b.astype(NP[dt]), np.asarray(index, np.int64), scale,
@@ -692,7 +692,7 @@ def torch_lora_apply(y, x, a, b, index, scale, magnitude=None):
     out = y.clone()
     for s, i in enumerate(index.tolist()):
         if i >= 0:
-            out[s] += scale[s] * ((x[s] @ a[i].T) @ b[i])
+            out[s] += scale[s] * ((x[s] @ a[i].T) @ b[i].T)
             out[s] *= 1 if magnitude is None else magnitude[i]
     return out
 

@@ -210,9 +210,18 @@ BAD = {              # case -> (source adapter, config changes, tensor changes, 
 }
 
 
+@pytest.fixture(scope="module")
+def single(lora_setup):
+    """The base with one adapter loaded (qv-r4) and room for more."""
+    root = lora_setup[0]
+    ours = Runtime(backend="cpu").load(str(root / "base"), progress=False, kv_dtype="f32", activations="f32")
+    ours.load_lora(str(root / "qv-r4"))
+    return root, lora_setup[2], ours
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_a_bad_adapter_is_a_clear_error_and_the_model_runs_on(lora_setup, tmp_path, case):
-    root, _, tok, _, ours = lora_setup
+def test_a_bad_adapter_is_a_clear_error_and_the_model_runs_on(single, tmp_path, case):
+    root, tok, ours = single
     source, config, tensors, error, words = BAD[case]
     path = rewrite(root / source, tmp_path / "bad", config, tensors)
     ids = tok.encode(PROMPT).ids
@@ -224,8 +233,8 @@ def test_a_bad_adapter_is_a_clear_error_and_the_model_runs_on(lora_setup, tmp_pa
     np.testing.assert_array_equal(ours.logits(ids, lora="qv-r4"), before)
 
 
-def test_an_adapter_for_another_base_names_the_module(lora_setup, tmp_path):
-    ours = lora_setup[-1]
+def test_an_adapter_for_another_base_names_the_module(single, tmp_path):
+    ours = single[-1]
     other, _ = build_model("llama", str(tmp_path / "other"), seed=3, hidden_size=32, intermediate_size=64, head_dim=8)
     make_adapter(other, ADAPTERS["qv-r4"], str(tmp_path / "for-other"), 0)
     with pytest.raises(ModelLoadError, match=r"module blk\.0\.attn_q: lora_A \[4, 32\].*another base"):
@@ -244,8 +253,8 @@ def test_an_adapter_for_another_base_names_the_module(lora_setup, tmp_path):
     (lambda m, root: m.unload_lora("nobody"), RequestError, "no adapter named 'nobody'"),
 ], ids=["nan-alpha", "dotdot-path", "dotdot-name", "slash-name", "name-taken", "missing-dir", "nan-scale", "unknown-request",
         "unknown-unload"])
-def test_bad_calls_are_clear_errors(lora_setup, call, error, words):
-    root, ours = lora_setup[0], lora_setup[-1]
+def test_bad_calls_are_clear_errors(single, call, error, words):
+    root, _, ours = single
     listed = ours.list_loras()
     with pytest.raises(error) as e:
         call(ours, root)

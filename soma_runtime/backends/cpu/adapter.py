@@ -15,25 +15,29 @@ from soma_runtime.ir.jets import jet
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True)
-def _lora_rows(y, x, a, b, index, scale, magnitude, out):
-    rank = a.shape[1]
+def _lora_rows(y, x, a, b, index, scale, magnitude, down, out):
+    """Row s: down = scale * a[i] x (rank dots along the input), then each output y + b[i][n] . down, both
+    contiguous reductions (b as PEFT stores it, [out, rank]); times DoRA's magnitude where given."""
+    rank, gained = a.shape[1], magnitude.shape[0] > 0
     for s in prange(y.shape[0]):
-        out[s] = y[s]
         i = index[s]
         if i < 0:
+            out[s] = y[s]
             continue
+        h = down[s]
         for r in range(rank):
             ar = a[i, r]
-            h = np.float32(0)
+            acc = np.float32(0)
             for k in range(ar.size):
-                h += x[s, k] * ar[k]
-            h *= scale[s]
-            br = b[i, r]
-            for n in range(br.size):
-                out[s, n] += h * br[n]
-        if magnitude.shape[0]:
-            for n in range(out.shape[1]):
-                out[s, n] *= magnitude[i, n]
+                acc += x[s, k] * ar[k]
+            h[r] = acc * scale[s]
+        bi = b[i]
+        for n in range(out.shape[1]):
+            acc = np.float32(0)
+            for r in range(rank):
+                acc += h[r] * bi[n, r]
+            v = y[s, n] + acc
+            out[s, n] = v * magnitude[i, n] if gained else v
 
 
 NO_MAGNITUDE = np.zeros((0, 0), np.float32)
@@ -43,5 +47,5 @@ NO_MAGNITUDE = np.zeros((0, 0), np.float32)
 def lora_apply(y, x, a, b, index, scale, magnitude=None, out=None):
     rows = out_f32(out, y.shape)
     _lora_rows(dense(f32(y)), dense(f32(x)), dense(f32(a)), dense(f32(b)), index.astype(np.int64, copy=False), scale,
-               NO_MAGNITUDE if magnitude is None else dense(magnitude), rows)
+               NO_MAGNITUDE if magnitude is None else dense(magnitude), np.empty((y.shape[0], a.shape[1]), np.float32), rows)
     return deliver(rows, dtype_of(y), out)

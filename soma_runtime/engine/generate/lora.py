@@ -1,5 +1,5 @@
 """The adapters one decoder runs at run time: LoRA slots its graph reads, every adapted module's factors of
-every loaded adapter stacked ([slots, rank, in], [slots, rank, out], DoRA's [slots, out]) and padded to
+every loaded adapter stacked ([slots, rank, in], [slots, out, rank], DoRA's [slots, out]) and padded to
 the widest rank loaded; which adapter a sequence runs under (a Variant), and the rows' index and scale a
 step feeds (contract.LoraStep).
 
@@ -55,7 +55,7 @@ class LoraTable:
 
     def stacks(self, rank: int) -> dict[str, tuple]:
         """Empty stacks at `rank` (zero factors, unit magnitudes), each loaded adapter written back in."""
-        stacks = {m: (np.zeros((self.slots, rank, k), np.float32), np.zeros((self.slots, rank, n), np.float32),
+        stacks = {m: (np.zeros((self.slots, rank, k), np.float32), np.zeros((self.slots, n, rank), np.float32),
                       np.ones((self.slots, n), np.float32)) for m, (k, n) in self.modules.items()}
         for loaded in self.loaded.values():
             self.write(stacks, loaded.slot, loaded.adapter)
@@ -66,7 +66,7 @@ class LoraTable:
             a[slot], b[slot], magnitude[slot] = 0, 0, 1
             f = adapter.modules.get(m)
             if f is not None:
-                a[slot, :f.rank], b[slot, :f.rank] = f.a, f.b
+                a[slot, :f.rank], b[slot, :, :f.rank] = f.a, f.b
                 if f.magnitude is not None:
                     magnitude[slot] = f.magnitude
 

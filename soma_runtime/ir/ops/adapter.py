@@ -18,14 +18,14 @@ def lora_apply_rule(metas, attrs):
     float_dtype(x, "activation")
     check(y.ndim == 2 and x.ndim == 2, f"lora_apply takes y [rows, out] and x [rows, in], got {list(y.shape)}, {list(x.shape)}")
     check(same_dim(y.shape[0], x.shape[0]) is not False, f"{y.shape[0]} product rows for {x.shape[0]} input rows")
-    check(a.ndim == 3 and b.ndim == 3, f"adapter factors must be a [adapters, rank, in], b [adapters, rank, out], "
+    check(a.ndim == 3 and b.ndim == 3, f"adapter factors must be a [adapters, rank, in], b [adapters, out, rank], "
                                        f"got {list(a.shape)}, {list(b.shape)}")
     float_dtype(a, "adapter factor a")
     float_dtype(b, "adapter factor b")
-    check(all(same_dim(p, q) is not False for p, q in zip(a.shape[:2], b.shape[:2])),
+    check(same_dim(a.shape[0], b.shape[0]) is not False and same_dim(a.shape[1], b.shape[2]) is not False,
           f"a {list(a.shape)} and b {list(b.shape)} differ in adapters or rank")
     check(same_dim(a.shape[2], x.shape[1]) is not False, f"a takes {a.shape[2]} inputs, x has {x.shape[1]}")
-    check(same_dim(b.shape[2], y.shape[1]) is not False, f"b gives {b.shape[2]} outputs, y has {y.shape[1]}")
+    check(same_dim(b.shape[1], y.shape[1]) is not False, f"b gives {b.shape[1]} outputs, y has {y.shape[1]}")
     check(index.dtype in ("i32", "i64") and index.ndim == 1, f"adapter index must be integer [rows], got {index.dtype}")
     check(scale.dtype == "f32" and scale.ndim == 1, f"adapter scale must be f32 [rows], got {scale.dtype}")
     check(same_dim(index.shape[0], y.shape[0]) is not False and same_dim(scale.shape[0], y.shape[0]) is not False,
@@ -40,13 +40,13 @@ def lora_apply_rule(metas, attrs):
 @op("lora_apply", ["y", "x", "a", "b", "index", "scale", "magnitude?"], lora_apply_rule, tol=4.0,
     ranks=(2, 2, 3, 3, 1, 1, 2))
 def lora_apply(A, y, x, a, b, index, scale, magnitude):
-    """y + scale[s] * (x[s] @ a[i].T) @ b[i] for each row s whose adapter i = index[s] is >= 0; rows of
-    index -1 are y's as they are. a [adapters, rank, in] is PEFT's lora_A per adapter, b [adapters, rank,
-    out] its lora_B transposed; a smaller rank is padded with zeros. With a `magnitude` [adapters, out]
+    """y + scale[s] * (x[s] @ a[i].T) @ b[i].T for each row s whose adapter i = index[s] is >= 0; rows of
+    index -1 are y's as they are. a [adapters, rank, in] and b [adapters, out, rank] are PEFT's lora_A and
+    lora_B per adapter; a smaller rank is padded with zeros. With a `magnitude` [adapters, out]
     (DoRA's m / ||W + BA|| per output), an adapter's row is that times the sum, column by column."""
     # a row of no adapter (-1) reads the last one's factors, weighted by zero below
     down = A.reduce("sum", A.mul(A.read("expand", x, axis=1), A.read("take", a, index, axis=0)), axis=-1, keepdims=False)
-    up = A.reduce("sum", A.mul(A.read("expand", down, axis=-1), A.read("take", b, index, axis=0)), axis=1, keepdims=False)
+    up = A.reduce("sum", A.mul(A.read("expand", down, axis=1), A.read("take", b, index, axis=0)), axis=-1, keepdims=False)
     adapted = A.cmp("le", A.lit(0), index)
     out = A.add(y, A.mul(up, A.read("expand", A.cmp("select", adapted, scale, A.lit(0)), axis=-1)))
     if magnitude is None:
