@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
-from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf, permute_for_interleaved_rope
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import UnsupportedModelError
 from soma_runtime.loaders.safetensors import read_checkpoint
@@ -21,12 +21,6 @@ from soma_runtime.quant import quantize
 from soma_runtime.text.tokenizer import CONTROL, USER_DEFINED, read_json
 
 OUT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-
-
-def permute_for_interleaved_rope(w: np.ndarray, heads: int) -> np.ndarray:
-    """HF rotates pairs (i, i + d/2); llama.cpp's llama rope rotates (2i, 2i + 1): reorder the rows."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def rope_factors(rope: dict, dim: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from soma_runtime.architectures.config import DecoderConfig
+from soma_runtime.architectures.registry import permute_for_interleaved_rope
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError
@@ -94,12 +95,17 @@ def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: floa
     if rank > min(out, inp):
         raise ModelLoadError(f"{where}: rank {rank} exceeds the weight's [{out}, {inp}]")
     a, b = a.astype(np.float32), b.astype(np.float32) * np.float32(scale)
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(parts[2])
+    interleaved = heads is not None and cfg.rope_style == "interleaved"      # a GGUF llama's q/k rows, as llama.cpp's
+    if interleaved:
+        b = permute_for_interleaved_rope(b, heads)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ModelLoadError(f"{where}: the factors hold values that are not finite")
     if magnitude is not None:
         magnitude = np.asarray(magnitude, np.float32)
         if magnitude.shape != (out,) or not np.isfinite(magnitude).all():
             raise ModelLoadError(f"{where}: DoRA's magnitude must be {out} finite values, got {list(magnitude.shape)}")
+        magnitude = permute_for_interleaved_rope(magnitude, heads) if interleaved else magnitude
         base = weights[f"{module}.weight"]
         merged = np.asarray(dequantize(base) if isinstance(base, QTensor) else base, np.float32) + b @ a
         norm = np.linalg.norm(merged, axis=1)

@@ -298,3 +298,38 @@ def test_an_adapter_unloaded_mid_request_serves_that_request_to_its_end(eight):
     got += [t.id for t in stream]
     assert got == want
     ours.load_lora(source, name="patterns")          # its slot free again once the request ended
+
+
+@pytest.fixture(scope="module")
+def gguf_bases(lora_setup):
+    """The base converted to GGUF (f32 and q8_0), as llama.cpp's convert writes it: q/k rows permuted for
+    interleaved rope, which an adapter's lora_B must follow."""
+    from soma_runtime.convert import convert_hf_to_gguf
+    root = lora_setup[0]
+    return {t: convert_hf_to_gguf(str(root / "base"), str(root / f"base.{t}.gguf"), t) for t in ("f32", "q8_0")}
+
+
+@pytest.mark.parametrize("name", ["all-r8-rslora", "dora-r4"])
+def test_an_adapter_on_a_gguf_base_equals_peft(lora_setup, gguf_bases, name):
+    root, _, tok, peft_models, _ = lora_setup
+    ids = tok.encode(PROMPT).ids
+    ours = Runtime(backend="cpu").load(gguf_bases["f32"], progress=False, kv_dtype="f32", activations="f32")
+    ours.load_lora(str(root / name))
+    close(ours.logits(ids, lora=name), reference_logits(peft_models[name], ids), f"{name} on an f32 GGUF")
+
+
+def test_a_quantized_base_stays_quantized_and_takes_the_adapters_update(lora_setup, gguf_bases):
+    """On a q8_0 base, the adapter changes the logits by what it changes PEFT's (within q8_0's rounding of
+    the base), and the fused graph's linear layers still hold q8_0 blocks."""
+    from soma_runtime.dtypes import QTensor
+    root, base, tok, peft_models, _ = lora_setup
+    ids = tok.encode(PROMPT).ids
+    ours = Runtime(backend="cpu").load(gguf_bases["q8_0"], progress=False, kv_dtype="f32", activations="q8")
+    plain = ours.logits(ids)
+    ours.load_lora(str(root / "all-r8-rslora"))
+    want = reference_logits(peft_models["all-r8-rslora"], ids) - reference_logits(base, ids)
+    got = ours.logits(ids, lora="all-r8-rslora") - plain
+    assert np.abs(want).max() > 0.5
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), np.abs(got - want).max()
+    layers = [w for stage in ours.engine.stages for w in stage.layer_weights() if np.ndim(w) == 2]
+    assert layers and all(isinstance(w, QTensor) and w.dtype.name == "q8_0" for w in layers)
