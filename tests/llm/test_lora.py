@@ -333,3 +333,23 @@ def test_a_quantized_base_stays_quantized_and_takes_the_adapters_update(lora_set
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), np.abs(got - want).max()
     layers = [w for stage in ours.engine.stages for w in stage.layer_weights() if np.ndim(w) == 2]
     assert layers and all(isinstance(w, QTensor) and w.dtype.name == "q8_0" for w in layers)
+
+
+def test_the_cli_runs_a_prompt_under_lora_path_scale(lora_setup, tmp_path):
+    """`soma-runtime run --lora PATH:0.5` writes the greedy text of the library's run under that adapter at 0.5
+    (itself PEFT's, above); a bad adapter is a clear error on stderr and exit status 1."""
+    import subprocess
+    import sys
+    root = lora_setup[0]
+    ours = Runtime(backend="cpu").load(str(root / "base"), progress=False)
+    ours.load_lora(str(root / "mlp-r16"), alpha=0.5)
+    want = ours.complete(PROMPT, max_tokens=8, temperature=0, lora="mlp-r16")
+    run = [sys.executable, "-m", "soma_runtime.cli.main", "run", "--model", str(root / "base"), "--backend", "cpu",
+           "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0"]
+    r = subprocess.run([*run, "--lora", f"{root / 'mlp-r16'}:0.5"], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    assert want != ours.complete(PROMPT, max_tokens=8, temperature=0)
+    bad = rewrite(root / "qv-r4", tmp_path / "bad", {"r": 0})
+    r = subprocess.run([*run, "--lora", bad], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 1 and "rank must be an integer in [1, 1024], got 0" in r.stderr
