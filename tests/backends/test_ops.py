@@ -704,6 +704,8 @@ case("lora_apply", adapted(5, 3, 4, 8, 6, [0, -1, 2, 0, 1]), torch_lora_apply)
 case("lora_apply", adapted(3, 2, 2, 5, 7, [-1, -1, -1], seed=1), torch_lora_apply, id="no-adapter")
 case("lora_apply", adapted(4, 2, 3, 6, 5, [1, -1, 0, 1], seed=2, dora=True), torch_lora_apply, id="dora")
 case("lora_apply", adapted(4, 3, 2, 8, 6, [2, -1, 0, 2], seed=3, folded=True), torch_lora_apply, id="norm-residual")
+case("lora_apply", adapted(40, 3, 4, 8, 6, [i % 4 - 1 for i in range(40)], seed=4, folded=True), torch_lora_apply,
+     id="many-rows")
 
 
 # a chain of elementwise ops (passes/chains.py makes it of f32 ops only; the CPU compiles it, other backends
@@ -753,6 +755,7 @@ HOSTED_ON_CUDA = {
     "moe_ffn-f32", "moe_ffn-f16", "moe_ffn-one-token-f32", "moe_ffn-one-token-f16",
     "lora_apply-f32", "lora_apply-f16", "lora_apply-no-adapter-f32", "lora_apply-no-adapter-f16",
     "lora_apply-dora-f32", "lora_apply-dora-f16", "lora_apply-norm-residual-f32", "lora_apply-norm-residual-f16",
+    "lora_apply-many-rows-f32", "lora_apply-many-rows-f16",
     "chain-f32", "chain-broadcast-f32",
 }
 

@@ -1,8 +1,7 @@
-"""CPU jet for `lora_apply`: each row's low-rank update from its own adapter's factors, all adapters of a
-batch in one parallel pass over the rows (Punica's BGMV); a row of no adapter is only copied.
-
-A row's numbers depend on its adapter alone, never on the rows beside it (a batch gives each row its
-solo output), so prompts and decode steps take the same per-row path.
+"""CPU jet for `lora_apply`: each row's low-rank update from its own adapter's factors. A few rows (decode
+steps) run in one parallel pass over the rows (Punica's BGMV), each reading its adapter's factors; many
+rows (prompts) are grouped by adapter, each group's two products through BLAS, so an adapter's factors
+are read once per group rather than once per row. A row of no adapter is only copied (plus its residual).
 """
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 from soma_runtime.backends.cpu.common import CPU, INT, F, deliver, dense, f32, out_f32
+from soma_runtime.backends.cpu.linear import SMALL_ROWS
 from soma_runtime.dtypes import dtype_of
 from soma_runtime.ir.jets import jet
 
@@ -56,9 +56,29 @@ def _lora_rows(y, x, a, b, index, scale, magnitude, residual, norm, eps, down, o
 NONE_2D, NONE_1D = np.zeros((0, 0), np.float32), np.zeros(0, np.float32)
 
 
+def grouped(y, x, a, b, index, scale, magnitude, residual, norm, eps, out):
+    """The many-rows path: x normalized once, then per adapter of the batch its rows' products by BLAS."""
+    if norm is not None:
+        x = x * (1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * norm
+    out[...] = y
+    for i in np.unique(index[index >= 0]):
+        rows = np.flatnonzero(index == i)
+        update = ((x[rows] @ a[i].T) * scale[rows, None]) @ b[i].T
+        out[rows] += update
+        if magnitude is not None:
+            out[rows] *= magnitude[i]
+    if residual is not None:
+        out += residual
+    return out
+
+
 @jet("lora_apply", CPU, [(F, F, F, F, INT, "f32", m, r, w) for m in ("none", "f32") for r in ("none", F) for w in ("none", F)])
 def lora_apply(y, x, a, b, index, scale, magnitude=None, residual=None, norm=None, out=None, norm_eps=1e-6):
     rows = out_f32(out, y.shape)
+    if y.shape[0] > SMALL_ROWS:
+        grouped(f32(y), f32(x), f32(a), f32(b), index, scale, magnitude, None if residual is None else f32(residual),
+                None if norm is None else f32(norm), np.float32(norm_eps), rows)
+        return deliver(rows, dtype_of(y), out)
     _lora_rows(dense(f32(y)), dense(f32(x)), dense(f32(a)), dense(f32(b)), index.astype(np.int64, copy=False), scale,
                NONE_2D if magnitude is None else dense(magnitude), NONE_2D if residual is None else dense(f32(residual)),
                NONE_1D if norm is None else dense(f32(norm)), np.float32(norm_eps),
