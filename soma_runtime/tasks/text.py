@@ -145,7 +145,7 @@ class TextModel(Model):
         layers = draft.removeprefix("layers:") if isinstance(draft, str) else ""
         if not layers.isdigit():
             raise RequestError(f'draft must be "prompt-lookup", "layers:N" or a text model, got {draft!r}')
-        return DraftModel(self.engine.first_layers(int(layers)))
+        return DraftModel(self.engine.first_layers(int(layers)), adapters=True)
 
     @property
     def context_length(self) -> int:

@@ -353,3 +353,27 @@ def test_the_cli_runs_a_prompt_under_lora_path_scale(lora_setup, tmp_path):
     bad = rewrite(root / "qv-r4", tmp_path / "bad", {"r": 0})
     r = subprocess.run([*run, "--lora", bad], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 1 and "rank must be an integer in [1, 1024], got 0" in r.stderr
+
+
+def test_a_self_speculative_draft_drafts_under_the_streams_adapter(lora_setup):
+    """The draft of the model's own first layer shares its adapter slots: a stream under an adapter drafts
+    the greedy tokens of that first layer under the adapter (not the base's), and the target's greedy
+    tokens are those of plain decoding."""
+    root, _, tok, _, _ = lora_setup
+    ours = Runtime(backend="cpu").load(str(root / "base"), progress=False, kv_dtype="f32", activations="f32")
+    ours.load_lora(str(root / "all-r8-rslora"))
+    drafter = ours.drafter_of("layers:1")
+    ids = tok.encode(PROMPT).ids
+    adapted, base = (drafter.engine.logits(ids, lora=name)[-1] for name in ("all-r8-rslora", None))
+    assert np.argmax(adapted) != np.argmax(base), "pick a prompt where the adapter changes the draft's choice"
+    variant = ours.engine.variant("all-r8-rslora")
+    try:
+        (draft,) = drafter.propose([ids], [1], [0], [variant])
+    finally:
+        drafter.release(0)
+        ours.engine.lora.release(variant)
+    assert draft == [int(np.argmax(adapted))]
+    plain = [t.id for t in ours.generate(ids, max_tokens=16, temperature=0, ignore_eos=True, lora="all-r8-rslora")]
+    ours.speculate(drafter)
+    assert [t.id for t in ours.generate(ids, max_tokens=16, temperature=0, ignore_eos=True, lora="all-r8-rslora")] == plain
+    assert ours.metrics()["drafted_tokens"] > 0

@@ -278,8 +278,9 @@ class Scheduler:
         counts = [s.draft_room() for s in streams]
         if not any(counts):
             return
-        for stream, count, drafts in zip(streams, counts, self.drafter.propose([s.history for s in streams], counts,
-                                                                             [id(s) for s in streams])):
+        proposed = self.drafter.propose([s.history for s in streams], counts, [id(s) for s in streams],
+                                        [s.seq.variant for s in streams])
+        for stream, count, drafts in zip(streams, counts, proposed):
             stream.drafts = drafts[:count]
             if count and not stream.drafts:
                 stream.draft_length.nothing_found()

@@ -271,7 +271,8 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
-                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None, max_loras: int = 0):
+                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None, max_loras: int = 0,
+                 lora: LoraTable | None = None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
         self.sliding = False          # sequences may run past the context, within every layer's window (slide)
@@ -283,8 +284,8 @@ class Engine:
             raise ParallelError("a model split over tensor-parallel ranks runs whole on each rank's device (no gpu_layers)")
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
-        self.lora: LoraTable | None = None          # adapters at run time, once a first is wanted (enable_lora)
-        if max_loras:
+        self.lora = lora                  # adapters at run time, once a first is wanted (enable_lora), or another's
+        if max_loras and lora is None:
             self.whole("LoRA adapters")
             self.lora = LoraTable(adapted_modules(self.cfg, weights), max_loras)
         self.kv_quality: dict[str, calibration.KindQuality] | None = None    # the ladder's kinds, measured on first need
@@ -477,14 +478,14 @@ class Engine:
 
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
-        draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
+        draft. It shares the weights (and their copies on the device) and LoRA slots, with a KV pool of its own."""
         self.whole("a self-speculative draft")
         if type(n) is not int or not 1 <= n < self.cfg.num_layers:
             raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
         centers = None if self.key_centers is None else self.key_centers[:n]
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
-                       self.kv_tokens, self.device_layers, centers)
+                       self.kv_tokens, self.device_layers, centers, lora=self.lora)
         for mine, theirs in zip(draft.stages, self.stages):
             mine.share_weights(theirs)
         draft.sliding = self.sliding
