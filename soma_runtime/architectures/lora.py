@@ -55,6 +55,14 @@ class LoraAdapter:
         return sum(f.a.size + f.b.size for f in self.modules.values())
 
 
+def merged(weight, factors: LoraFactors, alpha: float = 1.0) -> np.ndarray:
+    """A linear layer's weight [out, in] with the update folded in, f32: W + alpha b a (DoRA: each output row
+    then times its magnitude, which holds for the strength it was read at: alpha 1)."""
+    w = np.asarray(dequantize(weight) if isinstance(weight, QTensor) else weight, np.float32)
+    w = w + np.float32(alpha) * (factors.b @ factors.a)
+    return w if factors.magnitude is None else w * factors.magnitude[:, None]
+
+
 def check_name(name) -> str:
     """An adapter's name: 1 to 64 of A-Z a-z 0-9 . _ -, not starting with a dot (so never `..`)."""
     if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:

@@ -357,7 +357,7 @@ def cmd_import(args) -> int:
 
 def cmd_convert(args) -> int:
     from soma_runtime.convert import convert_hf_to_gguf
-    print(convert_hf_to_gguf(args.src, args.out, args.type))
+    print(convert_hf_to_gguf(args.src, args.out, args.type, args.merge_lora or []))
     return 0
 
 
@@ -485,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="Hugging Face model directory")
     conv.add_argument("out", help="output .gguf path")
     conv.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_0", "q4_1"))
+    conv.add_argument("--merge-lora", action="append", type=lora_arg, default=None, metavar="PATH[:SCALE]",
+                      help="fold a PEFT LoRA directory into the weights, its update times SCALE (repeatable)")
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
     return p

@@ -377,3 +377,19 @@ def test_a_self_speculative_draft_drafts_under_the_streams_adapter(lora_setup):
     ours.speculate(drafter)
     assert [t.id for t in ours.generate(ids, max_tokens=16, temperature=0, ignore_eos=True, lora="all-r8-rslora")] == plain
     assert ours.metrics()["drafted_tokens"] > 0
+
+
+def test_convert_merges_adapters_into_the_weights(lora_setup, tmp_path):
+    """`convert --merge-lora`: a GGUF with a DoRA adapter merged gives PEFT's logits; one with an adapter
+    merged at 0.5 gives the run-time adapter's at scale 0.5; a DoRA adapter at another scale is refused."""
+    from soma_runtime.convert import convert_hf_to_gguf
+    root, _, tok, peft_models, ours = lora_setup
+    ids = tok.encode(PROMPT).ids
+    exact = {"progress": False, "kv_dtype": "f32", "activations": "f32"}
+    dora = convert_hf_to_gguf(str(root / "base"), str(tmp_path / "dora.gguf"), "f32", [(str(root / "dora-r4"), 1.0)])
+    close(Runtime(backend="cpu").load(dora, **exact).logits(ids), reference_logits(peft_models["dora-r4"], ids), "DoRA merged")
+    half = convert_hf_to_gguf(str(root / "base"), str(tmp_path / "half.gguf"), "f32", [(str(root / "mlp-r16"), 0.5)])
+    want = ours.logits(ids, lora="mlp-r16", lora_scale=0.5)
+    close(Runtime(backend="cpu").load(half, **exact).logits(ids), want, "merged at 0.5")
+    with pytest.raises(UnsupportedModelError, match="DoRA adapter merges at the strength it was trained at"):
+        convert_hf_to_gguf(str(root / "base"), str(tmp_path / "bad.gguf"), "f32", [(str(root / "dora-r4"), 0.5)])
