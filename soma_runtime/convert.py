@@ -84,11 +84,9 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16", lor
     arch = spec.gguf_arch
     tensors = canonical_hf_weights(read_checkpoint(directory), spec)
     for path, alpha in loras:                    # merged into the weights, each checked against the base first
-        adapter = read_peft(path, cfg, Weights(tensors, directory))
-        if alpha != 1 and any(f.magnitude is not None for f in adapter.modules.values()):
-            raise UnsupportedModelError(f"{path}: a DoRA adapter merges at the strength it was trained at (scale 1)")
+        adapter = read_peft(path, cfg, Weights(tensors, directory), alpha=alpha)
         for module, factors in adapter.modules.items():
-            tensors[f"{module}.weight"] = merged(tensors[f"{module}.weight"], factors, alpha)
+            tensors[f"{module}.weight"] = merged(tensors[f"{module}.weight"], factors)
     w = gguf.GGUFWriter(out_path, arch)
     w.add_name(os.path.basename(os.path.normpath(directory)))
     w.add_context_length(cfg.max_position)

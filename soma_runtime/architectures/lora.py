@@ -41,10 +41,16 @@ class LoraFactors:
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """An adapter by the base module it changes ("blk.3.attn_q"): its factors, the rank of the widest."""
+    """An adapter by the base module it changes ("blk.3.attn_q"): its factors at the strength `alpha` it was
+    read at (folded into b, and into DoRA's magnitudes, which depend on it), the rank of the widest."""
     name: str
     source: str
     modules: dict[str, LoraFactors]
+    alpha: float = 1.0
+
+    @property
+    def dora(self) -> bool:
+        return any(f.magnitude is not None for f in self.modules.values())
 
     @property
     def rank(self) -> int:
@@ -55,11 +61,11 @@ class LoraAdapter:
         return sum(f.a.size + f.b.size for f in self.modules.values())
 
 
-def merged(weight, factors: LoraFactors, alpha: float = 1.0) -> np.ndarray:
-    """A linear layer's weight [out, in] with the update folded in, f32: W + alpha b a (DoRA: each output row
-    then times its magnitude, which holds for the strength it was read at: alpha 1)."""
+def merged(weight, factors: LoraFactors) -> np.ndarray:
+    """A linear layer's weight [out, in] with the update folded in, f32: W + b a (DoRA: each output row then
+    times its magnitude)."""
     w = np.asarray(dequantize(weight) if isinstance(weight, QTensor) else weight, np.float32)
-    w = w + np.float32(alpha) * (factors.b @ factors.a)
+    w = w + factors.b @ factors.a
     return w if factors.magnitude is None else w * factors.magnitude[:, None]
 
 

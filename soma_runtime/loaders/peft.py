@@ -66,9 +66,11 @@ def adapter_name(path, name: str | None = None) -> str:
     return check_name(os.path.basename(os.path.normpath(path)) if name is None else name)
 
 
-def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None) -> LoraAdapter:
-    """The adapter in directory `path` for this base, named `name` (default: the directory's name)."""
+def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None, alpha: float = 1.0) -> LoraAdapter:
+    """The adapter in directory `path` for this base, named `name` (default: the directory's name), its update
+    times `alpha` (1: as trained)."""
     name = adapter_name(path, name)
+    strength = check_scale(alpha, f"{path}: alpha")
     config_path, tensors_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
     if not os.path.isfile(config_path) or not os.path.isfile(tensors_path):
         raise ModelLoadError(f"{path}: not a PEFT adapter directory ({CONFIG} and {WEIGHTS} expected)")
@@ -107,6 +109,6 @@ def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None 
             raise ModelLoadError(f"{where}: use_dora is {dora} but its magnitude is {'present' if not dora else 'missing'}")
         r = check_rank(pattern_value(rank_pattern, hf, rank), f"{config_path}: rank of {hf}")
         a_alpha = check_scale(pattern_value(alpha_pattern, hf, alpha), f"{config_path}: lora_alpha of {hf}")
-        scale = a_alpha / (math.sqrt(r) if rslora else r)
+        scale = strength * a_alpha / (math.sqrt(r) if rslora else r)
         modules[module] = factors(cfg, weights, module, parts["A"], parts["B"], scale, r, parts.get("magnitude"), tensors_path)
-    return LoraAdapter(name, path, modules)
+    return LoraAdapter(name, path, modules, strength)

@@ -206,8 +206,8 @@ class TextModel(Model):
         every slot is."""
         if self.engine.lora is not None:          # refused before its files are read
             self.engine.lora.check_room(adapter_name(path, name))
-        adapter = read_peft(path, self.engine.cfg, self.engine.weights, name)
-        self.engine.enable_lora(max_loras).add(adapter, alpha)
+        adapter = read_peft(path, self.engine.cfg, self.engine.weights, name, alpha)
+        self.engine.enable_lora(max_loras).add(adapter)
         return next(entry for entry in self.list_loras() if entry["name"] == adapter.name)
 
     def unload_lora(self, name: str) -> None:

@@ -85,7 +85,8 @@ def eight(lora_setup):
 
 
 def test_alpha_scales_the_update(eight, lora_setup, tmp_path):
-    """An adapter loaded at alpha 0.5 (or run at a request's scale 0.5) is PEFT's with half its lora_alpha."""
+    """An adapter loaded at alpha 0.5 (or run at a request's scale 0.5) is PEFT's with half its lora_alpha;
+    DoRA's too (loaded at 0.5: its magnitudes are made for that strength)."""
     import copy
 
     from peft import PeftModel
@@ -95,6 +96,11 @@ def test_alpha_scales_the_update(eight, lora_setup, tmp_path):
     want = reference_logits(PeftModel.from_pretrained(copy.deepcopy(base), halved).eval(), ids)
     close(ours.logits(ids, lora="qv-r4-half"), want, "qv-r4 at alpha 0.5")
     close(ours.logits(ids, lora="qv-r4", lora_scale=0.5), want, "qv-r4 at a request's scale 0.5")
+    dora = rewrite(root / "dora-r4", tmp_path / "dora-halved", {"lora_alpha": ADAPTERS["dora-r4"]["lora_alpha"] / 2})
+    want = reference_logits(PeftModel.from_pretrained(copy.deepcopy(base), dora).eval(), ids)
+    single = Runtime(backend="cpu").load(str(root / "base"), progress=False, kv_dtype="f32", activations="f32")
+    single.load_lora(str(root / "dora-r4"), alpha=0.5)
+    close(single.logits(ids, lora="dora-r4"), want, "dora-r4 at alpha 0.5")
 
 
 def test_a_batch_mixing_eight_adapters_and_base_rows_gives_each_row_its_solo_output(eight):
@@ -216,6 +222,7 @@ def single(lora_setup):
     root = lora_setup[0]
     ours = Runtime(backend="cpu").load(str(root / "base"), progress=False, kv_dtype="f32", activations="f32")
     ours.load_lora(str(root / "qv-r4"))
+    ours.load_lora(str(root / "dora-r4"), name="dora")
     return root, lora_setup[2], ours
 
 
@@ -242,7 +249,8 @@ def test_an_adapter_for_another_base_names_the_module(single, tmp_path):
 
 
 @pytest.mark.parametrize("call,error,words", [
-    (lambda m, root: m.load_lora(str(root / "qv-r4"), alpha=float("nan"), name="nan"), RequestError, "alpha"),
+    (lambda m, root: m.load_lora(str(root / "qv-r4"), alpha=float("nan"), name="nan"), ModelLoadError, "alpha"),
+    (lambda m, root: m.logits([1, 2, 3], lora="dora", lora_scale=0.5), RequestError, "is DoRA"),
     (lambda m, root: m.load_lora(str(root / "base") + "/../qv-r4", name="up"), ModelLoadError, "'..'"),
     (lambda m, root: m.load_lora(str(root / "qv-r4"), name=".."), ModelLoadError, "adapter name"),
     (lambda m, root: m.load_lora(str(root / "qv-r4"), name="a/b"), ModelLoadError, "adapter name"),
@@ -251,8 +259,8 @@ def test_an_adapter_for_another_base_names_the_module(single, tmp_path):
     (lambda m, root: m.logits([1, 2, 3], lora="qv-r4", lora_scale=float("nan")), RequestError, "lora scale"),
     (lambda m, root: m.complete([1, 2, 3], lora="nobody"), RequestError, "no adapter named 'nobody'"),
     (lambda m, root: m.unload_lora("nobody"), RequestError, "no adapter named 'nobody'"),
-], ids=["nan-alpha", "dotdot-path", "dotdot-name", "slash-name", "name-taken", "missing-dir", "nan-scale", "unknown-request",
-        "unknown-unload"])
+], ids=["nan-alpha", "dora-at-another-scale", "dotdot-path", "dotdot-name", "slash-name", "name-taken", "missing-dir",
+        "nan-scale", "unknown-request", "unknown-unload"])
 def test_bad_calls_are_clear_errors(single, call, error, words):
     root, _, ours = single
     listed = ours.list_loras()
@@ -381,7 +389,7 @@ def test_a_self_speculative_draft_drafts_under_the_streams_adapter(lora_setup):
 
 def test_convert_merges_adapters_into_the_weights(lora_setup, tmp_path):
     """`convert --merge-lora`: a GGUF with a DoRA adapter merged gives PEFT's logits; one with an adapter
-    merged at 0.5 gives the run-time adapter's at scale 0.5; a DoRA adapter at another scale is refused."""
+    merged at 0.5 gives the run-time adapter's at scale 0.5."""
     from soma_runtime.convert import convert_hf_to_gguf
     root, _, tok, peft_models, ours = lora_setup
     ids = tok.encode(PROMPT).ids
@@ -391,5 +399,3 @@ def test_convert_merges_adapters_into_the_weights(lora_setup, tmp_path):
     half = convert_hf_to_gguf(str(root / "base"), str(tmp_path / "half.gguf"), "f32", [(str(root / "mlp-r16"), 0.5)])
     want = ours.logits(ids, lora="mlp-r16", lora_scale=0.5)
     close(Runtime(backend="cpu").load(half, **exact).logits(ids), want, "merged at 0.5")
-    with pytest.raises(UnsupportedModelError, match="DoRA adapter merges at the strength it was trained at"):
-        convert_hf_to_gguf(str(root / "base"), str(tmp_path / "bad.gguf"), "f32", [(str(root / "dora-r4"), 0.5)])

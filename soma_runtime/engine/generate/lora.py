@@ -31,7 +31,6 @@ KEYS = itertools.count(1)    # prefix-cache keys, never reused within a process
 class Loaded:
     adapter: LoraAdapter
     slot: int
-    alpha: float             # the strength it was loaded with (a request's scale multiplies it)
     key: int
 
 
@@ -70,16 +69,15 @@ class LoraTable:
                 if f.magnitude is not None:
                     magnitude[slot] = f.magnitude
 
-    def add(self, adapter: LoraAdapter, alpha: float = 1.0) -> None:
-        """Load `adapter` into a free slot at strength `alpha`; RequestError where its name is taken, none is
-        free, or it changes a module this graph has no adapter op for. Call between steps (the engine's lock)."""
-        alpha = check_scale(alpha, "alpha")
+    def add(self, adapter: LoraAdapter) -> None:
+        """Load `adapter` into a free slot; RequestError where its name is taken, none is free, or it changes a
+        module this graph has no adapter op for."""
         missing = sorted(set(adapter.modules) - set(self.modules))
         if missing:
             raise RequestError(f"adapter {adapter.name}: this model's graph takes no adapter on {', '.join(missing[:4])}")
         with self.lock:
             free = self.room(adapter.name)
-            loaded = Loaded(adapter, free, alpha, next(KEYS))
+            loaded = Loaded(adapter, free, next(KEYS))
             if adapter.rank > self.rank:
                 self.loaded[adapter.name] = loaded
                 self.factors = self.stacks(adapter.rank)        # new arrays: a step in flight keeps the old ones
@@ -113,18 +111,26 @@ class LoraTable:
         return name
 
     def check(self, name, scale) -> None:
-        """RequestError unless `name` is loaded and `scale` a strength."""
-        check_scale(scale, "lora scale")
+        """RequestError unless `name` is loaded and `scale` a strength it runs at."""
         with self.lock:
-            self.known(name)
+            self.checked(name, scale)
+
+    def checked(self, name, scale) -> Loaded:
+        """The adapter `name` (the lock held). A DoRA adapter runs only at scale 1: its magnitudes were made for
+        the strength it was loaded at."""
+        scale = check_scale(scale, "lora scale")
+        loaded = self.loaded[self.known(name)]
+        if scale != 1 and loaded.adapter.dora:
+            raise RequestError(f"adapter {name!r} is DoRA: it runs at the strength it was loaded at (lora scale 1); "
+                               f"load it again with another alpha")
+        return loaded
 
     def use(self, name: str, scale: float) -> Variant:
         """The Variant a sequence runs under this adapter at `scale` (times its alpha); held until `release`."""
-        scale = check_scale(scale, "lora scale")
         with self.lock:
-            loaded = self.loaded[self.known(name)]
+            loaded = self.checked(name, scale)
             self.users[loaded.slot] += 1
-            return Variant(loaded.slot, loaded.alpha * scale, hash((loaded.key, loaded.alpha * scale)))
+            return Variant(loaded.slot, float(scale), hash((loaded.key, float(scale))))
 
     def release(self, variant: Variant) -> None:
         if variant.slot < 0:
@@ -145,7 +151,7 @@ class LoraTable:
 
     def listing(self) -> list[dict]:
         """The loaded adapters: name, alpha (strength), rank, parameters, source, modules."""
-        return [{"name": name, "alpha": x.alpha, "rank": x.adapter.rank, "params": x.adapter.parameters,
+        return [{"name": name, "alpha": x.adapter.alpha, "rank": x.adapter.rank, "params": x.adapter.parameters,
                  "source": x.adapter.source, "modules": len(x.adapter.modules)} for name, x in sorted(self.loaded.items())]
 
 
