@@ -90,9 +90,10 @@ def check_scale(scale, where: str) -> float:
 
 
 def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: float, rank: int, magnitude,
-            source: str) -> LoraFactors:
-    """The checked factors of `module` ("blk.3.attn_q") from PEFT's lora_A [rank, in], lora_B [out, rank]
-    (and DoRA's magnitude [out]); ModelLoadError naming the module where they do not fit the base."""
+            source: str, hf_rows: bool = True) -> LoraFactors:
+    """The checked factors of `module` ("blk.3.attn_q") from lora_A [rank, in], lora_B [out, rank] (and DoRA's
+    magnitude [out]); ModelLoadError naming the module where they do not fit the base. `hf_rows`: B's rows
+    are in HF's order (PEFT's), which a GGUF llama base's q/k rows are not."""
     where = f"{source}: module {module}"
     parts = module.split(".")
     layer = int(parts[1]) if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() else -1
@@ -110,7 +111,7 @@ def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: floa
         raise ModelLoadError(f"{where}: rank {rank} exceeds the weight's [{out}, {inp}]")
     a, b = a.astype(np.float32), b.astype(np.float32) * np.float32(scale)
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(parts[2])
-    interleaved = heads is not None and cfg.rope_style == "interleaved"      # a GGUF llama's q/k rows, as llama.cpp's
+    interleaved = hf_rows and heads is not None and cfg.rope_style == "interleaved"   # a GGUF llama's q/k rows
     if interleaved:
         b = permute_for_interleaved_rope(b, heads)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):

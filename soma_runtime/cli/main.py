@@ -106,8 +106,9 @@ def add_generation_args(p) -> None:
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")
     p.add_argument("--lora", action="append", type=lora_arg, default=None, metavar="PATH[:SCALE]",
-                   help="a PEFT LoRA directory, its update times SCALE (default 1): run generates under it; serve loads "
-                        "each on its text models, for requests that name it (model `base:adapter`, or `lora`)")
+                   help="a LoRA adapter (a PEFT directory or a llama.cpp GGUF LoRA file), its update times SCALE (default "
+                        "1): run generates under it; serve loads each on its text models, for requests that name it "
+                        "(model `base:adapter`, or `lora`)")
     p.add_argument("--max-loras", type=int, default=8, metavar="N",
                    help="adapters a model holds at once (default: 8)")
 

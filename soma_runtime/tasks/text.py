@@ -22,7 +22,7 @@ from soma_runtime.engine.generate import (
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.backend import Backend, Precision
-from soma_runtime.loaders.peft import adapter_name, read_peft
+from soma_runtime.loaders.lora import adapter_name, read_lora
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
 from soma_runtime.text.chat import ChatTemplate, characters, check_messages
@@ -198,15 +198,15 @@ class TextModel(Model):
         self.engine.limit_context(n_ctx)
 
     def load_lora(self, path: str, alpha: float = 1.0, name: str | None = None, max_loras: int = MAX_LORAS) -> dict:
-        """Load a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for this model's
-        requests to run under by its `name` (default: the directory's name), its update scaled by `alpha`
-        (1: as trained). The first one rebuilds the model's graphs with an adapter op beside each linear
-        layer, for up to `max_loras` adapters at once; requests already running go on. ModelLoadError for an
-        adapter that does not fit the base (naming the module), RequestError where the name is taken or
-        every slot is."""
+        """Load a LoRA adapter, a PEFT directory (adapter_config.json + adapter_model.safetensors) or a
+        llama.cpp GGUF LoRA file, for this model's requests to run under by its `name` (default: the
+        directory's or file's name), its update scaled by `alpha` (1: as trained). The first one rebuilds
+        the model's graphs with an adapter op beside each linear layer, for up to `max_loras` adapters at
+        once; requests already running go on. ModelLoadError for an adapter that does not fit the base
+        (naming the module), RequestError where the name is taken or every slot is."""
         if self.engine.lora is not None:          # refused before its files are read
             self.engine.lora.check_room(adapter_name(path, name))
-        adapter = read_peft(path, self.engine.cfg, self.engine.weights, name, alpha)
+        adapter = read_lora(path, self.engine.cfg, self.engine.weights, name, alpha)
         self.engine.enable_lora(max_loras).add(adapter)
         return next(entry for entry in self.list_loras() if entry["name"] == adapter.name)
 

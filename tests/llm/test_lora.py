@@ -399,3 +399,77 @@ def test_convert_merges_adapters_into_the_weights(lora_setup, tmp_path):
     half = convert_hf_to_gguf(str(root / "base"), str(tmp_path / "half.gguf"), "f32", [(str(root / "mlp-r16"), 0.5)])
     want = ours.logits(ids, lora="mlp-r16", lora_scale=0.5)
     close(Runtime(backend="cpu").load(half, **exact).logits(ids), want, "merged at 0.5")
+
+
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf_lora(peft_dir, out: str, heads: dict) -> str:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: NAME.weight.lora_a [rank, in] and
+    .lora_b [out, rank] under GGUF names, q/k lora_b rows permuted for interleaved rope as the base's are,
+    adapter.lora.alpha from the config."""
+    import gguf
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for key, t in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        layer, module = key.removeprefix("base_model.model.model.layers.").split(".", 1)
+        module, factor = module.rsplit(".lora_", 1)
+        kind = HF_TO_GGUF[module]
+        if factor == "B.weight" and kind in heads:
+            n = heads[kind]
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(f"blk.{layer}.{kind}.weight.lora_{factor[0].lower()}", np.ascontiguousarray(t, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("name,scale", [("all-r8-rslora", 1.0), ("qv-r4", 0.5)])
+def test_a_gguf_lora_on_a_q8_0_base_gives_llama_cpps_greedy_tokens(lora_setup, gguf_bases, tmp_path, name, scale):
+    """llama.cpp's own LoRA file format on its q8_0 base, run by llama-cpp-python with lora_path/lora_scale:
+    the same greedy tokens up to its near-ties (rsLoRA's alpha / sqrt(rank) folded into the file's alpha,
+    as llama.cpp scales by alpha / rank)."""
+    from llama_cpp import Llama
+
+    from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
+    root, base, tok, _, _ = lora_setup
+    ids = tok.encode(PROMPT).ids
+    peft_dir = root / name
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    if config.get("use_rslora"):                 # GGUF LoRA knows alpha / rank only
+        peft_dir = tmp_path / "plain"
+        rewrite(root / name, peft_dir, {"use_rslora": False, "lora_alpha": config["lora_alpha"] * config["r"] ** 0.5})
+    heads = {"attn_q": base.config.num_attention_heads, "attn_k": base.config.num_key_value_heads}
+    lora = write_gguf_lora(peft_dir, str(tmp_path / f"{name}.gguf"), heads)
+    llama = Llama(model_path=gguf_bases["q8_0"], lora_path=lora, lora_scale=scale, n_ctx=256, n_threads=2, verbose=False,
+                  logits_all=True)
+    want = llama_greedy(llama, ids, 24)
+    ours = Runtime(backend="cpu").load(gguf_bases["q8_0"], progress=False)
+    ours.load_lora(lora, alpha=scale)
+    got = [t.id for t in ours.generate(ids, max_tokens=len(want.tokens), temperature=0, ignore_eos=True, lora=name)]
+    plain = [t.id for t in ours.generate(ids, max_tokens=len(want.tokens), temperature=0, ignore_eos=True)]
+    assert check_greedy(f"{name} at {scale}", got, want, near_tie([want])) >= 8
+    assert got != plain, "the adapter changes nothing"
+
+
+def test_a_gguf_that_is_no_lora_of_this_base_is_a_clear_error(single, gguf_bases, tmp_path):
+    import gguf
+    ours = single[-1]
+    with pytest.raises(UnsupportedModelError, match="not a GGUF LoRA"):
+        ours.load_lora(gguf_bases["f32"], name="base-file")
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "qwen2")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 64), np.float32))
+    w.add_tensor("blk.0.attn_q.weight.lora_b", np.zeros((64, 4), np.float32))
+    for part in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        part()
+    with pytest.raises(ModelLoadError, match="an adapter for 'qwen2', the base is 'llama'"):
+        ours.load_lora(str(tmp_path / "other.gguf"))

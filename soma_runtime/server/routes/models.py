@@ -95,7 +95,7 @@ def router(state: ServerState) -> APIRouter:
         if body.path is None:
             raise RequestError("load needs the adapter directory's `path`")
         path = inside(root, body.path)
-        if not os.path.isdir(path):
+        if not os.path.exists(path):
             raise ModelNotFound(f"no adapter {body.path!r} in the models directory")
         loaded = await run_in_threadpool(served.model.load_lora, path, body.alpha, body.name)
         return next(c for c in adapter_cards(served) if c["name"] == loaded["name"])

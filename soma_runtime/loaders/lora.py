@@ -1,8 +1,9 @@
-"""PEFT LoRA directories (adapter_config.json + adapter_model.safetensors) read into a LoraAdapter for a
-given base: rank, lora_alpha (rank_pattern and alpha_pattern per module), rsLoRA's alpha / sqrt(rank),
-target modules by names or a regex, DoRA's magnitudes.
+"""LoRA adapter files read into a LoraAdapter for a given base: PEFT directories (adapter_config.json +
+adapter_model.safetensors: rank, lora_alpha with rank_pattern and alpha_pattern per module, rsLoRA's alpha /
+sqrt(rank), target modules by names or a regex, DoRA's magnitudes) and llama.cpp's GGUF LoRA files
+(`blk.N.attn_q.weight.lora_a`/`.lora_b`, adapter.lora.alpha, rows already in the GGUF base's order).
 
-Owns the file format and PEFT's names; what fits a base is architectures/lora.py's to say. Every
+Owns the file formats and their names; what fits a base is architectures/lora.py's to say. Every
 mismatch is a ModelLoadError naming the file and the module or field.
 """
 from __future__ import annotations
@@ -15,8 +16,11 @@ from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.lora import TARGETS, LoraAdapter, check_name, check_rank, check_scale, factors
 from soma_runtime.architectures.registry import HF_LAYER_NAMES, canonical_hf_name, lookup
 from soma_runtime.architectures.weights import Weights
+from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+from soma_runtime.loaders.gguf import read_gguf
 from soma_runtime.loaders.safetensors import read_safetensors
+from soma_runtime.quant import dequantize
 from soma_runtime.text.tokenizer import read_json
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -59,14 +63,53 @@ def check_targets(targets, cfg: DecoderConfig, where: str) -> None:
 
 
 def adapter_name(path, name: str | None = None) -> str:
-    """The checked name of the adapter at `path`: `name`, or the directory's; ModelLoadError for a path
-    that climbs ('..') or a name that is not one."""
+    """The checked name of the adapter at `path`: `name`, or the directory's (a GGUF file's, less .gguf);
+    ModelLoadError for a path that climbs ('..') or a name that is not one."""
     if not isinstance(path, str) or ".." in path.replace("\\", "/").split("/"):
         raise ModelLoadError(f"an adapter path must not contain '..', got {path!r}")
-    return check_name(os.path.basename(os.path.normpath(path)) if name is None else name)
+    return check_name(os.path.basename(os.path.normpath(path)).removesuffix(".gguf") if name is None else name)
 
 
-def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None, alpha: float = 1.0) -> LoraAdapter:
+def read_lora(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None, alpha: float = 1.0) -> LoraAdapter:
+    """The adapter at `path` (a PEFT directory, or a llama.cpp GGUF LoRA file) for this base."""
+    return (read_gguf_lora if os.path.isfile(path) else read_peft)(path, cfg, weights, name, alpha)
+
+
+def read_gguf_lora(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None,
+                   alpha: float = 1.0) -> LoraAdapter:
+    """A llama.cpp GGUF LoRA (general.type "adapter", adapter.type "lora") for this base: its scale, as
+    llama.cpp's, is alpha * adapter.lora.alpha / rank (alpha alone where the file's is 0)."""
+    name = adapter_name(path, name)
+    strength = check_scale(alpha, f"{path}: alpha")
+    f = read_gguf(path)
+    meta = f.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise UnsupportedModelError(f"{path}: not a GGUF LoRA (general.type {meta.get('general.type')!r}, "
+                                    f"adapter.type {meta.get('adapter.type')!r})")
+    arch = lookup(cfg.model_type).gguf_arch
+    if meta.get("general.architecture") != arch:
+        raise ModelLoadError(f"{path}: an adapter for {meta.get('general.architecture')!r}, the base is {arch!r}")
+    file_alpha = check_scale(meta.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha")
+    found: dict[str, dict] = {}
+    for key, tensor in f.tensors.items():
+        module, dot, factor = key.removesuffix("_a").removesuffix("_b").rpartition(".weight.lora")
+        if not dot or factor or not key.endswith(("_a", "_b")):
+            raise ModelLoadError(f"{path}: tensor {key!r} is not a LoRA factor (NAME.weight.lora_a or _b)")
+        found.setdefault(module, {})[key[-1]] = dequantize(tensor) if isinstance(tensor, QTensor) else tensor
+    if not found:
+        raise ModelLoadError(f"{path}: no LoRA factors")
+    modules = {}
+    for module, parts in found.items():
+        if "a" not in parts or "b" not in parts:
+            raise ModelLoadError(f"{path}: module {module} lacks {module}.weight.lora_{'a' if 'a' not in parts else 'b'}")
+        rank = check_rank(int(parts["a"].shape[0]), f"{path}: rank of {module}")
+        scale = strength * (file_alpha / rank if file_alpha else 1.0)
+        modules[module] = factors(cfg, weights, module, parts["a"], parts["b"], scale, rank, None, path, hf_rows=False)
+    return LoraAdapter(name, path, modules, strength)
+
+
+def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None = None,
+              alpha: float = 1.0) -> LoraAdapter:
     """The adapter in directory `path` for this base, named `name` (default: the directory's name), its update
     times `alpha` (1: as trained)."""
     name = adapter_name(path, name)
