@@ -212,9 +212,7 @@ class TextModel(Model):
 
     def unload_lora(self, name: str) -> None:
         """Requests can no longer pick the adapter; those running under it finish under it."""
-        if self.engine.lora is None:
-            raise RequestError(f"no adapter named {name!r} is loaded (loaded: none)")
-        self.engine.lora.remove(name)
+        self.engine.adapters(name).remove(name)
 
     def list_loras(self) -> list[dict]:
         """The loaded adapters: name, alpha, rank, params, source, modules."""
@@ -397,4 +395,5 @@ class TextModel(Model):
                 "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
                 "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations, "gpu_layers": self.engine.device_layers,
                 "tensor_parallel": 1 if self.engine.shard is None else self.engine.shard.ranks,
-                "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions)}
+                "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions),
+                "loras": [entry["name"] for entry in self.list_loras()]}

@@ -271,7 +271,7 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
-                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None, max_loras: int = 0,
+                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None,
                  lora: LoraTable | None = None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
@@ -284,10 +284,7 @@ class Engine:
             raise ParallelError("a model split over tensor-parallel ranks runs whole on each rank's device (no gpu_layers)")
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
-        self.lora = lora                  # adapters at run time, once a first is wanted (enable_lora), or another's
-        if max_loras and lora is None:
-            self.whole("LoRA adapters")
-            self.lora = LoraTable(adapted_modules(self.cfg, weights), max_loras)
+        self.lora = lora                  # adapters at run time, once a first is wanted (enable_lora), or its target's
         self.kv_quality: dict[str, calibration.KindQuality] | None = None    # the ladder's kinds, measured on first need
         self.cache = self.centered(cache_of(self.cfg, kv_dtype))
         self.stages, self.pool = self.build_stages(), self.new_pool()
@@ -324,13 +321,15 @@ class Engine:
                 self.stages, self.row_bytes = self.build_stages(), None
         return self.lora
 
+    def adapters(self, name: str) -> LoraTable:
+        """The adapter slots, where the adapter `name` is wanted; RequestError where none was ever loaded."""
+        if self.lora is None:
+            raise RequestError(f"no adapter named {name!r} is loaded (loaded: none)")
+        return self.lora
+
     def variant(self, lora: str | None, scale: float = 1.0) -> Variant:
         """What a sequence runs under: the adapter named `lora` at `scale` (held until `release`), or the base."""
-        if lora is None:
-            return BASE
-        if self.lora is None:
-            raise RequestError(f"no adapter named {lora!r} is loaded (loaded: none)")
-        return self.lora.use(lora, scale)
+        return BASE if lora is None else self.adapters(lora).use(lora, scale)
 
     def release(self, seq: Sequence) -> None:
         """A sequence ended: its pages back to the pool, its hold on its adapter let go."""
@@ -629,8 +628,6 @@ class Engine:
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
         req.sampling.validate()
         if req.lora is not None:
-            if self.lora is None:
-                raise RequestError(f"no adapter named {req.lora!r} is loaded (loaded: none)")
-            self.lora.check(req.lora, req.lora_scale)
+            self.adapters(req.lora).check(req.lora, req.lora_scale)
         if req.constraint is not None:
             self.grammars.prototype(req.constraint)        # compiled (and cached) now: a bad one fails the request

@@ -29,6 +29,7 @@ KEYS = itertools.count(1)    # prefix-cache keys, never reused within a process
 
 @dataclass
 class Loaded:
+    """A loaded adapter: its slot in the stacks, its prefix-cache key."""
     adapter: LoraAdapter
     slot: int
     key: int
