@@ -21,7 +21,7 @@ from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.quant import dequantize
 
-TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")   # a layer's linear kinds
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")   # linear kinds
 MAX_RANK = 1024                     # a rank beyond this is no low-rank adapter
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 

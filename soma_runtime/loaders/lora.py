@@ -27,12 +27,19 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 TENSOR = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.(?:lora_(?P<factor>[AB])\.weight|lora_magnitude_vector)$")
 UNSUPPORTED = ("modules_to_save", "lora_bias", "fan_in_fan_out", "trainable_token_indices", "layer_replication",
                "target_parameters", "use_qalora", "alora_invocation_tokens")      # options whose meaning is not a plain LoRA
-HF_TARGETS = {hf: kind for hf, kind in HF_LAYER_NAMES.items() if kind in TARGETS and hf != "mlp.gate_up_proj"}
+HF_TARGETS = {hf: kind for hf, kind in HF_LAYER_NAMES.items() if kind in TARGETS}
+ALL_LINEAR = "all-linear"            # PEFT's name for every linear layer but the head
 
 
-def base_modules(cfg: DecoderConfig) -> list[str]:
-    """The HF names of the base's modules a LoRA may target (PEFT's, without the wrapper's prefix)."""
-    return [f"model.layers.{i}.{hf}" for i in range(cfg.num_layers) for hf in HF_TARGETS]
+def base_modules(cfg: DecoderConfig, weights: Weights) -> list[str]:
+    """The HF names of the base's modules a LoRA may target (PEFT's, without the wrapper's prefix): its
+    linear layers, q/k/v or qkv, gate and up or gate_up, as it has them."""
+    modules = []
+    for i in range(cfg.num_layers):
+        fused_mlp = f"blk.{i}.ffn_gate.weight" not in weights          # ffn_up holds gate and up (phi3)
+        modules += [f"model.layers.{i}.{hf}" for hf, kind in HF_TARGETS.items() if f"blk.{i}.{kind}.weight" in weights
+                    and (kind != "ffn_up" or (hf == "mlp.gate_up_proj") == fused_mlp)]
+    return modules
 
 
 def pattern_value(patterns: dict, module: str, default):
@@ -43,9 +50,11 @@ def pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def check_targets(targets, cfg: DecoderConfig, where: str) -> None:
+def check_targets(targets, cfg: DecoderConfig, weights: Weights, where: str) -> None:
     """Each target name must be a module kind of the base (a regex: match one of its modules)."""
-    modules = base_modules(cfg)
+    modules = base_modules(cfg, weights)
+    if targets == ALL_LINEAR:
+        return
     if isinstance(targets, str):
         try:
             found = any(re.fullmatch(targets, m) for m in modules)
@@ -59,7 +68,7 @@ def check_targets(targets, cfg: DecoderConfig, where: str) -> None:
     for t in targets:
         if not any(m == t or m.endswith(f".{t}") for m in modules):
             raise ModelLoadError(f"{where}: target module {t!r} does not exist in the base "
-                                 f"(its linear layers: {', '.join(sorted({h.split('.')[-1] for h in HF_TARGETS}))})")
+                                 f"(its linear layers: {', '.join(sorted({m.split('.')[-1] for m in modules}))})")
 
 
 def adapter_name(path, name: str | None = None) -> str:
@@ -127,7 +136,7 @@ def read_peft(path: str, cfg: DecoderConfig, weights: Weights, name: str | None 
         raise UnsupportedModelError(f"{config_path}: bias={config['bias']!r} is not supported at run time (only 'none')")
     rank = check_rank(config.get("r"), f"{config_path}: r")
     alpha = check_scale(config.get("lora_alpha", rank), f"{config_path}: lora_alpha")
-    check_targets(config.get("target_modules"), cfg, config_path)
+    check_targets(config.get("target_modules"), cfg, weights, config_path)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
         raise ModelLoadError(f"{config_path}: rank_pattern and alpha_pattern must be objects")

@@ -473,3 +473,25 @@ def test_a_gguf_that_is_no_lora_of_this_base_is_a_clear_error(single, gguf_bases
         part()
     with pytest.raises(ModelLoadError, match="an adapter for 'qwen2', the base is 'llama'"):
         ours.load_lora(str(tmp_path / "other.gguf"))
+
+
+FAMILY_ADAPTERS = {      # family -> adapters on its own module names (phi3: fused qkv and gate_up)
+    "qwen2": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"]},
+    "phi3": {"r": 8, "lora_alpha": 8, "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
+    "gemma": {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"},
+    "mistral": {"r": 6, "lora_alpha": 6, "use_rslora": True, "target_modules": ["k_proj", "gate_proj", "down_proj"]},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_ADAPTERS))
+def test_adapters_on_other_families_equal_peft(tmp_path, family):
+    """qwen2's q/k/v biases (DoRA scales the product before the bias, as PEFT), phi3's fused projections,
+    gemma's norms and tied head with PEFT's all-linear, mistral's sliding window."""
+    hf, tok = build_model(family, str(tmp_path / "base"))
+    peft = make_adapter(hf, FAMILY_ADAPTERS[family], str(tmp_path / "adapter"), 7)
+    ids = tok.encode(PROMPT).ids
+    want = reference_logits(peft, ids)
+    assert np.abs(want - reference_logits(hf, ids)).max() > 0.05, "the adapter changes nothing"
+    ours = Runtime(backend="cpu").load(str(tmp_path / "base"), progress=False, kv_dtype="f32", activations="f32")
+    ours.load_lora(str(tmp_path / "adapter"))
+    close(ours.logits(ids, lora="adapter"), want, family)
