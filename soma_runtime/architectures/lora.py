@@ -2,9 +2,9 @@
 template's linear layers are named), checked against the base's config and weights.
 
 Owns what an adapter is once read (LoraAdapter) and whether it fits a base: its modules exist and are
-linear layers the template keeps apart (q, k, v, o, gate, up, down), its factors' shapes and ranks agree
-with their weights, its numbers are finite. Knows nothing of files (loaders/peft.py reads them) or of
-how adapters are batched (engine/lora.py).
+the template's linear layers (q, k, v or qkv, o, gate, up or gate_up, down), its factors' shapes and ranks
+agree with their weights, its numbers are finite. Knows nothing of files (loaders/lora.py reads them) or
+of how adapters are batched (engine/generate/lora.py).
 """
 from __future__ import annotations
 
@@ -121,8 +121,6 @@ def factors(cfg: DecoderConfig, weights: Weights, module: str, a, b, scale: floa
         if magnitude.shape != (out,) or not np.isfinite(magnitude).all():
             raise ModelLoadError(f"{where}: DoRA's magnitude must be {out} finite values, got {list(magnitude.shape)}")
         magnitude = permute_for_interleaved_rope(magnitude, heads) if interleaved else magnitude
-        base = weights[f"{module}.weight"]
-        merged = np.asarray(dequantize(base) if isinstance(base, QTensor) else base, np.float32) + b @ a
-        norm = np.linalg.norm(merged, axis=1)
+        norm = np.linalg.norm(merged(weights[f"{module}.weight"], LoraFactors(a, b)), axis=1)
         magnitude = (magnitude / np.where(norm > 0, norm, 1)).astype(np.float32)
     return LoraFactors(np.ascontiguousarray(a), np.ascontiguousarray(b), magnitude)
