@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from soma_runtime.errors import ModelLoadError, RequestError, UnsupportedModelError
 from soma_runtime.tasks import Runtime
+from tests.backends import BACKENDS
 from tests.fixtures.adapters import make_adapter
 from tests.fixtures.decoders import build_model
 
@@ -495,3 +496,18 @@ def test_adapters_on_other_families_equal_peft(tmp_path, family):
     ours = Runtime(backend="cpu").load(str(tmp_path / "base"), progress=False, kv_dtype="f32", activations="f32")
     ours.load_lora(str(tmp_path / "adapter"))
     close(ours.logits(ids, lora="adapter"), want, family)
+
+
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="needs a GPU or Triton (interpreted)")
+@pytest.mark.parametrize("gpu_layers", [None, 1])
+def test_an_adapter_on_the_cuda_backend_whole_or_split_equals_peft(tmp_path, gpu_layers):
+    """On cuda (its kernels interpreted where there is no GPU) lora_apply runs on the host, its inputs copied
+    there; whole, or split with the first layer on cuda and the rest on the host, the logits are PEFT's."""
+    hf, tok = build_model("qwen2", str(tmp_path / "base"))
+    peft = make_adapter(hf, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+                        str(tmp_path / "adapter"), 3)
+    ids = tok.encode(PROMPT).ids
+    ours = Runtime("cuda").load(str(tmp_path / "base"), progress=False, gpu_layers=gpu_layers, kv_dtype="f32")
+    ours.load_lora(str(tmp_path / "adapter"))
+    assert ours.engine.stages[0].backend.name == "cuda"
+    close(ours.logits(ids, lora="adapter"), reference_logits(peft, ids), f"cuda, gpu_layers={gpu_layers}")
