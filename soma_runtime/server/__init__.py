@@ -74,10 +74,11 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     for arg, digest in itertools.zip_longest(sources, sha256):
         model_id, source = parse_model_arg(arg)
         registry.load(None if source == "default" else source, model_id, sha256=digest)
-    text = [served.model for served in registry.models.values() if served.model.task == "generate"]
+    text = [served for served in registry.models.values() if served.model.task == "generate"]
     for path, alpha in loras:
-        for model in text:
-            model.load_lora(path, alpha, max_loras=max_loras)
+        for served in text:
+            served.model.load_lora(path, alpha, max_loras=max_loras)
+            registry.remeasure(served.id)
     app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds),
                      run_budget=run_budget)
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,

@@ -17,7 +17,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
 STEPS, GAP = 8, 1e-3
 ADAPTERS = {"qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "dora-r4": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "down_proj"]},
-            "rank-0": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}
+            "rank-0": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+            "mlp-r16": {"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]}}
 
 
 def greedy(model, ids: list[int]) -> tuple[list[int], int]:
@@ -87,9 +88,11 @@ def test_the_lora_field_with_a_scale_runs_the_adapter_at_that_scale(setup, tmp_p
 
 def test_adapters_load_list_and_unload_at_run_time(setup):
     server, _, peft, tok, _ = setup
+    held = server.get("/v1/models/tiny")[1]["memory_bytes"]
     status, card = server.post("/v1/lora-adapters", {"model": "tiny", "path": "dora-r4", "alpha": 1.0})
     assert status == 200, card
     assert card["id"] == "tiny:dora-r4" and card["rank"] == 4 and "source" not in card
+    assert server.get("/v1/models/tiny")[1]["memory_bytes"] == held     # its slot (of 8, at rank 4) was held already
     listed = [c["id"] for c in server.get("/v1/models")[1]["data"]]
     assert "tiny:dora-r4" in listed and "tiny:qv-r4" in listed
     status, reply = completion(server, "tiny:dora-r4", tok)
@@ -100,6 +103,12 @@ def test_adapters_load_list_and_unload_at_run_time(setup):
     assert [c["id"] for c in server.get("/v1/lora-adapters")[1]["data"]] == ["tiny:qv-r4"]
     status, reply = completion(server, "tiny:dora-r4", tok)
     assert status == 400 and "no adapter named 'dora-r4'" in reply["error"]["message"]
+    assert server.post("/v1/lora-adapters", {"model": "tiny", "path": "mlp-r16"})[0] == 200
+    # every slot of every linear layer widens to rank 16: 8 slots x 12 more ranks x (in + out) f32s
+    sizes = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64), "gate": (64, 128), "up": (64, 128), "down": (128, 64)}
+    grown = 8 * 12 * 2 * sum(k + n for k, n in sizes.values()) * 4
+    assert server.get("/v1/models/tiny")[1]["memory_bytes"] == held + grown
+    assert server.post("/v1/lora-adapters", {"action": "unload", "model": "tiny", "name": "mlp-r16"})[0] == 200
 
 
 @pytest.mark.parametrize("body,status,words", [

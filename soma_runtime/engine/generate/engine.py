@@ -426,10 +426,11 @@ class Engine:
     def memory_bytes(self, device_layers: int | None = None, n_ctx: int | None = None) -> int:
         """What the model holds where its first stage runs (its device): the weights and KV cache of the
         layers there (its KV pool's slots: pool_tokens), with `device_layers` of them on the device and a context of
-        `n_ctx` tokens (default: as it runs)."""
+        `n_ctx` tokens (default: as it runs); and its LoRA slots (host arrays each step reads)."""
         layers = split(self.cfg, self.backend, self.device_layers if device_layers is None else device_layers)[0][0]
         slots = pool_slots(self.pool_tokens(n_ctx))
-        return stage_bytes(self.cfg, self.weights, self.cache, layers, slots) + self.copy_bytes(layers, slots, n_ctx)
+        adapters = 0 if self.lora is None else self.lora.nbytes
+        return stage_bytes(self.cfg, self.weights, self.cache, layers, slots) + self.copy_bytes(layers, slots, n_ctx) + adapters
 
     def copy_bytes(self, layers: range, slots: int, n_ctx: int | None = None) -> int:
         """The float copies a cache keeps besides its pages, for as many sequences as its pool holds of the

@@ -50,6 +50,11 @@ class LoraTable:
         self.factors = self.stacks(1)
 
     @property
+    def nbytes(self) -> int:
+        """The slots' stacks, every module's (what max_loras adapters of the widest rank loaded take)."""
+        return sum(t.nbytes for stack in self.factors.values() for t in stack)
+
+    @property
     def rank(self) -> int:
         return next(iter(self.factors.values()))[0].shape[1]
 

@@ -91,6 +91,7 @@ def router(state: ServerState) -> APIRouter:
             if body.name is None:
                 raise RequestError("unload needs the adapter's `name`")
             served.model.unload_lora(body.name)
+            registry.remeasure(served.id)
             return {"id": f"{served.id}:{body.name}", "object": "model", "deleted": True}
         if body.path is None:
             raise RequestError("load needs the adapter directory's `path`")
@@ -98,6 +99,7 @@ def router(state: ServerState) -> APIRouter:
         if not os.path.exists(path):
             raise ModelNotFound(f"no adapter {body.path!r} in the models directory")
         loaded = await run_in_threadpool(served.model.load_lora, path, body.alpha, body.name)
+        registry.remeasure(served.id)
         return next(c for c in adapter_cards(served) if c["name"] == loaded["name"])
 
     @routes.get("/v1/models/{model_id}")
