@@ -18,7 +18,8 @@ STEPS, GAP = 8, 1e-3
 ADAPTERS = {"qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "dora-r4": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "down_proj"]},
             "rank-0": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
-            "mlp-r16": {"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]}}
+            "mlp-r16": {"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+            "wide-r32": {"r": 32, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj"]}}
 
 
 def greedy(model, ids: list[int]) -> tuple[list[int], int]:
@@ -166,3 +167,39 @@ def test_a_flood_of_load_requests_is_refused_and_the_server_runs_on(setup):
     status, reply = completion(server, "tiny:qv-r4", tok)
     assert status == 200, reply
     same_text(reply, peft["qv-r4"], tok)
+
+
+def test_requests_under_adapters_run_on_while_adapters_load_and_unload(setup):
+    """Completions under the base and two adapters from 6 threads at once, while another thread loads and
+    unloads an adapter of the widest rank yet 10 times (its first load rebuilds the slots' stacks wider as
+    steps run): every reply is 200 and the text each gets alone."""
+    import threading
+    server, _, _, tok, _ = setup
+    models = ["tiny", "tiny:qv-r4", "tiny:dora-r4"]
+    assert server.post("/v1/lora-adapters", {"model": "tiny", "path": "dora-r4"})[0] == 200
+    alone = {m: completion(server, m, tok)[1]["choices"][0]["text"] for m in models}
+    assert len(set(alone.values())) == 3
+    failures, done = [], threading.Event()
+
+    def churn():
+        for _ in range(10):
+            for body in ({"model": "tiny", "path": "wide-r32", "name": "churn"},
+                         {"action": "unload", "model": "tiny", "name": "churn"}):
+                status, reply = server.post("/v1/lora-adapters", body)
+                if status != 200:
+                    failures.append(("churn", status, reply))
+        done.set()
+
+    def ask(model):
+        while not done.is_set():
+            status, reply = completion(server, model, tok)
+            if status != 200 or reply["choices"][0]["text"] != alone[model]:
+                failures.append((model, status, reply))
+
+    threads = [threading.Thread(target=churn)] + [threading.Thread(target=ask, args=(m,)) for m in models * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not failures, failures[:3]
+    assert server.post("/v1/lora-adapters", {"action": "unload", "model": "tiny", "name": "dora-r4"})[0] == 200
