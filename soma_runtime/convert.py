@@ -3,7 +3,8 @@
 Weights go through the same canonicalization as loading (GGUF names, gemma's +1 norms), then take
 llama.cpp's conventions: llama/mistral q/k rows permuted for interleaved rope, llama-3 rope scaling
 as a `rope_freqs` tensor, routers kept f32 and experts merged per layer (`ffn_*_exps`). The tokenizer is
-exported as the `gpt2` (byte-level BPE) kind.
+exported as the `gpt2` (byte-level BPE) kind. PEFT LoRA adapters may be merged into the weights first
+(`--merge-lora`), each checked against the base as a run-time load checks it.
 """
 from __future__ import annotations
 
@@ -13,20 +14,17 @@ import os
 import numpy as np
 
 from soma_runtime.architectures.config import rope_inv_freq
-from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.lora import merged
+from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf, permute_for_interleaved_rope
+from soma_runtime.architectures.weights import Weights
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import UnsupportedModelError
+from soma_runtime.loaders.lora import read_peft
 from soma_runtime.loaders.safetensors import read_checkpoint
 from soma_runtime.quant import quantize
 from soma_runtime.text.tokenizer import CONTROL, USER_DEFINED, read_json
 
 OUT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-
-
-def permute_for_interleaved_rope(w: np.ndarray, heads: int) -> np.ndarray:
-    """HF rotates pairs (i, i + d/2); llama.cpp's llama rope rotates (2i, 2i + 1): reorder the rows."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def rope_factors(rope: dict, dim: int) -> np.ndarray:
@@ -76,7 +74,7 @@ def tokenizer_metadata(directory: str) -> dict:
             "add_bos": bool(config.get("add_bos_token", False)), "chat_template": config.get("chat_template")}
 
 
-def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> str:
+def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16", loras: list[tuple[str, float]] = ()) -> str:
     import gguf
     if out_type not in OUT_TYPES:
         raise ValueError(f"output type must be one of {', '.join(OUT_TYPES)}, got {out_type!r}")
@@ -85,6 +83,10 @@ def convert_hf_to_gguf(directory: str, out_path: str, out_type: str = "f16") -> 
     spec, cfg = config_for_hf(hf)
     arch = spec.gguf_arch
     tensors = canonical_hf_weights(read_checkpoint(directory), spec)
+    for path, alpha in loras:                    # merged into the weights, each checked against the base first
+        adapter = read_peft(path, cfg, Weights(tensors, directory), alpha=alpha)
+        for module, factors in adapter.modules.items():
+            tensors[f"{module}.weight"] = merged(tensors[f"{module}.weight"], factors)
     w = gguf.GGUFWriter(out_path, arch)
     w.add_name(os.path.basename(os.path.normpath(directory)))
     w.add_context_length(cfg.max_position)

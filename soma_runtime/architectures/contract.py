@@ -120,6 +120,16 @@ class Attention:
 
 
 @dataclass
+class LoraStep:
+    """What every adapted linear layer reads in one step: each row's adapter slot [S] (-1: none) and scale
+    [S], and per module ("blk.3.attn_q") the slots' stacked factors a [LN, LR, in], b [LN, out, LR] and
+    DoRA magnitudes [LN, out] (architectures/lora.py's, padded to the widest rank LR)."""
+    index: object
+    scale: object
+    factors: dict[str, tuple] = field(default_factory=dict)
+
+
+@dataclass
 class DecoderStep:
     """One forward of a decoder: token ids, attention inputs, the rows whose logits are wanted with their
     sampling rows (temperature, top_k, top_p, min_p, u), and the cache's pages (k, v per layer) and copy
@@ -132,6 +142,7 @@ class DecoderStep:
     pages: list = field(default_factory=list)
     hidden: object = None
     copies: list = field(default_factory=list)
+    lora: LoraStep | None = None
 
 
 @dataclass
@@ -150,10 +161,13 @@ class DecoderIO:
     """A decoder graph's inputs and outputs for a given cache. Dims: S rows, T context slots, R wanted
     rows, P pages of BLK slots. A graph may hold a run of the layers (a model split across devices): one
     not starting at layer 0 takes the hidden rows [S, width] the one before gives, one not ending at the
-    last layer gives its hidden rows instead of logits and choices."""
+    last layer gives its hidden rows instead of logits and choices. `lora` gives the modules whose products
+    take adapters, with their (in, out) sizes: the graph then reads a LoraStep."""
 
-    def __init__(self, cache: PagedKV, layers: range | None = None, width: int = 0):
+    def __init__(self, cache: PagedKV, layers: range | None = None, width: int = 0,
+                 lora: dict[str, tuple[int, int]] | None = None):
         self.cache, self.layers, self.width = cache, range(cache.layers) if layers is None else layers, width
+        self.lora = {m: sizes for m, sizes in (lora or {}).items() if int(m.split(".")[1]) in self.layers}
 
     @property
     def first(self) -> bool:
@@ -185,7 +199,12 @@ class DecoderIO:
         rows, sampling = None, None
         if self.last:
             rows, sampling = g.input("logit_rows", ("R",), "i64"), g.input("sampling", ("R", 5), "f32")
-        return DecoderStep(ids, attention, rows, sampling, pages, hidden, copies)
+        lora = None
+        if self.lora:
+            lora = LoraStep(g.input("lora_index", ("S",), "i64"), g.input("lora_scale", ("S",), "f32"),
+                            {m: (g.input(f"lora_a.{m}", ("LN", "LR", k), "f32"), g.input(f"lora_b.{m}", ("LN", n, "LR"), "f32"),
+                                 g.input(f"lora_m.{m}", ("LN", n), "f32")) for m, (k, n) in self.lora.items()})
+        return DecoderStep(ids, attention, rows, sampling, pages, hidden, copies, lora)
 
     @functools.cached_property
     def copy_layers(self) -> list[int]:
@@ -208,6 +227,10 @@ class DecoderIO:
         if self.copy_layers:
             named.update(copy_slots=a.copy_slots, copy_written=a.copy_written)
             named.update({f"{kv}_copies.{i}": step.copies[kv_index(i, j)] for i in self.copy_layers for j, kv in enumerate("kv")})
+        if self.lora:
+            named.update(lora_index=step.lora.index, lora_scale=step.lora.scale)
+            for m in self.lora:
+                named[f"lora_a.{m}"], named[f"lora_b.{m}"], named[f"lora_m.{m}"] = step.lora.factors[m]
         return named
 
     def shared(self) -> set[str]:

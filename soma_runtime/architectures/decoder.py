@@ -101,6 +101,9 @@ def build_decoder(cfg: DecoderConfig, weights: Weights, io: DecoderIO, activatio
 
     def linear(x, name, summed=False):
         y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations=activations)
+        if step.lora is not None and name in step.lora.factors:      # before the bias: DoRA scales the product alone
+            a, b, magnitude = step.lora.factors[name]
+            y = g.lora_apply(y, x, a, b, step.lora.index, step.lora.scale, magnitude)
         if summed and shard is not None:         # a row-parallel product: each rank holds a part of the sum
             y = g.all_reduce(y)
         return g.add(y, const(f"{name}.bias", f32=True)) if f"{name}.bias" in weights else y

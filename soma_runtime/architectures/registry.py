@@ -72,6 +72,12 @@ def supported() -> list[str]:
 
 # --- tensor names ------------------------------------------------------------------------------
 
+def permute_for_interleaved_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rotates pairs (i, i + d/2); llama.cpp's llama rope rotates (2i, 2i + 1): reorder the rows."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 HF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -105,6 +105,21 @@ def add_generation_args(p) -> None:
     p.add_argument("--draft", default=None, metavar="prompt-lookup|layers:N|MODEL",
                    help="speculative decoding: drafts from n-grams of the text so far, from the model's first N layers, "
                         "or from a smaller model of the same vocabulary")
+    p.add_argument("--lora", action="append", type=lora_arg, default=None, metavar="PATH[:SCALE]",
+                   help="a LoRA adapter (a PEFT directory or a llama.cpp GGUF LoRA file), its update times SCALE (default "
+                        "1): run generates under it; serve loads each on its text models, for requests that name it "
+                        "(model `base:adapter`, or `lora`)")
+    p.add_argument("--max-loras", type=int, default=8, metavar="N",
+                   help="adapters a model holds at once (default: 8)")
+
+
+def lora_arg(text: str) -> tuple[str, float]:
+    """PATH[:SCALE]: an adapter directory and the strength it is loaded at."""
+    path, _, scale = text.rpartition(":")
+    try:
+        return (path, float(scale)) if path else (text, 1.0)
+    except ValueError:
+        return text, 1.0
 
 
 def add_sha256_arg(p) -> None:
@@ -134,6 +149,10 @@ def cmd_run(args) -> int:
     if args.prompt is None:
         raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
     params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
+    if args.lora:
+        if len(args.lora) > 1:
+            raise RequestError("run generates under one --lora at a time")
+        params["lora"] = model.load_lora(*args.lora[0], max_loras=args.max_loras)["name"]
     params.update(json_schema=read_text(args.json_schema, "--json-schema"), regex=args.regex,
                   grammar=read_text(args.grammar, "--grammar"))
     prompt = read_prompt(args.prompt)
@@ -297,7 +316,7 @@ def cmd_serve(args) -> int:
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
           args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers, tensor_parallel=args.tensor_parallel,
-          run_budget=run_budget(args))
+          run_budget=run_budget(args), loras=args.lora or [], max_loras=args.max_loras)
     return 0
 
 
@@ -339,7 +358,7 @@ def cmd_import(args) -> int:
 
 def cmd_convert(args) -> int:
     from soma_runtime.convert import convert_hf_to_gguf
-    print(convert_hf_to_gguf(args.src, args.out, args.type))
+    print(convert_hf_to_gguf(args.src, args.out, args.type, args.merge_lora or []))
     return 0
 
 
@@ -467,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="Hugging Face model directory")
     conv.add_argument("out", help="output .gguf path")
     conv.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_0", "q4_1"))
+    conv.add_argument("--merge-lora", action="append", type=lora_arg, default=None, metavar="PATH[:SCALE]",
+                      help="fold a PEFT LoRA directory into the weights, its update times SCALE (repeatable)")
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
     return p

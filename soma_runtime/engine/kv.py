@@ -36,6 +36,19 @@ ROLLBACK = 16       # tokens a sequence may be rolled back (rejected drafts); pa
 BLOCK = 16          # tokens a page
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What a sequence's K/V are computed under besides its tokens: an adapter's slot in the step's LoRA
+    stacks (-1: none) and its scale. `key` stands for it in the prefix cache (0: the base model alone;
+    never the same for two adapters or two loads of one), so a prefix is reused only under what made it."""
+    slot: int = -1
+    scale: float = 0.0
+    key: int = 0
+
+
+BASE = Variant()
+
+
 @dataclass(eq=False)
 class Sequence:
     pages: list[int] = field(default_factory=list)      # its block table from page `dropped` on
@@ -43,11 +56,13 @@ class Sequence:
     published: int = 0                # leading pages already in the prefix cache
     dropped: int = 0                  # leading pages let go: behind every layer's window
     copies: dict[int, int] = field(default_factory=dict)   # page index -> its float copies' page (a compressed cache's)
+    variant: Variant = BASE           # the adapter its rows run under
 
 
-def prefix_hashes(tokens: list[int], block: int) -> list[int]:
-    """One hash per full block: of the block's tokens chained to the hash of everything before it."""
-    hashes, h = [], 0
+def prefix_hashes(tokens: list[int], block: int, key: int = 0) -> list[int]:
+    """One hash per full block: of the block's tokens chained to the hash of everything before it, from
+    `key` (a Variant's: what the K/V were computed under)."""
+    hashes, h = [], key
     for start in range(0, len(tokens) - block + 1, block):
         h = hash((h, tuple(tokens[start:start + block])))
         hashes.append(h)
@@ -273,7 +288,7 @@ class KVPool:
         assert not seq.pages
         if self.window:
             return 0
-        for h in prefix_hashes(tokens[:-1], self.block):
+        for h in prefix_hashes(tokens[:-1], self.block, seq.variant.key):
             page = self.by_hash.get(h)
             if page is None:
                 break
@@ -291,7 +306,7 @@ class KVPool:
         """Publish the sequence's full pages, whose K/V are the cache of `tokens`' prefix."""
         full = min(seq.length, len(tokens)) // self.block
         first = max(seq.published, seq.dropped)
-        for i, h in enumerate(prefix_hashes(tokens[: full * self.block], self.block)[first:], first):
+        for i, h in enumerate(prefix_hashes(tokens[: full * self.block], self.block, seq.variant.key)[first:], first):
             page = seq.pages[i - seq.dropped]
             if h not in self.by_hash and page not in self.hash_of:
                 self.by_hash[h], self.hash_of[page] = page, h
@@ -306,7 +321,7 @@ class KVPool:
         full = seq.length // self.block - seq.dropped
         for page in seq.pages[:full]:
             self.refs[page] += 1
-        copy = Sequence(seq.pages[:full], seq.length, dropped=seq.dropped)
+        copy = Sequence(seq.pages[:full], seq.length, dropped=seq.dropped, variant=seq.variant)
         if seq.length % self.block:
             page, source = self._take(), seq.pages[full]
             for pages in (*self.k, *self.v):

@@ -45,13 +45,14 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
           policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
           max_connections: int = 1024, draft: str | None = None, overflow: str | None = None,
           kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1,
-          run_budget=None) -> None:
+          run_budget=None, loras: list[tuple[str, float]] = (), max_loras: int = 8) -> None:
     """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
     SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from. `draft`: speculative
     decoding for the text models (Runtime.speculate); `overflow`: what they do with prompts beyond their
     context (TextModel); `kv_dtype`: their KV cache's type, `gpu_layers`: how many of their layers run on the
     device, `tensor_parallel`: over how many processes (GPUs) each is split (Runtime.load); `run_budget`: what
-    one /v1/run may compute (ir.plan.RunBudget; engine.graph.DEFAULT_BUDGET if None)."""
+    one /v1/run may compute (ir.plan.RunBudget; engine.graph.DEFAULT_BUDGET if None); `loras`: (path, alpha) of
+    LoRA adapters every text model loads at start (TextModel.load_lora, up to `max_loras` each)."""
     import functools
 
     import uvicorn
@@ -73,6 +74,11 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     for arg, digest in itertools.zip_longest(sources, sha256):
         model_id, source = parse_model_arg(arg)
         registry.load(None if source == "default" else source, model_id, sha256=digest)
+    text = [served for served in registry.models.values() if served.model.task == "generate"]
+    for path, alpha in loras:
+        for served in text:
+            served.model.load_lora(path, alpha, max_loras=max_loras)
+            registry.remeasure(served.id)
     app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds),
                      run_budget=run_budget)
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,

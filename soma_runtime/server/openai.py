@@ -24,7 +24,8 @@ ARGUMENT_FRAGMENT = 32        # characters of a streamed call's arguments per ch
 
 
 class Sampling(BaseModel):
-    """The sampling fields both completion routes take. Strict: `true` or `2.5` is no token count."""
+    """The sampling fields both completion routes take. Strict: `true` or `2.5` is no token count. `lora`
+    (an extension, as llama.cpp's server has one): the adapter to run under, by name or {name, scale}."""
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = None
@@ -42,6 +43,7 @@ class Sampling(BaseModel):
     stream_options: dict | None = None
     response_format: dict | None = None
     ignore_eos: bool = False             # llama.cpp's: run to max_tokens past end-of-sequence tokens
+    lora: str | dict | None = None
     _turn: Turn | None = PrivateAttr(None)
 
     @property
@@ -72,9 +74,30 @@ class Sampling(BaseModel):
                                                 "presence_penalty", "frequency_penalty")}
         max_tokens = self.max_tokens or default_max or model.context_length       # cut to what the context leaves
         seeded = self.seed is not None and self.seed != -1
+        adapter = self.adapter()
         return [model.request(prompt_ids, max_tokens, self.stop, logprobs=logprobs, constraint=constraint,
-                              ignore_eos=self.ignore_eos, seed=(self.seed + i) % SEED_LIMIT if seeded else None, **params)
+                              ignore_eos=self.ignore_eos, seed=(self.seed + i) % SEED_LIMIT if seeded else None,
+                              **adapter, **params)
                 for i in range(self.n)]
+
+    def adapter(self) -> dict:
+        """The engine request's adapter fields from `lora`: an adapter's name, or {name, scale}."""
+        if self.lora is None or isinstance(self.lora, str):
+            return {} if self.lora is None else {"lora": self.lora}
+        if set(self.lora) - {"name", "scale"} or not isinstance(self.lora.get("name"), str):
+            raise RequestError(f"lora must be an adapter's name or {{name, scale}}, got the fields {sorted(self.lora)}")
+        return {"lora": self.lora["name"], "lora_scale": self.lora.get("scale", 1.0)}
+
+    def adapter_in_name(self, models) -> str:
+        """The served model's id: a `base:adapter` name (of no model of that id) is the model `base` running
+        under the adapter, as vLLM's and llama.cpp's servers take it."""
+        base, _, adapter = self.model.rpartition(":")
+        if self.model in models or not base or base not in models:
+            return self.model
+        if self.lora is not None:
+            raise RequestError(f"model {self.model!r} names an adapter and so does `lora`: give one")
+        self.lora = adapter
+        return base
 
     @property
     def include_usage(self) -> bool:

@@ -257,6 +257,12 @@ class ModelRegistry:
             return {"budget_bytes": self.budget, "used_bytes": self.used_bytes, "models": models,
                     "degradations": dict(self.degradations), "evicted": self.evicted}
 
+    def remeasure(self, model_id: str) -> None:
+        """A served model's bytes measured again (its LoRA adapters changed what it holds)."""
+        with self.lock:
+            served = self.get(model_id)
+            served.bytes = served.model.memory_bytes
+
     def unload(self, model_id: str) -> None:
         with self.lock:
             self.get(model_id)

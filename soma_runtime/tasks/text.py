@@ -22,6 +22,7 @@ from soma_runtime.engine.generate import (
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
 from soma_runtime.ir.backend import Backend, Precision
+from soma_runtime.loaders.lora import adapter_name, read_lora
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
 from soma_runtime.text.chat import ChatTemplate, characters, check_messages
@@ -34,6 +35,7 @@ SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
 LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
 OVERFLOWS = ("error", "truncate", "slide")   # what a text model does with a prompt beyond its context
+MAX_LORAS = 8               # adapters a model holds at once unless load_lora says
 PROMPT_SHARE = 0.75         # a truncated prompt takes at most this share of the context; the rest is the reply's
 log = logging.getLogger("soma_runtime")
 
@@ -143,7 +145,7 @@ class TextModel(Model):
         layers = draft.removeprefix("layers:") if isinstance(draft, str) else ""
         if not layers.isdigit():
             raise RequestError(f'draft must be "prompt-lookup", "layers:N" or a text model, got {draft!r}')
-        return DraftModel(self.engine.first_layers(int(layers)))
+        return DraftModel(self.engine.first_layers(int(layers)), adapters=True)
 
     @property
     def context_length(self) -> int:
@@ -195,11 +197,34 @@ class TextModel(Model):
         check_count("n_ctx", n_ctx)
         self.engine.limit_context(n_ctx)
 
+    def load_lora(self, path: str, alpha: float = 1.0, name: str | None = None, max_loras: int = MAX_LORAS) -> dict:
+        """Load a LoRA adapter, a PEFT directory (adapter_config.json + adapter_model.safetensors) or a
+        llama.cpp GGUF LoRA file, for this model's requests to run under by its `name` (default: the
+        directory's or file's name), its update scaled by `alpha` (1: as trained). The first one rebuilds
+        the model's graphs with an adapter op beside each linear layer, for up to `max_loras` adapters at
+        once; requests already running go on. ModelLoadError for an adapter that does not fit the base
+        (naming the module), RequestError where the name is taken or every slot is."""
+        if self.engine.lora is not None:          # refused before its files are read
+            self.engine.lora.check_room(adapter_name(path, name))
+        adapter = read_lora(path, self.engine.cfg, self.engine.weights, name, alpha)
+        self.engine.enable_lora(max_loras).add(adapter)
+        return next(entry for entry in self.list_loras() if entry["name"] == adapter.name)
+
+    def unload_lora(self, name: str) -> None:
+        """Requests can no longer pick the adapter; those running under it finish under it."""
+        self.engine.adapters(name).remove(name)
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters: name, alpha, rank, params, source, modules."""
+        return [] if self.engine.lora is None else self.engine.lora.listing()
+
     def request(self, prompt_ids: list[int], max_tokens: int | None = None, stop=None, logprobs: int | None = None,
-                ignore_eos: bool = False, constraint: Constraint | None = None, **params) -> GenerationRequest:
+                ignore_eos: bool = False, constraint: Constraint | None = None, lora: str | None = None,
+                lora_scale: float = 1.0, **params) -> GenerationRequest:
         """A checked GenerationRequest: every argument of the wrong type or out of range is a RequestError
         naming it; `max_tokens` is cut to what the context leaves after the prompt. `ignore_eos` runs to
-        `max_tokens` past end-of-sequence tokens (benchmarks); `constraint`, what the text must match."""
+        `max_tokens` past end-of-sequence tokens (benchmarks); `constraint`, what the text must match;
+        `lora`, the loaded adapter it runs under, at `lora_scale`."""
         max_tokens = max_tokens if max_tokens is not None else self.loaded.sampling.get("max_tokens", 256)
         prompt_ids = self.truncated(prompt_ids) if self.overflow == "truncate" else prompt_ids
         check_flag("ignore_eos", ignore_eos)
@@ -207,7 +232,7 @@ class TextModel(Model):
             raise RequestError(f"constraint must be a Constraint (or give json_schema, regex or grammar), "
                                f"got {type(constraint).__name__}")
         req = GenerationRequest(self.prompt_ids(prompt_ids), max_tokens, self.stops(stop), self.sampling(**params), logprobs,
-                                ignore_eos, constraint)
+                                ignore_eos, constraint, lora, lora_scale)
         self.engine.check(req)
         req.max_tokens = min(req.max_tokens, self.engine.max_length - len(req.prompt_ids))
         return req
@@ -340,9 +365,9 @@ class TextModel(Model):
         reply = turn.read("".join(t.text for t in tokens))
         return reply if tools else reply.content
 
-    def logits(self, prompt: str | list[int]) -> np.ndarray:
-        """Next-token logits at every position of the prompt: [tokens, vocab] f32."""
-        return self.engine.logits(self.prompt_ids(prompt))
+    def logits(self, prompt: str | list[int], lora: str | None = None, lora_scale: float = 1.0) -> np.ndarray:
+        """Next-token logits at every position of the prompt: [tokens, vocab] f32 (under an adapter, where named)."""
+        return self.engine.logits(self.prompt_ids(prompt), lora, lora_scale)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -370,4 +395,5 @@ class TextModel(Model):
                 "vocab_size": cfg.vocab_size, "context": self.engine.n_ctx, "max_position": cfg.max_position,
                 "kv_dtype": self.engine.kv_dtype, "activations": self.engine.activations, "gpu_layers": self.engine.device_layers,
                 "tensor_parallel": 1 if self.engine.shard is None else self.engine.shard.ranks,
-                "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions)}
+                "chat_template": self.chat_template is not None, "fusions": dict(self.engine.fusions),
+                "loras": [entry["name"] for entry in self.list_loras()]}

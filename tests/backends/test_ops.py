@@ -714,6 +714,40 @@ case("moe_ffn", routed(6, 4, 2, 8, 5), torch_moe_ffn)
 case("moe_ffn", routed(1, 8, 3, 16, 12, seed=1), torch_moe_ffn, id="one-token")
 
 
+def adapted(rows, adapters, rank, inputs, outputs, index, seed=0, dora=False, folded=False):
+    """lora_apply inputs: a product y, its input x, stacked adapter factors, each row's adapter (-1: none) and
+    scale, and with `dora` each adapter's magnitude per output; `folded` adds a residual and a norm weight."""
+    def make(dt):
+        rng = np.random.default_rng(seed)
+        y, x = randn(rows, outputs, rng=rng), randn(rows, inputs, rng=rng)
+        a, b = randn(adapters, rank, inputs, rng=rng), randn(adapters, outputs, rank, rng=rng)
+        scale = rng.random(rows).astype(np.float32) + 0.5
+        magnitude = rng.random((adapters, outputs)).astype(np.float32) + 0.5 if dora or folded else None
+        folds = [randn(rows, outputs, rng=rng).astype(NP[dt]), rng.random(inputs).astype(NP[dt]) + 0.5] if folded else []
+        return [y.astype(NP[dt]), x.astype(NP[dt]), a.astype(NP[dt]), b.astype(NP[dt]), np.asarray(index, np.int64), scale,
+                *([magnitude] if magnitude is not None else []), *folds]
+    return make
+
+
+def torch_lora_apply(y, x, a, b, index, scale, magnitude=None, residual=None, norm=None):
+    if norm is not None:
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm
+    out = y.clone()
+    for s, i in enumerate(index.tolist()):
+        if i >= 0:
+            out[s] += scale[s] * ((x[s] @ a[i].T) @ b[i].T)
+            out[s] *= 1 if magnitude is None else magnitude[i]
+    return out if residual is None else out + residual
+
+
+case("lora_apply", adapted(5, 3, 4, 8, 6, [0, -1, 2, 0, 1]), torch_lora_apply)
+case("lora_apply", adapted(3, 2, 2, 5, 7, [-1, -1, -1], seed=1), torch_lora_apply, id="no-adapter")
+case("lora_apply", adapted(4, 2, 3, 6, 5, [1, -1, 0, 1], seed=2, dora=True), torch_lora_apply, id="dora")
+case("lora_apply", adapted(4, 3, 2, 8, 6, [2, -1, 0, 2], seed=3, folded=True), torch_lora_apply, id="norm-residual")
+case("lora_apply", adapted(40, 3, 4, 8, 6, [i % 4 - 1 for i in range(40)], seed=4, folded=True), torch_lora_apply,
+     id="many-rows")
+
+
 # a chain of elementwise ops (passes/chains.py makes it of f32 ops only; the CPU compiles it, other backends
 # run its atoms)
 GELU_TANH = '[["mul",[0,0],{}],["mul",[2,0],{}],["mul",[3,1],{}],["add",[0,4],{}],["tanh",[5],{}],["mul",[6,0],{}]]'
@@ -759,6 +793,9 @@ HOSTED_ON_CUDA = {
     "range-int-f32", "range-float-f32", "range-down-f32", "nonzero-f32", "nonzero-f16",    # lengths the host learns
     "router-f32", "router-f16", "router-normalized-f32", "router-normalized-f16", "router-sigmoid-bias-f32",
     "moe_ffn-f32", "moe_ffn-f16", "moe_ffn-one-token-f32", "moe_ffn-one-token-f16",
+    "lora_apply-f32", "lora_apply-f16", "lora_apply-no-adapter-f32", "lora_apply-no-adapter-f16",
+    "lora_apply-dora-f32", "lora_apply-dora-f16", "lora_apply-norm-residual-f32", "lora_apply-norm-residual-f16",
+    "lora_apply-many-rows-f32", "lora_apply-many-rows-f16",
     "chain-f32", "chain-broadcast-f32",
     *(f"non_max_suppression-{v}-{dt}" for v in ("corners-40-None", "corners-4-0.3", "center-40-None", "center-4-0.3")
       for dt in ("f32", "f16")),                                  # a greedy walk, box by box: the host's

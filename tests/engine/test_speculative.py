@@ -38,7 +38,7 @@ class Fixed(Drafter):
     def __init__(self, drafts: list[int]):
         self.drafts = drafts
 
-    def propose(self, histories, counts, keys):
+    def propose(self, histories, counts, keys, variants):
         return [self.drafts[:k] for k in counts]
 
 

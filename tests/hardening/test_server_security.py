@@ -40,7 +40,8 @@ def plain():
 def test_every_route_but_health_needs_the_key(guarded, authorization):
     for method, path, body in [("POST", "/v1/chat/completions", CHAT), ("GET", "/v1/models", None),
                                ("GET", "/v1/metrics", None), ("POST", "/v1/models/load", {"path": "smollm2.gguf"}),
-                               ("DELETE", "/v1/models/default", None), ("GET", "/v1/nothing", None)]:
+                               ("DELETE", "/v1/models/default", None), ("GET", "/v1/nothing", None),
+                               ("GET", "/v1/lora-adapters", None), ("POST", "/v1/lora-adapters", {"path": "adapter"})]:
         status, error, headers = guarded.request(method, path, body, {"Authorization": authorization}, full=True)
         assert status == 401 and error["error"]["type"] == "authentication_error", (path, status, error)
         assert headers["www-authenticate"] == "Bearer"
@@ -78,6 +79,10 @@ def test_model_management_is_off_by_default(plain):
     status, error = plain.post("/v1/models/load", {"path": "/tmp"})
     assert status == 403 and "--allow-model-management" in error["error"]["message"]
     assert plain.request("DELETE", "/v1/models/default")[0] == 403
+    for body in ({"path": "/tmp"}, {"action": "unload", "name": "any"}):
+        status, error = plain.post("/v1/lora-adapters", body)
+        assert status == 403 and "--allow-model-management" in error["error"]["message"]
+    assert plain.get("/v1/lora-adapters") == (200, {"object": "list", "data": []})
     assert [m["id"] for m in plain.get("/v1/models")[1]["data"]] == ["default"]
 
 
@@ -88,6 +93,9 @@ def test_loads_never_leave_the_models_directory_nor_say_what_lies_outside(guarde
     assert {status for status, _ in answers.values()} == {403}, answers
     assert len({json.dumps(body) for _, body in answers.values()}) == 1, answers     # one answer, whatever exists
     assert guarded.post("/v1/models/load", {"path": "nothing-here.gguf"})[0] == 404
+    adapters = {path: guarded.post("/v1/lora-adapters", {"path": path}) for path in answers}
+    assert {status for status, _ in adapters.values()} == {403}, adapters
+    assert {json.dumps(body) for _, body in adapters.values()} == {json.dumps(body) for _, body in answers.values()}
     assert [m["id"] for m in guarded.get("/v1/models")[1]["data"]] == ["default"]
 
 

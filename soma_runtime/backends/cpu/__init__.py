@@ -11,6 +11,7 @@ import sys
 import numba
 
 from soma_runtime.backends.cpu import (  # noqa: F401  (registers jets)
+    adapter,
     amx,
     attention,
     autotune,

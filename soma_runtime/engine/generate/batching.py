@@ -255,7 +255,8 @@ class Scheduler:
                 if budget <= 0:
                     continue
                 if stream.pending is None:
-                    first = prefix_hashes(job.req.prompt_ids[:self.engine.pool.block + 1], self.engine.pool.block)[:1]
+                    block = self.engine.pool.block
+                    first = prefix_hashes(job.req.prompt_ids[:block + 1], block, stream.seq.variant.key)[:1]
                     if first and first[0] in leading and first[0] not in self.engine.pool.by_hash:
                         continue            # a prompt in this step shares its start: wait one step, then reuse its pages
                     leading.update(first)
@@ -277,8 +278,9 @@ class Scheduler:
         counts = [s.draft_room() for s in streams]
         if not any(counts):
             return
-        for stream, count, drafts in zip(streams, counts, self.drafter.propose([s.history for s in streams], counts,
-                                                                             [id(s) for s in streams])):
+        proposed = self.drafter.propose([s.history for s in streams], counts, [id(s) for s in streams],
+                                        [s.seq.variant for s in streams])
+        for stream, count, drafts in zip(streams, counts, proposed):
             stream.drafts = drafts[:count]
             if count and not stream.drafts:
                 stream.draft_length.nothing_found()
@@ -323,7 +325,7 @@ class Scheduler:
         if job in self.waiting:
             self.waiting.remove(job)
         if job.stream is not None:
-            self.engine.pool.release(job.stream.seq)
+            self.engine.release(job.stream.seq)
             if self.drafter is not None:
                 self.drafter.release(id(job.stream))
                 self.stats.drafted_tokens += job.stream.metrics.drafted_tokens

@@ -22,12 +22,13 @@ from soma_runtime.architectures.contract import DecoderStep, PagedKV
 from soma_runtime.architectures.decoder import cache_of, sample_width
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.engine.generate import calibration
+from soma_runtime.engine.generate.lora import LoraTable, adapted_modules
 from soma_runtime.engine.generate.sampling import Sampler, SamplingParams, greedy_rows
 from soma_runtime.engine.generate.speculate import DraftLength
 from soma_runtime.engine.generate.stages import Stage, fusions, split, stage_bytes
 from soma_runtime.engine.generate.stops import StopMatcher, check_stops
 from soma_runtime.engine.grammar import Constraint, Grammars
-from soma_runtime.engine.kv import BLOCK, ROLLBACK, KVPool, Sequence, pool_slots
+from soma_runtime.engine.kv import BASE, BLOCK, ROLLBACK, KVPool, Sequence, Variant, pool_slots
 from soma_runtime.errors import ParallelError, PromptTooLong, RequestError
 from soma_runtime.ir import collective
 from soma_runtime.ir.backend import Backend, Precision
@@ -109,6 +110,8 @@ class GenerationRequest:
     logprobs: int | None = None        # alternatives to report per token (0: only the chosen one)
     ignore_eos: bool = False           # run to max_tokens past end-of-sequence tokens (benchmarks)
     constraint: Constraint | None = None   # what the generated text must match
+    lora: str | None = None            # the adapter it runs under (a loaded one's name) ...
+    lora_scale: float = 1.0            # ... at this strength (times the adapter's alpha)
 
 
 class Stream:
@@ -117,7 +120,7 @@ class Stream:
 
     def __init__(self, engine: Engine, req: GenerationRequest):
         engine.check(req)
-        self.engine, self.req, self.seq = engine, req, Sequence()
+        self.engine, self.req, self.seq = engine, req, Sequence(variant=engine.variant(req.lora, req.lora_scale))
         self.sampler = Sampler(req.sampling)
         self.detok = IncrementalDetokenizer(engine.tokenizer, req.prompt_ids[-4:])
         self.stops = StopMatcher(req.stop)
@@ -268,7 +271,8 @@ class Engine:
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, tokenizer: Tokenizer, backend: Backend,
                  n_ctx: int | None = None, kv_dtype: str = "f32", activations: str = "f32", kv_tokens: int | None = None,
-                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None):
+                 device_layers: int | None = None, key_centers: tuple | None = None, shard=None,
+                 lora: LoraTable | None = None):
         self.n_ctx = min(DEFAULT_CONTEXT if n_ctx is None else n_ctx, cfg.max_position)
         self.cfg, self.tokenizer, self.backend = cfg.at_context(self.n_ctx), tokenizer, backend
         self.sliding = False          # sequences may run past the context, within every layer's window (slide)
@@ -280,6 +284,7 @@ class Engine:
             raise ParallelError("a model split over tensor-parallel ranks runs whole on each rank's device (no gpu_layers)")
         self.placement = split(self.cfg, backend, device_layers)
         self.key_centers = key_centers
+        self.lora = lora                  # adapters at run time, once a first is wanted (enable_lora), or its target's
         self.kv_quality: dict[str, calibration.KindQuality] | None = None    # the ladder's kinds, measured on first need
         self.cache = self.centered(cache_of(self.cfg, kv_dtype))
         self.stages, self.pool = self.build_stages(), self.new_pool()
@@ -302,8 +307,35 @@ class Engine:
             self.stages, self.row_bytes = self.build_stages(), None
 
     def build_stages(self) -> list[Stage]:
-        return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations, self.shard)
+        lora = None if self.lora is None else self.lora.modules
+        return [Stage(self.cfg, self.weights, self.cache, layers, backend, self.activations, self.shard, lora)
                 for layers, backend in self.placement]
+
+    def enable_lora(self, max_loras: int) -> LoraTable:
+        """The model's adapter slots: its graphs rebuilt with an adapter op beside every linear layer, between
+        steps, the first time (running sequences go on where they were); the table as it is after."""
+        self.whole("LoRA adapters")
+        with self.lock:
+            if self.lora is None:
+                self.lora = LoraTable(adapted_modules(self.cfg, self.weights), max_loras)
+                self.stages, self.row_bytes = self.build_stages(), None
+        return self.lora
+
+    def adapters(self, name: str) -> LoraTable:
+        """The adapter slots, where the adapter `name` is wanted; RequestError where none was ever loaded."""
+        if self.lora is None:
+            raise RequestError(f"no adapter named {name!r} is loaded (loaded: none)")
+        return self.lora
+
+    def variant(self, lora: str | None, scale: float = 1.0) -> Variant:
+        """What a sequence runs under: the adapter named `lora` at `scale` (held until `release`), or the base."""
+        return BASE if lora is None else self.adapters(lora).use(lora, scale)
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence ended: its pages back to the pool, its hold on its adapter let go."""
+        self.pool.release(seq)
+        if self.lora is not None:
+            self.lora.release(seq.variant)
 
     def centered(self, cache: PagedKV) -> PagedKV:
         """`cache` with this model's key centers where its keys are coded rotated (PagedKV.key_center),
@@ -394,10 +426,11 @@ class Engine:
     def memory_bytes(self, device_layers: int | None = None, n_ctx: int | None = None) -> int:
         """What the model holds where its first stage runs (its device): the weights and KV cache of the
         layers there (its KV pool's slots: pool_tokens), with `device_layers` of them on the device and a context of
-        `n_ctx` tokens (default: as it runs)."""
+        `n_ctx` tokens (default: as it runs); and its LoRA slots (host arrays each step reads)."""
         layers = split(self.cfg, self.backend, self.device_layers if device_layers is None else device_layers)[0][0]
         slots = pool_slots(self.pool_tokens(n_ctx))
-        return stage_bytes(self.cfg, self.weights, self.cache, layers, slots) + self.copy_bytes(layers, slots, n_ctx)
+        adapters = 0 if self.lora is None else self.lora.nbytes
+        return stage_bytes(self.cfg, self.weights, self.cache, layers, slots) + self.copy_bytes(layers, slots, n_ctx) + adapters
 
     def copy_bytes(self, layers: range, slots: int, n_ctx: int | None = None) -> int:
         """The float copies a cache keeps besides its pages, for as many sequences as its pool holds of the
@@ -445,14 +478,14 @@ class Engine:
 
     def first_layers(self, n: int) -> Engine:
         """An engine of this model's first `n` layers, then its final norm and head: a self-speculative
-        draft. It shares the weights (and their copies on the device), with a KV pool of its own."""
+        draft. It shares the weights (and their copies on the device) and LoRA slots, with a KV pool of its own."""
         self.whole("a self-speculative draft")
         if type(n) is not int or not 1 <= n < self.cfg.num_layers:
             raise RequestError(f"a self-speculative draft takes 1 to {self.cfg.num_layers - 1} layers, got {n!r}")
         cfg = replace(self.cfg, num_layers=n, layer_windows=self.cfg.layer_windows[:n])
         centers = None if self.key_centers is None else self.key_centers[:n]
         draft = Engine(cfg, self.weights, self.tokenizer, self.backend, self.n_ctx, self.kv_dtype, self.activations,
-                       self.kv_tokens, self.device_layers, centers)
+                       self.kv_tokens, self.device_layers, centers, lora=self.lora)
         for mine, theirs in zip(draft.stages, self.stages):
             mine.share_weights(theirs)
         draft.sliding = self.sliding
@@ -472,8 +505,8 @@ class Engine:
 
     def plan(self, rows: int, logit_rows: int = 1) -> Plan:
         """The first stage's plan of a step (each stage's is made as a step first runs it)."""
-        first = self.stages[0]
-        return first.plan(rows, logit_rows, self.pool.k[first.layers.start])
+        first, lora = self.stages[0], None if self.lora is None else self.lora.base_step(rows)
+        return first.plan(rows, logit_rows, self.pool.k[first.layers.start], lora)
 
     def step_rows(self, wanted: int) -> int:
         """At most `wanted` rows for one step: fewer where the device's free memory cannot hold their
@@ -514,7 +547,8 @@ class Engine:
         if self.leading:                     # the other ranks run the same step on their shards
             collective.shared((None if ids is self.choices else np.asarray(self.stages[0].backend.fetch(ids)), attention,
                                logit_rows, rows_params))
-        out, last = self.run_stages(DecoderStep(ids, attention, logit_rows, rows_params))
+        lora = None if self.lora is None else self.lora.step([seq.variant for seq, _, _ in batch], [len(t) for _, t, _ in batch])
+        out, last = self.run_stages(DecoderStep(ids, attention, logit_rows, rows_params, lora=lora))
         for seq, tokens, _ in batch:
             seq.length += len(tokens)
         ends = np.cumsum([want for _, _, want in batch])[:-1]
@@ -562,14 +596,15 @@ class Engine:
         read: each stream's row runs the token `launched` chooses for it, fed on the device."""
         return self.launch([(s.seq, [0], 1) for s in streams], np.concatenate([s.draws() for s in streams]), ids=launched.choices)
 
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill."""
+    def logits(self, tokens: list[int], lora: str | None = None, lora_scale: float = 1.0) -> np.ndarray:
+        """Next-token logits at every position of `tokens` ([len, vocab]), as one prefill (under the adapter
+        named `lora`, at `lora_scale`, where given)."""
         self.check_prompt(tokens)
-        seq = Sequence()
+        seq = Sequence(variant=self.variant(lora, lora_scale))
         try:
             return self.forward([(seq, tokens, len(tokens))])[0]
         finally:
-            self.pool.release(seq)
+            self.release(seq)
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
         """RequestError for a prompt that is empty, not token ids of this vocabulary, or over the context."""
@@ -593,5 +628,7 @@ class Engine:
         if req.logprobs is not None and (type(req.logprobs) is not int or not 0 <= req.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
         req.sampling.validate()
+        if req.lora is not None:
+            self.adapters(req.lora).check(req.lora, req.lora_scale)
         if req.constraint is not None:
             self.grammars.prototype(req.constraint)        # compiled (and cached) now: a bad one fails the request

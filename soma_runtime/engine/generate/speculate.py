@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from soma_runtime.engine.kv import Sequence
+from soma_runtime.engine.kv import BASE, Sequence, Variant
 from soma_runtime.errors import RequestError
 
 LONGEST_DRAFT = 8          # draft tokens a step at most
@@ -63,9 +63,11 @@ class DraftLength:
 
 class Drafter:
     """Proposes each stream's next tokens. `propose` gets the streams' histories (every token so far, the
-    last one not yet run by the target) and how many tokens each may take; `release` forgets a stream."""
+    last one not yet run by the target), how many tokens each may take and what each runs under (its
+    adapter: kv.Variant); `release` forgets a stream."""
 
-    def propose(self, histories: list[list[int]], counts: list[int], keys: list[int]) -> list[list[int]]:
+    def propose(self, histories: list[list[int]], counts: list[int], keys: list[int],
+                variants: list[Variant]) -> list[list[int]]:
         raise NotImplementedError
 
     def release(self, key: int) -> None:
@@ -79,7 +81,7 @@ class PromptLookup(Drafter):
     def __init__(self, ngrams: tuple[int, ...] = LOOKUP_NGRAM):
         self.ngrams = ngrams
 
-    def propose(self, histories, counts, keys):
+    def propose(self, histories, counts, keys, variants):
         return [lookup(np.asarray(h, np.int64), k, self.ngrams) if k else [] for h, k in zip(histories, counts)]
 
 
@@ -99,18 +101,21 @@ def lookup(history: np.ndarray, count: int, ngrams: tuple[int, ...]) -> list[int
 
 class DraftModel(Drafter):
     """Drafts by a smaller model of the same vocabulary, run greedily on an Engine of its own (each stream a
-    sequence in its KV pool, caught up with the history, rolled back past tokens the target rejected)."""
+    sequence in its KV pool, caught up with the history, rolled back past tokens the target rejected). With
+    `adapters`, the engine shares the target's LoRA slots (its own first layers): a stream drafts under its
+    adapter; else under none."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, adapters: bool = False):
+        self.engine, self.adapters = engine, adapters
         self.fed: dict[int, tuple[Sequence, list[int]]] = {}      # stream -> its sequence, the tokens it ran
 
-    def propose(self, histories, counts, keys):
+    def propose(self, histories, counts, keys, variants):
         live = [i for i, k in enumerate(counts) if k]
         drafts: list[list[int]] = [[] for _ in counts]
         feeds = {}
         for i in live:
-            seq, fed = self.fed.setdefault(keys[i], (Sequence(), []))
+            variant = variants[i] if self.adapters and self.engine.lora is not None else BASE
+            seq, fed = self.fed.setdefault(keys[i], (Sequence(variant=variant), []))
             kept = min(common_prefix(fed, histories[i]), len(histories[i]) - 1)
             seq.length, fed[kept:] = kept, []
             feeds[i] = histories[i][kept:]

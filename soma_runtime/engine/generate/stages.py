@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from soma_runtime.architectures.config import DecoderConfig
-from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, PagedKV, kv_index
+from soma_runtime.architectures.contract import DecoderIO, DecoderOutputs, DecoderStep, LoraStep, PagedKV, kv_index
 from soma_runtime.architectures.decoder import build_decoder
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import RequestError
@@ -25,8 +25,8 @@ class Stage:
     one tensor-parallel rank (architectures/shard.py)."""
 
     def __init__(self, cfg: DecoderConfig, weights: Weights, cache: PagedKV, layers: range, backend: Backend,
-                 activations: str, shard=None):
-        self.backend, self.io = backend, DecoderIO(cache, layers, cfg.hidden_size)
+                 activations: str, shard=None, lora: dict[str, tuple[int, int]] | None = None):
+        self.backend, self.io = backend, DecoderIO(cache, layers, cfg.hidden_size, lora)
         self.program = Program(build_decoder(cfg, weights, self.io, activations, shard), backend, free=("T",))
 
     @property
@@ -50,18 +50,22 @@ class Stage:
         """The context a step of `rows` rows over `needed` positions runs with (captured steps pad it)."""
         return self.program.captures.context(rows, needed)
 
-    def bindings(self, rows: int, logit_rows: int, pages) -> dict[str, int]:
-        return {"S": rows, "R": logit_rows, "P": pages.shape[0], "BLK": pages.shape[1]}
+    def bindings(self, rows: int, logit_rows: int, pages, lora: LoraStep | None) -> dict[str, int]:
+        sizes = {"S": rows, "R": logit_rows, "P": pages.shape[0], "BLK": pages.shape[1]}
+        if self.io.lora:                     # the adapter slots and their padded rank
+            sizes["LN"], sizes["LR"] = next(iter(lora.factors.values()))[0].shape[:2]
+        return sizes
 
-    def plan(self, rows: int, logit_rows: int, pages) -> Plan:
-        """The plan of a step of `rows` rows, `logit_rows` of them wanted, over KV pages shaped as `pages`."""
-        return self.program.plan(self.bindings(rows, logit_rows, pages))
+    def plan(self, rows: int, logit_rows: int, pages, lora: LoraStep | None = None) -> Plan:
+        """The plan of a step of `rows` rows, `logit_rows` of them wanted, over KV pages shaped as `pages`
+        (and adapter stacks shaped as `lora`'s, where its graph takes adapters)."""
+        return self.program.plan(self.bindings(rows, logit_rows, pages, lora))
 
     def run(self, step: DecoderStep, logit_rows: int, context: int) -> DecoderOutputs:
         """One step of this stage's layers (`step.pages`: every layer's; `step.hidden`: the rows the stage
         before gave, where this one does not start at the embedding)."""
         rows = len(step.attention.positions)
-        bindings = self.bindings(rows, logit_rows, step.pages[kv_index(self.layers.start, 0)])
+        bindings = self.bindings(rows, logit_rows, step.pages[kv_index(self.layers.start, 0)], step.lora)
         return self.io.read(self.program.step(bindings, self.io.feed(step), self.io.shared(), rows, context))
 
     def layer_weights(self) -> list:

@@ -163,6 +163,18 @@ def residual_into_matmul(r: Rewriter, m: Match):
     return "matmul", ins, dict(mm.attrs)
 
 
+def residual_into_lora(r: Rewriter, m: Match):
+    """lora_apply(...) + r -> lora_apply(..., residual=r): the stream a block's output joins, where an adapter
+    op took the product's place (the matmul's own residual fold no longer sees it)."""
+    lora = m.nodes[1]
+    out, residual = r.graph.tensors.get(lora.outputs[0]), r.graph.tensors.get(m.tensors["r"])
+    if not plain(lora, 7) or out is None or residual is None or residual.shape != out.shape or residual.dtype != out.dtype:
+        return None
+    ins = (list(lora.inputs) + [None] * 9)[:9]
+    ins[7] = m.tensors["r"]
+    return "lora_apply", ins, dict(lora.attrs)
+
+
 def activation_into_matmul(r: Rewriter, m: Match):
     """gelu(matmul(...)) -> matmul(..., epilogue=gelu): applied while the product is in registers."""
     act, mm = m.nodes
@@ -295,6 +307,7 @@ TREE_RULES = [
     Rule("norm->matmul", ("matmul", ("rmsnorm", "x", "w"), "W"), norm_into_matmul),
     Rule("matmul->residual", ("add", ("matmul", "_", "_"), "r"), residual_into_matmul, commutative=True),
     Rule("matmul+gelu", ("gelu", ("matmul", "_", "_")), activation_into_matmul),
+    Rule("lora->residual", ("add", ("lora_apply", "_", "_"), "r"), residual_into_lora, commutative=True),
     *(Rule(f"{conv}->residual", ("add", (conv, "_", "_"), "r"), residual_into_conv, commutative=True)
       for conv in ("conv1d", "conv2d")),
     *(Rule(f"{conv}+{act}", (act, (conv, "_", "_")), activation_into_conv)
@@ -357,7 +370,33 @@ def pair_kv_appends(r: Rewriter) -> bool:
     return False
 
 
-GROUP_RULES = [("gate/up+swiglu|geglu", gated_matmuls), ("stack matmuls", stack_matmuls), ("kv_append k+v", pair_kv_appends)]
+def norm_into_adapted(r: Rewriter) -> bool:
+    """rmsnorm(x, w) read by linear layers and the adapter ops beside them -> each takes x and norm=w: the
+    norm's fold into its products (norm->matmul) where adapters read the normed rows too. After the
+    products are stacked, so each product is one reader."""
+    for norm in r.graph.nodes:
+        if norm.op != "rmsnorm" or r.constant(norm.inputs[1] if len(norm.inputs) > 1 else None) is None:
+            continue
+        h = norm.outputs[0]
+        readers = [n for n in r.graph.nodes if h in n.inputs]
+        if h in r.graph.outputs or not any(n.op == "lora_apply" for n in readers) or not all(
+                (n.op == "matmul" and n.inputs[0] == h and h not in n.inputs[1:] and plain(n, 4) and weight_matmul(r, n))
+                or (n.op == "lora_apply" and n.inputs[1] == h and h not in n.inputs[:1] + n.inputs[2:] and plain(n, 8))
+                for n in readers):
+            continue
+        eps, rewritten = norm.attrs.get("eps", 1e-6), []
+        for n in readers:
+            lora = n.op == "lora_apply"
+            ins = (list(n.inputs) + [None] * 9)[:9 if lora else 5]
+            ins[1 if lora else 0], ins[8 if lora else 4] = norm.inputs[0], norm.inputs[1]
+            rewritten.append(Node(n.op, ins, list(n.outputs), {**n.attrs, "norm_eps": eps}, n.name))
+        r.replace([norm, *readers], rewritten)
+        return True
+    return False
+
+
+GROUP_RULES = [("gate/up+swiglu|geglu", gated_matmuls), ("stack matmuls", stack_matmuls), ("kv_append k+v", pair_kv_appends),
+               ("norm->matmul+lora", norm_into_adapted)]
 
 
 # --- weights --------------------------------------------------------------------------------------------

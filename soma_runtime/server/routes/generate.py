@@ -84,7 +84,8 @@ class Generation:
 
 async def complete(state: ServerState, request: Request, schema, chat: bool):
     body = await parse(request, schema)
-    served = state.model(body.model, "generate", "use /v1/embeddings, /v1/classifications or /v1/run")
+    served = state.model(body.adapter_in_name(state.registry.models), "generate",
+                         "use /v1/embeddings, /v1/classifications or /v1/run")
     reqs = await run_in_threadpool(body.engine_requests, served.model)
     gen = Generation(served, reqs, state.metrics, state.max_queue)
     rid = openai.new_id("chatcmpl" if chat else "cmpl")
