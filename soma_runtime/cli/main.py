@@ -133,7 +133,8 @@ def cmd_run(args) -> int:
                            f"use `soma-runtime {OTHER_COMMANDS[model.task]}`")
     if args.prompt is None:
         raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
-    params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
+    params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                                            "seed", "preset")}
     params.update(json_schema=read_text(args.json_schema, "--json-schema"), regex=args.regex,
                   grammar=read_text(args.grammar, "--grammar"))
     prompt = read_prompt(args.prompt)
@@ -367,7 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=None)
     r.add_argument("--top-p", type=float, default=None)
     r.add_argument("--min-p", type=float, default=None)
-    r.add_argument("--repeat-penalty", type=float, default=None)
+    r.add_argument("--repeat-penalty", "--repetition-penalty", type=float, default=None,
+                   help="seen tokens' logits divided by it where positive, multiplied where not (llama.cpp's)")
+    r.add_argument("--repeat-last-n", type=int, default=None,
+                   help="the tokens the repeat penalty looks at: the last N of prompt and reply (default 64; 0: none, "
+                        "-1: all)")
+    r.add_argument("--preset", default=None, metavar="router|code|reasoning|creative",
+                   help="one of SPEC's sampling presets; the sampling options given here override its values")
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     held = r.add_mutually_exclusive_group()

@@ -76,6 +76,9 @@ async def parse(request: Request, schema: type[BaseModel]):
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise RequestError(f"{where}: unknown field; a field this server does not act on is refused, "
+                               "not ignored") from None
         raise RequestError(f"{where}: {first['msg']}") from None
 
 

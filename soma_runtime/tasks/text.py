@@ -18,6 +18,7 @@ from soma_runtime.engine.generate import (
     Scheduler,
     Token,
     check_stops,
+    sampling_preset,
 )
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
@@ -212,14 +213,20 @@ class TextModel(Model):
         req.max_tokens = min(req.max_tokens, self.engine.max_length - len(req.prompt_ids))
         return req
 
-    def sampling(self, **params) -> SamplingParams:
-        """The model's sampling defaults overridden by `params` (OpenAI or llama.cpp names)."""
-        params = {ALIASES.get(k, k): v for k, v in params.items() if v is not None}
-        unknown = set(params) - SAMPLING_FIELDS
+    def sampling(self, preset: str | None = None, **params) -> SamplingParams:
+        """The model's sampling defaults overridden by a `preset`'s (router, code, reasoning, creative), then
+        by `params` (OpenAI or llama.cpp names; one parameter under both names is an error)."""
+        given = {k: v for k, v in params.items() if v is not None}
+        unknown = set(given) - SAMPLING_FIELDS - set(ALIASES)
         if unknown:
             raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+        both = [f"{alias} and {name}" for alias, name in ALIASES.items() if alias in given and name in given]
+        if both:
+            raise RequestError(f"give one of {both[0]}: they are the same parameter")
+        given = {ALIASES.get(k, k): v for k, v in given.items()}
         defaults = {k: v for k, v in self.loaded.sampling.items() if k in SAMPLING_FIELDS}
-        return SamplingParams(**{**defaults, **params}).validate()
+        chosen = sampling_preset(preset) if preset is not None else {}
+        return SamplingParams(**{**defaults, **chosen, **given}).validate()
 
     def stops(self, stop) -> list:
         """`stop` (or the model's default) as a list: one string, or several."""

@@ -72,3 +72,15 @@ def test_run_holds_the_reply_to_a_schema_a_regex_or_a_grammar(tmp_path):
     assert r.returncode == 0 and r.stdout in (" yes\n", " no\n"), r.stderr
     r = soma("run", "--prompt", "x", "--regex", "[a-")
     assert r.returncode != 0 and "invalid regex" in r.stderr
+
+
+def test_run_takes_a_preset_and_the_repetition_penalty_with_its_options_over_them(smol):
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
+    r = soma("run", "--prompt", prompt, "--max-tokens", "16", "--preset", "creative", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == smol.complete(prompt, max_tokens=16, temperature=0, repetition_penalty=1.2) + "\n"
+    r = soma("run", "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--repetition-penalty", "1.2",
+             "--repeat-last-n", "0")
+    assert r.returncode == 0 and r.stdout == smol.complete(prompt, max_tokens=16, temperature=0) + "\n", r.stderr
+    r = soma("run", "--prompt", "x", "--preset", "fast")
+    assert r.returncode == 1 and "preset must be one of router, code, reasoning, creative" in r.stderr
