@@ -8,6 +8,7 @@ import numpy as np
 
 from soma_runtime import loaders, parallel, schedule
 from soma_runtime.architectures.shard import check_split
+from soma_runtime.context import Context
 from soma_runtime.engine.generate import (
     Drafter,
     DraftModel,
@@ -327,16 +328,28 @@ class TextModel(Model):
         """The prompt tokens of a conversation, through the model's chat template."""
         return self.turn_ids(self.turn(messages))
 
-    def chat(self, messages: list[dict], stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
+    def context(self, reply_tokens: int | None = None) -> Context:
+        """A conversation's context for this model (one per conversation): blocks with budgets in its tokens,
+        rendered through its chat template; `reply_tokens` of the context are kept for the reply. `chat(context)`
+        generates from it and appends the reply."""
+        return Context(self.template(), self.tokenizer, self.context_length, reply_tokens, self.id)
+
+    def chat(self, messages: list[dict] | Context, stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
              tool_choice=None, parallel_tool_calls: bool = True, max_tool_steps: int = 8, json_schema=None,
              regex: str | None = None, grammar: str | None = None, **params):
         """Apply the model's chat template and generate the assistant's reply (held to a JSON schema, a regex
         or a grammar if given; a thinking model's reasoning stays free). With a ToolRegistry, run the tool
         loop: calls are checked, run, and their results fed back until a reply calls none. Streams Tokens;
         `stream=False` gives the final reply's content (with a list of tools, the Reply: content, reasoning,
-        tool_calls)."""
+        tool_calls). Given a Context (`model.context()`), the prompt is its `ids()` and the reply, once
+        whole, is added to it."""
         check_flag("stream", stream)
         constraint = constraint_of(json_schema, regex, grammar)
+        if isinstance(messages, Context):
+            if tools is not None:
+                raise RequestError("a Context takes tool results through inject_tool_result; give tools with messages")
+            replying = self.replying(messages, self.generate(messages.ids(), constraint=constraint, **params))
+            return replying if stream else "".join(t.text for t in replying)
         if isinstance(tools, ToolRegistry):
             loop = ToolLoop(self, messages, tools, tool_choice, parallel_tool_calls, max_tool_steps, constraint, params)
             return loop if stream else loop.final()
@@ -346,6 +359,15 @@ class TextModel(Model):
             return tokens
         reply = turn.read("".join(t.text for t in tokens))
         return reply if tools else reply.content
+
+    @staticmethod
+    def replying(context: Context, tokens: Iterator[Token]) -> Iterator[Token]:
+        """The reply's tokens; once they end, the reply is the context's newest assistant message."""
+        text = ""
+        for token in tokens:
+            text += token.text
+            yield token
+        context.add_message("assistant", text)
 
     def logits(self, prompt: str | list[int]) -> np.ndarray:
         """Next-token logits at every position of the prompt: [tokens, vocab] f32."""
