@@ -19,6 +19,11 @@ loses its lowest-priority entries first: graph pages from the lowest ranked, the
 results from the oldest (a call's results go with it); every cut is recorded in `cuts` and the notes
 in the prompt say what each block lost. The system prompt and the input are never cut: a change that
 would need it is refused with a ContextError and leaves the context as it was.
+
+Compression (given a summarizer: a function of a transcript and a token limit, such as a model's chat)
+replaces the oldest history, with the summary before it, by one summary, shown in the notes with the
+messages and tokens it covers; it runs on its own once the history passes half the window, before
+anything would be cut.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import json
 import os
 import reprlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -42,6 +47,10 @@ CUTTABLE = ("graph", "history", "tool_results")           # lowest priority firs
 NOUNS = {"graph": "pages", "history": "earlier messages", "tool_results": "tool results"}
 REPLY_SHARE = 4               # the room kept for the reply by default: a quarter of the window ...
 REPLY_TOKENS = 512            # ... at most this many tokens
+SUMMARY_SHARE = 8             # a summary takes at most an eighth of the window ...
+SUMMARY_TOKENS = 512          # ... and at most this many tokens
+KEPT_SHARE = 4                # compression on its own keeps the newest history within a quarter of the window ...
+KEPT_MESSAGES = 2             # ... and any compression at least the newest two messages
 SESSION_FORMAT = 1            # the saved file's version
 MAX_SESSION_BYTES = 256 * 2**20
 
@@ -59,19 +68,24 @@ class Cut:
     block: str
     entries: int
     tokens: int               # the block's tokens before the cut less those after
-    reason: str               # "budget" (the block's), "window" (the context's) or "trim" (asked for)
+    reason: str               # "budget" (the block's), "window" (the context's), "trim" (asked for) or "compress"
+
+
+Summarizer = Callable[[str, int], str]      # (transcript, at most this many tokens) -> summary
 
 
 class Context:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, window: int, reply_tokens: int | None = None,
-                 name: str = "the model"):
+                 name: str = "the model", summarize: Summarizer | None = None):
         """`window`: the model's context in tokens; `reply_tokens`: the room kept for the reply (the prompt
-        gets at most window - reply_tokens); `name`: the model's, for messages."""
+        gets at most window - reply_tokens); `name`: the model's, for messages; `summarize`: what compresses
+        the history (None: it is cut instead)."""
         if reply_tokens is None:
             reply_tokens = min(REPLY_TOKENS, window // REPLY_SHARE)
         if type(reply_tokens) is not int or not 0 <= reply_tokens < window:
             raise ContextError(f"reply_tokens must be an integer in [0, {window}), got {reprlib.repr(reply_tokens)}")
         self.template, self.tokenizer, self.window, self.reply_tokens, self.name = template, tokenizer, window, reply_tokens, name
+        self.summarize = summarize
         self._probe = self._count([{"role": "system", "content": ""}], False)
         self.reset()
 
@@ -166,10 +180,20 @@ class Context:
         with self._change():
             self._shrink(max_tokens, "trim")
 
+    def compress(self) -> None:
+        """Summarize the history (and the summary before it) into one summary, all but its newest two
+        messages; recorded in `cuts` as "compress". (Past half the window it happens on its own, keeping
+        the newest messages within a quarter of the window.)"""
+        if self.summarize is None:
+            raise ContextError(f"this context of {self.name} has no summarizer (model.context(summarizer=...))")
+        with self._change():
+            self._compress(0)
+
     def clear_history(self) -> None:
         """Keep the system prompt and graph; the conversation (history, tool results, input) goes."""
         with self._change():
             self.history, self.tool_results, self.input = [], [], []
+            self.summary, self.summarized = "", (0, 0)
             for block in ("history", "tool_results"):
                 self.dropped.pop(block, None)
 
@@ -178,6 +202,7 @@ class Context:
         self.system, self.graph, self.history, self.tool_results, self.input = "", [], [], [], []
         self.budgets: dict[str, int | None] = dict.fromkeys(BUDGETED)
         self.dropped: dict[str, tuple[int, int]] = {}
+        self.summary, self.summarized = "", (0, 0)          # the history's summary; (messages, tokens) it covers
         self.cuts: list[Cut] = []
         self._measured = None
 
@@ -192,7 +217,8 @@ class Context:
         state = {"format": SESSION_FORMAT, "model": self.name, **self.identity(), "window": self.window,
                  "reply_tokens": self.reply_tokens, "system": self.system, "graph": [e.message["content"] for e in self.graph],
                  **{b: [e.message for e in self._entries(b)] for b in ("history", "tool_results", "input")},
-                 "budgets": self.budgets, "dropped": self.dropped, "cuts": [asdict(c) for c in self.cuts]}
+                 "budgets": self.budgets, "dropped": self.dropped, "summary": self.summary, "summarized": self.summarized,
+                 "cuts": [asdict(c) for c in self.cuts]}
         directory = os.path.dirname(os.path.abspath(path))
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", encoding="utf-8") as f:
             json.dump(state, f, ensure_ascii=False)
@@ -218,6 +244,8 @@ class Context:
                     setattr(self, block, [self._entry(m) for m in state[block]])
                 self.budgets.update({b: state["budgets"][b] for b in BUDGETED})
                 self.dropped = {b: (int(n), int(t)) for b, (n, t) in state["dropped"].items() if b in CUTTABLE}
+                self.summary = check_text(state["summary"], "the summary")
+                self.summarized = tuple(int(v) for v in state["summarized"])
                 self.cuts = [Cut(**c) for c in state["cuts"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ContextError(f"{path}: not a saved session of this format ({type(e).__name__}: {e})") from None
@@ -237,8 +265,12 @@ class Context:
         return Entry({"role": "system", "content": text}, len(self.tokenizer.encode("\n\n" + text, add_special=False)))
 
     def _notes(self) -> str:
-        return "\n".join(f"[context note: {n} {NOUNS[b]} ({t} tokens) were cut from the {b.replace('_', ' ')} to fit "
-                         f"the context]" for b, (n, t) in self.dropped.items() if n)
+        notes = [f"[context note: {n} {NOUNS[b]} ({t} tokens) were cut from the {b.replace('_', ' ')} to fit the context]"
+                 for b, (n, t) in self.dropped.items() if n]
+        if self.summary:
+            n, t = self.summarized
+            notes.append(f"[context note: {n} earlier messages ({t} tokens) were compressed into this summary]\n{self.summary}")
+        return "\n".join(notes)
 
     def _stages(self) -> list[tuple[str, list[dict], bool]]:
         """(block, the messages rendered once it is in, whether with the generation prompt), in BLOCKS order."""
@@ -285,20 +317,22 @@ class Context:
         """A change, then the budgets and the window kept (cutting what must go); on any error the context
         is as it was before the change."""
         saved = (self.system, list(self.graph), list(self.history), list(self.tool_results), list(self.input),
-                 dict(self.budgets), dict(self.dropped), list(self.cuts))
+                 dict(self.budgets), dict(self.dropped), self.summary, self.summarized, list(self.cuts))
         try:
             self._measured = None
             yield
             self._fit()
         except BaseException:
             (self.system, self.graph, self.history, self.tool_results, self.input, self.budgets, self.dropped,
-             self.cuts) = saved
+             self.summary, self.summarized, self.cuts) = saved
             self._measured = None
             raise
 
     def _fit(self) -> None:
-        """Each block within its budget, then the whole within the limit; the system prompt or input over
-        its budget is a ContextError."""
+        """The history compressed once past half the window (with a summarizer), each block within its budget,
+        then the whole within the limit; the system prompt or input over its budget is a ContextError."""
+        if self.summarize is not None and self._measure()[0]["history"] > self.window // 2:
+            self._compress(self.window // KEPT_SHARE)
         while True:
             counts = self._measure()[0]
             over = [b for b in BUDGETED if self.budgets[b] is not None and counts[b] > self.budgets[b]]
@@ -322,6 +356,33 @@ class Context:
                                    f"({reason}), with nothing left to cut: system {counts['system']}, "
                                    f"input {counts['input']} tokens")
             self._cut(block, total - max_tokens, reason)
+
+    def _compress(self, kept_tokens: int) -> None:
+        """Summarize all history but its newest messages within `kept_tokens` (at least KEPT_MESSAGES)."""
+        counts = self._measure()[0]
+        keep, kept = len(self.history), 0
+        while keep > 0 and (len(self.history) - keep < KEPT_MESSAGES or kept + self.history[keep - 1].tokens <= kept_tokens):
+            keep -= 1
+            kept += self.history[keep].tokens
+        while 0 < keep < len(self.history) and self.history[keep].message["role"] == "tool":   # a call's results go with it
+            keep += 1
+        old = self.history[:keep]
+        if not old:
+            return
+        earlier = [f"Summary so far: {self.summary}"] if self.summary else []
+        transcript = "\n".join(earlier + [f"{e.message['role']}: {e.message['content']}" for e in old])
+        limit = min(SUMMARY_TOKENS, self.window // SUMMARY_SHARE)
+        summary = self.summarize(transcript, limit)
+        if not isinstance(summary, str) or not summary.strip():
+            raise ContextError(f"the summarizer gave no summary of {len(old)} messages")
+        self.history = self.history[keep:]
+        self.summary = summary.strip()
+        self._measured = None
+        tokens = counts["history"] - self._measure()[0]["history"]
+        n, t = self.summarized
+        self.summarized = (n + len(old), t + tokens)
+        self.cuts.append(Cut("history", len(old), tokens, "compress"))
+        self._measured = None
 
     def _cut(self, block: str, excess: int, reason: str) -> None:
         """Drop `block`'s lowest-priority entries, at least one, until their estimated tokens reach `excess`;

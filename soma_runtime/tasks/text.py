@@ -36,6 +36,8 @@ SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 ALIASES = {"repetition_penalty": "repeat_penalty"}
 LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
 OVERFLOWS = ("error", "truncate", "slide")   # what a text model does with a prompt beyond its context
+SUMMARY_PROMPT = ("Summarize the conversation below in a few sentences for the assistant to carry on from it. "
+                  "Keep names, numbers, facts, decisions and open questions.")
 PROMPT_SHARE = 0.75         # a truncated prompt takes at most this share of the context; the rest is the reply's
 log = logging.getLogger("soma_runtime")
 
@@ -328,11 +330,20 @@ class TextModel(Model):
         """The prompt tokens of a conversation, through the model's chat template."""
         return self.turn_ids(self.turn(messages))
 
-    def context(self, reply_tokens: int | None = None) -> Context:
+    def context(self, reply_tokens: int | None = None, summarizer: TextModel | None = None) -> Context:
         """A conversation's context for this model (one per conversation): blocks with budgets in its tokens,
         rendered through its chat template; `reply_tokens` of the context are kept for the reply. `chat(context)`
-        generates from it and appends the reply."""
-        return Context(self.template(), self.tokenizer, self.context_length, reply_tokens, self.id)
+        generates from it and appends the reply. With a `summarizer` (this model, or a smaller one), old
+        history is compressed into a summary (`compress()`, and on its own past half the window)."""
+        if summarizer is not None and not isinstance(summarizer, TextModel):
+            raise RequestError(f"summarizer must be a text model, got {type(summarizer).__name__}")
+        return Context(self.template(), self.tokenizer, self.context_length, reply_tokens, self.id,
+                       summarizer.summarize if summarizer is not None else None)
+
+    def summarize(self, transcript: str, max_tokens: int) -> str:
+        """A summary of a conversation's transcript, greedy, in at most `max_tokens`."""
+        messages = [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}]
+        return self.chat(messages, stream=False, temperature=0, max_tokens=max_tokens)
 
     def chat(self, messages: list[dict] | Context, stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
              tool_choice=None, parallel_tool_calls: bool = True, max_tool_steps: int = 8, json_schema=None,

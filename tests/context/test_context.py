@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from soma_runtime.context import BUDGETED
+from soma_runtime.context import BUDGETED, Context
 from soma_runtime.errors import ContextError
 from soma_runtime.tasks import Runtime
 from tests.fixtures.decoders import build_model
@@ -173,3 +173,62 @@ def test_a_session_from_another_tokenizer_or_no_session_is_a_clear_error(smol, t
     with pytest.raises(ContextError, match="cannot read"):
         mine.load(tmp_path / "missing.json")
     assert mine.show() == shown
+
+
+class Summaries:
+    """A stand-in summarizer: numbered summaries, and the transcripts it was given."""
+
+    def __init__(self):
+        self.transcripts = []
+
+    def __call__(self, transcript: str, max_tokens: int) -> str:
+        self.transcripts.append(transcript)
+        return f"SUMMARY {len(self.transcripts)}: the user asked for sums."
+
+
+def test_compression_starts_once_history_passes_half_the_window_and_show_reports_it(smol):
+    summaries = Summaries()
+    ours = Context(smol.template(), smol.tokenizer, 1024, name=smol.id, summarize=summaries)
+    plain = Context(smol.template(), smol.tokenizer, 1024, name=smol.id)      # the same turns, never compressed
+    for context in (ours, plain):
+        context.set_system(SYSTEM)
+    turn = 0
+    while not summaries.transcripts:
+        for context in (ours, plain):
+            context.add_message("user", f"What is {turn} plus {turn}?")
+            context.add_message("assistant", f"{turn} plus {turn} is {2 * turn}.")
+        history = {b["block"]: b["tokens"] for b in plain.blocks()}["history"]
+        assert (history > 512) == bool(summaries.transcripts), (turn, history)
+        if not summaries.transcripts:
+            assert ours.show() == plain.show()
+        turn += 1
+    blocks = {b["block"]: b for b in ours.blocks()}
+    covered = ours.cuts[-1].entries
+    assert ours.cuts[-1].reason == "compress" and covered + blocks["history"]["entries"] == 2 * turn
+    assert blocks["history"]["tokens"] <= 1024 // 4 and blocks["history"]["cut"]["entries"] == 0   # nothing was cut
+    shown = ours.show()
+    assert f"[context note: {covered} earlier messages ({ours.cuts[-1].tokens} tokens) were compressed into this " \
+           f"summary]\nSUMMARY 1: the user asked for sums." in shown
+    assert "What is 0 plus 0?" in summaries.transcripts[0] and "What is 0 plus 0?" not in shown
+    ours.compress()                                           # by hand: all but the newest two messages
+    assert summaries.transcripts[1].startswith("Summary so far: SUMMARY 1") and "SUMMARY 2" in ours.show()
+    assert {b["block"]: b["entries"] for b in ours.blocks()}["history"] == 2 and ours.summarized[0] == 2 * turn - 2
+
+
+def test_the_model_compresses_its_own_history_and_the_session_keeps_the_summary(smol, tmp_path):
+    context = smol.context(summarizer=smol)
+    context.set_system(SYSTEM)
+    for name, city in (("Alice", "Paris"), ("Bob", "Lyon"), ("Carol", "Nice")):
+        context.add_message("user", f"My friend {name} lives in {city}.")
+        context.add_message("assistant", f"Noted: {name} lives in {city}.")
+    context.add_message("user", "Where does Alice live?")
+    context.compress()
+    assert context.summary and context.summary in context.show() and "compressed into this summary" in context.show()
+    assert context.summarized[0] == 4 and "My friend Alice" not in context.show().split(context.summary)[1]
+    context.save(tmp_path / "session.json")
+    restored = smol.context()
+    restored.load(tmp_path / "session.json")
+    assert restored.show() == context.show() and restored.summarized == context.summarized
+    assert smol.chat(restored, stream=False, max_tokens=8, temperature=0)
+    with pytest.raises(ContextError, match="no summarizer"):
+        restored.compress()
