@@ -167,8 +167,7 @@ class Context:
         system prompt and the input never are: their budget is refused instead)."""
         if block not in BUDGETED:
             raise ContextError(f"block must be one of {', '.join(BUDGETED)}, got {reprlib.repr(block)}")
-        if tokens is not None and (type(tokens) is not int or tokens < 0):
-            raise ContextError(f"a budget must be an integer >= 0 or None, got {reprlib.repr(tokens)}")
+        check_budget(tokens)
         with self._change():
             self.budgets[block] = tokens
 
@@ -212,26 +211,35 @@ class Context:
         """What a saved session must match to be loaded here: the tokenizer and the chat template."""
         return {"tokenizer": self.tokenizer.fingerprint, "template": hashlib.sha256(self.template.source.encode()).hexdigest()}
 
+    def state(self) -> dict:
+        """The session as JSON-ready data: blocks, budgets, the record of cuts, the model it is for."""
+        return {"format": SESSION_FORMAT, "model": self.name, **self.identity(), "window": self.window,
+                "reply_tokens": self.reply_tokens, "system": self.system, "graph": [e.message["content"] for e in self.graph],
+                **{b: [e.message for e in self._entries(b)] for b in ("history", "tool_results", "input")},
+                "budgets": self.budgets, "dropped": self.dropped, "summary": self.summary, "summarized": self.summarized,
+                "cuts": [asdict(c) for c in self.cuts]}
+
     def save(self, path: str) -> None:
-        """The session (blocks, budgets, the record of cuts, the model it is for) as JSON, written whole or not at all."""
-        state = {"format": SESSION_FORMAT, "model": self.name, **self.identity(), "window": self.window,
-                 "reply_tokens": self.reply_tokens, "system": self.system, "graph": [e.message["content"] for e in self.graph],
-                 **{b: [e.message for e in self._entries(b)] for b in ("history", "tool_results", "input")},
-                 "budgets": self.budgets, "dropped": self.dropped, "summary": self.summary, "summarized": self.summarized,
-                 "cuts": [asdict(c) for c in self.cuts]}
+        """state() as a JSON file, written whole or not at all."""
         directory = os.path.dirname(os.path.abspath(path))
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", encoding="utf-8") as f:
-            json.dump(state, f, ensure_ascii=False)
+            json.dump(self.state(), f, ensure_ascii=False)
         os.replace(f.name, path)
 
     def load(self, path: str) -> None:
-        """Restore a saved session into this context; one saved for another tokenizer or chat template is a
-        ContextError naming both models. A window smaller than the saved one cuts (and records) as usual."""
-        state = read_session(path)
+        """Restore the session saved at `path` into this context (restore)."""
+        self.restore(read_session(path), str(path))
+
+    def restore(self, state: dict, source: str = "the session") -> None:
+        """Restore a state() into this context; one saved for another tokenizer or chat template is a
+        ContextError naming both models (`source`: where it came from, for messages). A window smaller than
+        the saved one cuts (and records) as usual."""
+        if not isinstance(state, dict) or state.get("format") != SESSION_FORMAT:
+            raise ContextError(f"{source}: not a saved session of format {SESSION_FORMAT}")
         mine = self.identity()
         for key, what in (("tokenizer", "tokenizer"), ("template", "chat template")):
             if state.get(key) != mine[key]:
-                raise ContextError(f"{path}: saved for model {state.get('model')!r}, whose {what} differs from "
+                raise ContextError(f"{source}: saved for model {state.get('model')!r}, whose {what} differs from "
                                    f"{self.name}'s; a session loads only into a model that tokenizes it the same")
         try:
             with self._change():
@@ -242,15 +250,15 @@ class Context:
                     if state[block]:
                         check_messages(state[block])
                     setattr(self, block, [self._entry(m) for m in state[block]])
-                self.budgets.update({b: state["budgets"][b] for b in BUDGETED})
+                self.budgets.update({b: check_budget(state["budgets"][b]) for b in BUDGETED})
                 self.dropped = {b: (int(n), int(t)) for b, (n, t) in state["dropped"].items() if b in CUTTABLE}
                 self.summary = check_text(state["summary"], "the summary")
                 self.summarized = tuple(int(v) for v in state["summarized"])
                 self.cuts = [Cut(**c) for c in state["cuts"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ContextError(f"{path}: not a saved session of this format ({type(e).__name__}: {e})") from None
+            raise ContextError(f"{source}: not a saved session of this format ({type(e).__name__}: {e})") from None
         except RequestError as e:           # messages a template refuses, or blocks this window cannot hold
-            raise ContextError(f"{path}: cannot restore the saved session: {e}") from None
+            raise ContextError(f"{source}: cannot restore the saved session: {e}") from None
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -412,6 +420,11 @@ def read_session(path: str) -> dict:
             state = json.load(f)
     except (OSError, ValueError) as e:
         raise ContextError(f"{path}: cannot read a saved session ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or state.get("format") != SESSION_FORMAT:
-        raise ContextError(f"{path}: not a saved session of format {SESSION_FORMAT}")
     return state
+
+
+def check_budget(tokens):
+    """`tokens` itself, if it is a budget: an integer >= 0, or None for none."""
+    if tokens is not None and (type(tokens) is not int or tokens < 0):
+        raise ContextError(f"a budget must be an integer >= 0 or None, got {reprlib.repr(tokens)}")
+    return tokens

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from soma_runtime.context import Context
 from soma_runtime.engine.generate import MAX_TOP_K, PRESETS, SEED_LIMIT, GenerationRequest, Token
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import RequestError
@@ -115,6 +116,7 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    session: str | None = None            # a conversation the server keeps: its context renders the prompt
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -129,6 +131,30 @@ class ChatRequest(Sampling):
                                self.format_constraint())
         return self.requests(model, model.turn_ids(self._turn), (self.top_logprobs or 0) if self.logprobs else None, None,
                              self._turn.constraint)
+
+    def session_requests(self, model: TextModel, context: Context) -> list[GenerationRequest]:
+        """The request's messages added to a session's context (a system message replaces its system prompt;
+        all or none of them), and the engine request of the reply to it."""
+        if self.tools is not None or self.n != 1:
+            raise RequestError("a request on a session takes no tools and one choice (n = 1)")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        saved = context.state()
+        try:
+            for m in self.messages:
+                message = m.as_dict()
+                role, content = message.pop("role"), message.pop("content")
+                if role == "system":
+                    context.set_system(content)
+                elif role == "tool":
+                    context.inject_tool_result(message.get("name") or "tool", content)
+                else:
+                    context.add_message(role, content, **message)
+        except BaseException:
+            context.restore(saved)
+            raise
+        return self.requests(model, context.ids(), (self.top_logprobs or 0) if self.logprobs else None, None,
+                             self.format_constraint())
 
 
 class CompletionRequest(Sampling):
