@@ -75,6 +75,8 @@ Summarizer = Callable[[str, int], str]      # (transcript, at most this many tok
 
 
 class Context:
+    """One conversation as one model sees it (the module's docstring says how)."""
+
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, window: int, reply_tokens: int | None = None,
                  name: str = "the model", summarize: Summarizer | None = None):
         """`window`: the model's context in tokens; `reply_tokens`: the room kept for the reply (the prompt
@@ -106,12 +108,14 @@ class Context:
     def blocks(self) -> list[dict]:
         """Each block: its tokens, budget (None: only the window bounds it), entries, and what was cut from it."""
         counts = self._measure()[0]
+        compressed = {"history": self.summarized}
         return [{"block": b, "tokens": counts[b], "budget": self.budgets.get(b), "entries": len(self._entries(b)),
-                 "cut": dict(zip(("entries", "tokens"), self.dropped.get(b, (0, 0))))} for b in BLOCKS]
+                 "cut": dict(zip(("entries", "tokens"), self.dropped.get(b, (0, 0)))),
+                 "compressed": dict(zip(("entries", "tokens"), compressed.get(b, (0, 0))))} for b in BLOCKS]
 
     def messages(self) -> list[dict]:
-        """The messages the chat template renders."""
-        return self._stages()[-1][1]
+        """The messages the chat template renders (copies)."""
+        return [dict(m) for m in self._stages()[-1][1]]
 
     @property
     def limit(self) -> int:
@@ -187,6 +191,19 @@ class Context:
             raise ContextError(f"this context of {self.name} has no summarizer (model.context(summarizer=...))")
         with self._change():
             self._compress(0)
+
+    def escalate(self, model) -> Context:
+        """This conversation carried into another text model's context (`model.context()`: its tokenizer,
+        template, window and summarizer): every block and the record of earlier cuts, then compressed or cut
+        to fit there, lowest priority first, as any change is (those cuts are the new context's)."""
+        target = model.context()
+        with target._change():
+            target.system, target.summary, target.summarized = self.system, self.summary, self.summarized
+            target.dropped = dict(self.dropped)
+            target.graph = [target._page(e.message["content"]) for e in self.graph]
+            for block in ("history", "tool_results", "input"):
+                setattr(target, block, [target._entry(e.message) for e in self._entries(block)])
+        return target
 
     def clear_history(self) -> None:
         """Keep the system prompt and graph; the conversation (history, tool results, input) goes."""

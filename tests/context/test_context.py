@@ -17,6 +17,14 @@ SYSTEM = "You are a terse assistant. Answer in one sentence."
 PAGES = ["# Paris\nParis is the capital of France.", "# Lyon\nLyon is on the Rhone.", "# Nice\nNice is on the coast."]
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama with a tokenizer of its own and a 512-token context."""
+    directory = str(tmp_path_factory.mktemp("tiny"))
+    build_model("llama", directory, max_position_embeddings=512)
+    return Runtime().load(directory, progress=False)
+
+
 def conversation(smol, turns: int = 3):
     context = smol.context()
     context.set_system(SYSTEM)
@@ -152,9 +160,7 @@ def test_a_saved_session_restores_exactly(smol, tmp_path):
     assert {b: restored.budgets[b] for b in BUDGETED} == context.budgets
 
 
-def test_a_session_from_another_tokenizer_or_no_session_is_a_clear_error(smol, tmp_path):
-    build_model("llama", str(tmp_path / "tiny"))
-    tiny = Runtime().load(str(tmp_path / "tiny"), progress=False)
+def test_a_session_from_another_tokenizer_or_no_session_is_a_clear_error(smol, tiny, tmp_path):
     other = tiny.context()
     other.add_message("user", "hello")
     other.save(tmp_path / "tiny.json")
@@ -232,3 +238,17 @@ def test_the_model_compresses_its_own_history_and_the_session_keeps_the_summary(
     assert smol.chat(restored, stream=False, max_tokens=8, temperature=0)
     with pytest.raises(ContextError, match="no summarizer"):
         restored.compress()
+
+
+def test_escalation_fits_the_target_model_and_records_its_cuts(smol, tiny):
+    context = conversation(smol, turns=20)
+    small = context.escalate(tiny)
+    assert small.window == 512 and small.tokens() <= small.limit
+    assert small.ids() == tiny.tokenizer.encode(small.show(), add_special=False)      # in the target's own tokens
+    assert small.show().endswith("And what is 21 plus 21?<|im_end|>\n<|im_start|>assistant\n")
+    assert "19 plus 19 is 38" in small.show() and "0 plus 0 is 0" not in small.show() and SYSTEM in small.show()
+    cut = {b["block"]: b["cut"]["entries"] for b in small.blocks()}
+    assert cut["graph"] == 3 and cut["history"] > 0 and {c.reason for c in small.cuts} == {"window"}
+    assert context.cuts == [] and context.show() == conversation(smol, turns=20).show()      # the source is unchanged
+    back = small.escalate(smol)                       # back into a larger window: nothing more to cut
+    assert back.cuts == [] and back.messages() == small.messages()
