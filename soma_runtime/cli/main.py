@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import speech
+from soma_runtime.cli import context, speech
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -476,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_0", "q4_1"))
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
+    context.add_parser(sub)
     return p
 
 

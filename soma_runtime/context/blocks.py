@@ -113,6 +113,11 @@ class Context:
                  "cut": dict(zip(("entries", "tokens"), self.dropped.get(b, (0, 0)))),
                  "compressed": dict(zip(("entries", "tokens"), compressed.get(b, (0, 0))))} for b in BLOCKS]
 
+    def report(self) -> dict:
+        """tokens(), the limit and window, blocks() and the cuts: what the context commands and routes answer."""
+        return {"tokens": self.tokens(), "limit": self.limit, "window": self.window, "blocks": self.blocks(),
+                "cuts": [asdict(c) for c in self.cuts]}
+
     def messages(self) -> list[dict]:
         """The messages the chat template renders (copies)."""
         return [dict(m) for m in self._stages()[-1][1]]

@@ -34,9 +34,7 @@ class LoadBody(SessionBody):
 
 
 def blocks(session: Session) -> dict:
-    context = session.context
-    return {"session": session.id, "model": session.model_id, "tokens": context.tokens(), "limit": context.limit,
-            "blocks": context.blocks(), "cuts": [vars(c) for c in context.cuts]}
+    return {"session": session.id, "model": session.model_id, **session.context.report()}
 
 
 def router(state: ServerState) -> APIRouter:
