@@ -231,7 +231,7 @@ class Context:
 
     def identity(self) -> dict:
         """What a saved session must match to be loaded here: the tokenizer and the chat template."""
-        return {"tokenizer": self.tokenizer.fingerprint, "template": hashlib.sha256(self.template.source.encode()).hexdigest()}
+        return identity(self.template, self.tokenizer)
 
     def state(self) -> dict:
         """The session as JSON-ready data: blocks, budgets, the record of cuts, the model it is for."""
@@ -443,6 +443,11 @@ def read_session(path: str) -> dict:
     except (OSError, ValueError) as e:
         raise ContextError(f"{path}: cannot read a saved session ({type(e).__name__}: {e})") from None
     return state
+
+
+def identity(template: ChatTemplate, tokenizer: Tokenizer) -> dict:
+    """A tokenizer's and a chat template's digests: two models that share them render a context the same."""
+    return {"tokenizer": tokenizer.fingerprint, "template": hashlib.sha256(template.source.encode()).hexdigest()}
 
 
 def check_budget(tokens):

@@ -1,5 +1,7 @@
 """The server's conversations (SPEC "daemon API", /v1/context/*): a Context per session id, started by the
-first chat request that names the id (or by loading a saved one), for the model it started on.
+first chat request that names the id (or by loading a saved one), for the model it started on (a model
+hot-swapped under that id takes the session on if it tokenizes and templates the same; else the session
+is refused).
 
 Owns the ids, the model each is for, and a lock per session that makes each change to its context whole
 (two requests on one session at once interleave their turns, each turn whole). Knows Context and the
@@ -11,7 +13,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from soma_runtime.context import Context
+from soma_runtime.context import Context, identity
 from soma_runtime.errors import RequestError, SomaError
 from soma_runtime.tasks import TextModel
 
@@ -31,6 +33,7 @@ class TooManySessions(SomaError):
 class Session:
     id: str
     model_id: str
+    model: TextModel
     context: Context
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -64,12 +67,24 @@ class Sessions:
                 session = self.start(session_id, model_id, model)
         if session.model_id != model_id:
             raise RequestError(f"session {session_id!r} is a conversation with model {session.model_id!r}, not {model_id!r}")
+        with session.lock:
+            self.follow(session, model)
         return session
+
+    def follow(self, session: Session, model: TextModel) -> None:
+        """Move the session to `model`, the one now served under its model's id (a hot-swap), if it renders
+        the context the same; else a RequestError."""
+        if session.model is model:
+            return
+        if identity(model.template(), model.tokenizer) != session.context.identity():
+            raise RequestError(f"session {session.id!r}: model {session.model_id!r} was replaced by one with another "
+                               "tokenizer or chat template; its context cannot be rendered for it (start a new session)")
+        session.model, session.context.summarize = model, model.summarize
 
     def replace(self, session_id: str, model_id: str, model: TextModel, state: dict) -> Session:
         """A session of `model` restored from a saved state, in place of any of that id (kept if it fails)."""
         check_id(session_id)
-        session = Session(session_id, model_id, model.context(summarizer=model))
+        session = Session(session_id, model_id, model, model.context(summarizer=model))
         session.context.restore(state, f"the state for session {session_id!r}")
         with self.lock:
             if session_id not in self.by_id:
@@ -83,7 +98,7 @@ class Sessions:
 
     def start(self, session_id: str, model_id: str, model: TextModel) -> Session:
         self.check_room()
-        session = self.by_id[session_id] = Session(session_id, model_id, model.context(summarizer=model))
+        session = self.by_id[session_id] = Session(session_id, model_id, model, model.context(summarizer=model))
         return session
 
     def check_room(self) -> None:

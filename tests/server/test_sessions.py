@@ -7,6 +7,10 @@ import openai
 import pytest
 
 from soma_runtime.engine.kv import BLOCK
+from soma_runtime.errors import RequestError
+from soma_runtime.server.sessions import Sessions
+from soma_runtime.tasks import Runtime
+from tests.fixtures.decoders import build_model
 
 SYSTEM = "You are a terse assistant."
 FIRST = "Name a primary color."
@@ -110,3 +114,17 @@ def test_sessions_with_one_system_prompt_share_its_cached_pages(client, server):
                          if b["block"] == "system")
     assert system_tokens > 120
     assert usages[1].prompt_tokens_details.cached_tokens >= system_tokens - BLOCK
+
+
+def test_a_session_follows_a_hot_swap_only_to_a_model_that_renders_it_the_same(smol, tmp_path):
+    sessions = Sessions()
+    session = sessions.open("swap", "default", smol)
+    session.context.add_message("user", "Hi.")
+    twin = Runtime().load("default", progress=False)                 # the same file loaded again: a swap in place
+    assert sessions.open("swap", "default", twin).model is twin and session.context.summarize == twin.summarize
+    build_model("llama", str(tmp_path / "tiny"))
+    other = Runtime().load(str(tmp_path / "tiny"), progress=False)
+    with pytest.raises(RequestError, match="replaced by one with another tokenizer"):
+        sessions.open("swap", "default", other)
+    with pytest.raises(RequestError, match="not 'other'"):
+        sessions.open("swap", "other", other)

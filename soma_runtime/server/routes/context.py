@@ -81,7 +81,8 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/context/compress")
     async def compress(request: Request):
         session, _ = await session_of(request)
-        state.model(session.model_id, "generate", "its session's model is not a text model")    # still served
+        served = state.model(session.model_id, "generate", "its session's model is not a text model")   # still served
+        sessions.open(session.id, served.id, served.model)                   # the summarizer: the model served now
         await run_in_threadpool(session.change, session.context.compress)
         return await run_in_threadpool(session.change, blocks, session)
 
