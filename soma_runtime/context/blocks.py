@@ -130,7 +130,7 @@ class Context:
     # --- structure -----------------------------------------------------------------------------
 
     def set_system(self, text: str) -> None:
-        check_text(text, "the system prompt")
+        self._fitting(text, "the system prompt")
         with self._change():
             self.system = text
 
@@ -139,7 +139,7 @@ class Context:
         if not isinstance(pages, list) or not all(isinstance(p, str) for p in pages):
             raise ContextError("pages must be a list of strings")
         with self._change():
-            self.graph = [self._page(p) for p in pages]
+            self.graph = [self._page(self._fitting(p, "a page")) for p in pages]
 
     def add_message(self, role: str, content: str, **extra) -> None:
         """Append a user or assistant message (extra fields, such as tool_calls, kept as given). A user
@@ -151,7 +151,7 @@ class Context:
             return
         if role not in ("user", "assistant"):
             raise ContextError(f"role must be user, assistant or tool, got {reprlib.repr(role)}")
-        message = {"role": role, "content": content, **extra}
+        message = {"role": role, "content": self._fitting(content, f"a {role} message"), **extra}
         check_messages([message])
         with self._change():
             self.history += self.input + self.tool_results
@@ -167,7 +167,7 @@ class Context:
         except (TypeError, ValueError) as e:
             raise ContextError(f"tool {name!r}: its result is neither text nor JSON ({e})") from None
         with self._change():
-            self.tool_results.append(self._entry({"role": "tool", "name": name, "content": check_text(text, "a tool result")}))
+            self.tool_results.append(self._entry({"role": "tool", "name": name, "content": self._fitting(text, "a tool result")}))
 
     # --- manage --------------------------------------------------------------------------------
 
@@ -289,7 +289,18 @@ class Context:
         return getattr(self, block) if block in CUTTABLE or block == "input" else []
 
     def _entry(self, message: dict) -> Entry:
-        return Entry(message, self._count([{"role": "system", "content": ""}, message], False) - self._probe)
+        try:
+            return Entry(message, self._count([{"role": "system", "content": ""}, message], False) - self._probe)
+        except RequestError:         # a template that takes no message alone after a system one: its text's tokens
+            return Entry(message, len(self.tokenizer.encode(message["content"], add_special=False)))
+
+    def _fitting(self, text: str, what: str) -> str:
+        """`text`, if it is text that could fit the window: more characters than the window's tokens could
+        ever cover are refused before anything tokenizes them."""
+        check_text(text, what)
+        if len(text) > self.window * self.tokenizer.max_token_chars:
+            raise ContextError(f"{what} of {len(text)} characters cannot fit the {self.window} tokens of {self.name}")
+        return text
 
     def _page(self, text: str) -> Entry:
         return Entry({"role": "system", "content": text}, len(self.tokenizer.encode("\n\n" + text, add_special=False)))
@@ -394,7 +405,7 @@ class Context:
         while keep > 0 and (len(self.history) - keep < KEPT_MESSAGES or kept + self.history[keep - 1].tokens <= kept_tokens):
             keep -= 1
             kept += self.history[keep].tokens
-        while 0 < keep < len(self.history) and self.history[keep].message["role"] == "tool":   # a call's results go with it
+        while 0 < keep < len(self.history) and self.history[keep].message["role"] != "user":     # whole exchanges
             keep += 1
         old = self.history[:keep]
         if not old:
@@ -422,7 +433,7 @@ class Context:
         while entries and (freed < excess or dropped == 0):
             freed += entries.pop(-1 if block == "graph" else 0).tokens
             dropped += 1
-            while block == "history" and entries and entries[0].message["role"] == "tool":   # a call's results go with it
+            while block == "history" and entries and entries[0].message["role"] != "user":   # whole exchanges go
                 freed += entries.pop(0).tokens
                 dropped += 1
         self._measured = None

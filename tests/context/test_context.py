@@ -11,6 +11,7 @@ import pytest
 from soma_runtime.context import BUDGETED, Context
 from soma_runtime.errors import ContextError
 from soma_runtime.tasks import Runtime
+from soma_runtime.text.chat import ChatTemplate
 from tests.fixtures.decoders import build_model
 
 SYSTEM = "You are a terse assistant. Answer in one sentence."
@@ -252,3 +253,24 @@ def test_escalation_fits_the_target_model_and_records_its_cuts(smol, tiny):
     assert context.cuts == [] and context.show() == conversation(smol, turns=20).show()      # the source is unchanged
     back = small.escalate(smol)                       # back into a larger window: nothing more to cut
     assert back.cuts == [] and back.messages() == small.messages()
+
+
+STRICT = ("{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>\n{% else %}"
+          "{% if (m['role'] == 'user') != (loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0)) %}"
+          "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n"
+          "{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_cuts_keep_whole_exchanges_for_a_template_that_needs_alternating_roles(smol):
+    """Mistral's and Llama 2's templates refuse a conversation whose roles do not alternate from a user
+    message: a cut history starts at a user message, and a message alone is estimated from its text."""
+    context = Context(ChatTemplate(STRICT), smol.tokenizer, 512, name="strict")
+    context.set_system(SYSTEM)
+    context.set_budget("history", 120)
+    for turn in range(60):
+        context.add_message("user", f"Turn {turn}: what is {turn} times 3?")
+        context.add_message("assistant", f"{turn} times 3 is {turn * 3}." + " Indeed." * (turn % 3))
+        assert context.messages()[1]["role"] == "user"
+        assert {b["block"]: b["tokens"] for b in context.blocks()}["history"] <= 120
+    assert context.show().endswith("[assistant] 59 times 3 is 177. Indeed. Indeed.\n[assistant] ")
+    assert sum(c.entries for c in context.cuts) % 2 == 0                   # exchanges, never half of one
