@@ -82,7 +82,7 @@ def router(state: ServerState) -> APIRouter:
     async def compress(request: Request):
         session, _ = await session_of(request)
         served = state.model(session.model_id, "generate", "its session's model is not a text model")   # still served
-        sessions.open(session.id, served.id, served.model)                   # the summarizer: the model served now
+        await run_in_threadpool(sessions.open, session.id, served.id, served.model)    # summarizing with the model served now
         await run_in_threadpool(session.change, session.context.compress)
         return await run_in_threadpool(session.change, blocks, session)
 

@@ -86,7 +86,9 @@ class Generation:
 async def complete(state: ServerState, request: Request, schema, chat: bool):
     body = await parse(request, schema)
     served = state.model(body.model, "generate", "use /v1/embeddings, /v1/classifications or /v1/run")
-    session = state.sessions.open(body.session, served.id, served.model) if chat and body.session is not None else None
+    session = None
+    if chat and body.session is not None:         # off the event loop: it may wait for the session's lock
+        session = await run_in_threadpool(state.sessions.open, body.session, served.id, served.model)
     if session is None:
         reqs = await run_in_threadpool(body.engine_requests, served.model)
     else:
