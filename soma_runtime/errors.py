@@ -29,5 +29,9 @@ class PromptTooLong(RequestError):
     """A prompt that does not fit the model's context."""
 
 
+class ContextError(RequestError):
+    """A conversation's context that cannot keep its budgets, or a saved one for another model."""
+
+
 class ParallelError(SomaError):
     """A tensor-parallel group that cannot form, a model that cannot be split over it, or a rank gone."""

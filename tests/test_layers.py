@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "soma_runtime"
-RUNTIME = ("soma_runtime.ir", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",
+RUNTIME = ("soma_runtime.ir", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders", "soma_runtime.context",
            "soma_runtime.text", "soma_runtime.tasks")
 REGISTRY = ("soma_runtime.backends",)      # the package's entry points: get, detect_all, gpu_available, run_op
 ABOVE_IR = ("soma_runtime.backends", "soma_runtime.engine", "soma_runtime.architectures", "soma_runtime.loaders",

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import speech
+from soma_runtime.cli import context, speech
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -148,7 +148,8 @@ def cmd_run(args) -> int:
                            f"use `soma-runtime {OTHER_COMMANDS[model.task]}`")
     if args.prompt is None:
         raise RequestError(f"{args.model or 'the default model'} generates text: give it a --prompt")
-    params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")}
+    params = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                                            "seed", "preset")}
     if args.lora:
         if len(args.lora) > 1:
             raise RequestError("run generates under one --lora at a time")
@@ -386,7 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=None)
     r.add_argument("--top-p", type=float, default=None)
     r.add_argument("--min-p", type=float, default=None)
-    r.add_argument("--repeat-penalty", type=float, default=None)
+    r.add_argument("--repeat-penalty", "--repetition-penalty", type=float, default=None,
+                   help="seen tokens' logits divided by it where positive, multiplied where not (llama.cpp's)")
+    r.add_argument("--repeat-last-n", type=int, default=None,
+                   help="the tokens the repeat penalty looks at: the last N of prompt and reply (default 64; 0: none, "
+                        "-1: all)")
+    r.add_argument("--preset", default=None, metavar="router|code|reasoning|creative",
+                   help="one of SPEC's sampling presets; the sampling options given here override its values")
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     held = r.add_mutually_exclusive_group()
@@ -490,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fold a PEFT LoRA directory into the weights, its update times SCALE (repeatable)")
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
+    context.add_parser(sub)
     return p
 
 

@@ -1,6 +1,6 @@
 """The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py) and the
-server's own (routes/models.py), behind the security guard (security.py), CORS where origins are
-allowed, and a counter of every response. Errors are OpenAI error objects (http.py)."""
+server's own (routes/models.py; routes/context.py, the sessions' contexts), behind the security guard
+(security.py), CORS where origins are allowed, and a counter of every response. Errors are OpenAI error objects (http.py)."""
 from __future__ import annotations
 
 import logging
@@ -17,11 +17,11 @@ from soma_runtime.server import openai
 from soma_runtime.server.http import ServerState
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelRegistry
-from soma_runtime.server.routes import audio, encode, generate, graph, models
+from soma_runtime.server.routes import audio, context, encode, generate, graph, models
 from soma_runtime.server.security import Guard, Policy
 
 log = logging.getLogger("soma_runtime.server")
-ROUTERS = (generate, encode, graph, audio, models)
+ROUTERS = (generate, encode, graph, audio, models, context)
 
 
 class Counted:

@@ -2,12 +2,13 @@
 typed by a schema), and errors as OpenAI error objects: 400 bad request, 403 refused by policy, 404
 unknown model, 503 overloaded, 507 a model that cannot fit (security.py's Guard answers 401, 408, 413,
 415 and 421 before a route runs). An error's message names files relative to the models directory or
-to the model's own directory: a client never learns where the server keeps its files."""
+to the model's own directory: a client never learns where the server keeps its files. An unknown session
+is a 404 as an unknown model is, and a server holding its most sessions answers 503."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -19,6 +20,7 @@ from soma_runtime.server import openai
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelNotFound, ModelRegistry, OutOfMemory, Served
 from soma_runtime.server.security import Forbidden
+from soma_runtime.server.sessions import SessionNotFound, Sessions, TooManySessions
 
 MAX_JSON_DEPTH = 64
 
@@ -34,6 +36,7 @@ class ServerState:
     max_queue: int
     models_dir: str | None
     run_budget: RunBudget                 # what one graph run may compute
+    sessions: Sessions = field(default_factory=Sessions)      # conversations by id (/v1/context/*)
 
     def model(self, model_id: str, task: str, use: str) -> Served:
         """The served model `model_id`, which must run `task` (RequestError naming the route to `use`)."""
@@ -59,6 +62,7 @@ class ServerState:
 
 
 ERRORS = [(ModelNotFound, 404, "not_found_error", "model_not_found"), (OutOfMemory, 507, "insufficient_memory", None),
+          (SessionNotFound, 404, "not_found_error", "session_not_found"), (TooManySessions, 503, "server_overloaded", None),
           (Forbidden, 403, "permission_error", None),
           (Overloaded, 503, "server_overloaded", None), (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
           (SomaError, 400, "invalid_request_error", None)]
@@ -76,6 +80,9 @@ async def parse(request: Request, schema: type[BaseModel]):
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise RequestError(f"{where}: unknown field; a field this server does not act on is refused, "
+                               "not ignored") from None
         raise RequestError(f"{where}: {first['msg']}") from None
 
 

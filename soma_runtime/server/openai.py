@@ -2,9 +2,10 @@
 
 Structured output (`response_format`; llama.cpp's `grammar` and `json_schema` on completions) and tools
 (`tools`, `tool_choice`, `parallel_tool_calls`; replies with `tool_calls`, streamed as deltas) are acted
-on. Fields OpenAI defines and this server does not act on (user, ...) are accepted and ignored, as
-llama.cpp's server does, so existing clients work unchanged; llama.cpp's sampling extensions (top_k,
-min_p, repeat_penalty) are accepted too.
+on, and so are llama.cpp's sampling extensions (top_k, min_p, repeat_penalty, repeat_last_n),
+transformers' `repetition_penalty` and SPEC's `preset`. A field that would change the tokens and is not
+acted on is refused with a 400 naming it, never ignored; only OpenAI's bookkeeping fields (IGNORED: who
+asked, what to store) are accepted and left unused, so existing clients work unchanged.
 """
 from __future__ import annotations
 
@@ -12,21 +13,26 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from soma_runtime.engine.generate import MAX_TOP_K, SEED_LIMIT, GenerationRequest, Token
+from soma_runtime.context import Context
+from soma_runtime.engine.generate import MAX_TOP_K, PRESETS, SEED_LIMIT, GenerationRequest, Token
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import RequestError
 from soma_runtime.tasks import TextModel
 from soma_runtime.tools.turn import ReplyStream, Turn
 
 ARGUMENT_FRAGMENT = 32        # characters of a streamed call's arguments per chunk
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repetition_penalty", "repeat_last_n",
+            "presence_penalty", "frequency_penalty", "preset")
 
 
 class Sampling(BaseModel):
-    """The sampling fields both completion routes take. Strict: `true` or `2.5` is no token count. `lora`
-    (an extension, as llama.cpp's server has one): the adapter to run under, by name or {name, scale}."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """The sampling fields both completion routes take. Strict: `true` or `2.5` is no token count; a field
+    it does not know is refused (parse() names it). `lora` (an extension, as llama.cpp's server has one): the
+    adapter to run under, by name or {name, scale}."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -34,6 +40,10 @@ class Sampling(BaseModel):
     top_k: int | None = Field(None, ge=0, lt=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0, le=1e6)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e6)
+    repeat_last_n: int | None = Field(None, ge=-1, lt=MAX_TOP_K)
+    preset: Literal[tuple(PRESETS)] | None = None
+    logit_bias: dict | None = None       # OpenAI's; only an empty one is taken (no bias is applied)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-1, lt=SEED_LIMIT)
@@ -45,6 +55,12 @@ class Sampling(BaseModel):
     ignore_eos: bool = False             # llama.cpp's: run to max_tokens past end-of-sequence tokens
     lora: str | dict | None = None
     _turn: Turn | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_ignored(cls, body):
+        """OpenAI's bookkeeping fields go before validation; any other unknown field is then refused."""
+        return {k: v for k, v in body.items() if k not in IGNORED} if isinstance(body, dict) else body
 
     @property
     def turn(self) -> Turn | None:
@@ -70,8 +86,9 @@ class Sampling(BaseModel):
         """One engine request per choice; with a seed, choice i draws from seed + i (-1: unseeded, as llama.cpp)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        params = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-                                                "presence_penalty", "frequency_penalty")}
+        if self.logit_bias:
+            raise RequestError("logit_bias: not supported by this server (only an empty one is accepted)")
+        params = {k: getattr(self, k) for k in SAMPLING}
         max_tokens = self.max_tokens or default_max or model.context_length       # cut to what the context leaves
         seeded = self.seed is not None and self.seed != -1
         adapter = self.adapter()
@@ -122,6 +139,7 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    session: str | None = None            # a conversation the server keeps: its context renders the prompt
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -136,6 +154,30 @@ class ChatRequest(Sampling):
                                self.format_constraint())
         return self.requests(model, model.turn_ids(self._turn), (self.top_logprobs or 0) if self.logprobs else None, None,
                              self._turn.constraint)
+
+    def session_requests(self, model: TextModel, context: Context) -> list[GenerationRequest]:
+        """The request's messages added to a session's context (a system message replaces its system prompt;
+        all or none of them), and the engine request of the reply to it."""
+        if self.tools is not None or self.n != 1:
+            raise RequestError("a request on a session takes no tools and one choice (n = 1)")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        saved = context.state()
+        try:
+            for m in self.messages:
+                message = m.as_dict()
+                role, content = message.pop("role"), message.pop("content")
+                if role == "system":
+                    context.set_system(content)
+                elif role == "tool":
+                    context.inject_tool_result(message.get("name") or "tool", content)
+                else:
+                    context.add_message(role, content, **message)
+        except BaseException:
+            context.restore(saved)
+            raise
+        return self.requests(model, context.ids(), (self.top_logprobs or 0) if self.logprobs else None, None,
+                             self.format_constraint())
 
 
 class CompletionRequest(Sampling):

@@ -8,6 +8,7 @@ import numpy as np
 
 from soma_runtime import loaders, parallel, schedule
 from soma_runtime.architectures.shard import check_split
+from soma_runtime.context import Context
 from soma_runtime.engine.generate import (
     Drafter,
     DraftModel,
@@ -18,6 +19,7 @@ from soma_runtime.engine.generate import (
     Scheduler,
     Token,
     check_stops,
+    sampling_preset,
 )
 from soma_runtime.engine.grammar import Constraint, constraint_of
 from soma_runtime.errors import ModelLoadError, PromptTooLong, RequestError
@@ -36,6 +38,8 @@ ALIASES = {"repetition_penalty": "repeat_penalty"}
 LIBRARY_BATCH = 16          # streams the library's loop runs together (generators consumed side by side)
 OVERFLOWS = ("error", "truncate", "slide")   # what a text model does with a prompt beyond its context
 MAX_LORAS = 8               # adapters a model holds at once unless load_lora says
+SUMMARY_PROMPT = ("Summarize the conversation below in a few sentences for the assistant to carry on from it. "
+                  "Keep names, numbers, facts, decisions and open questions.")
 PROMPT_SHARE = 0.75         # a truncated prompt takes at most this share of the context; the rest is the reply's
 log = logging.getLogger("soma_runtime")
 
@@ -237,14 +241,20 @@ class TextModel(Model):
         req.max_tokens = min(req.max_tokens, self.engine.max_length - len(req.prompt_ids))
         return req
 
-    def sampling(self, **params) -> SamplingParams:
-        """The model's sampling defaults overridden by `params` (OpenAI or llama.cpp names)."""
-        params = {ALIASES.get(k, k): v for k, v in params.items() if v is not None}
-        unknown = set(params) - SAMPLING_FIELDS
+    def sampling(self, preset: str | None = None, **params) -> SamplingParams:
+        """The model's sampling defaults overridden by a `preset`'s (router, code, reasoning, creative), then
+        by `params` (OpenAI or llama.cpp names; one parameter under both names is an error)."""
+        given = {k: v for k, v in params.items() if v is not None}
+        unknown = set(given) - SAMPLING_FIELDS - set(ALIASES)
         if unknown:
             raise RequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+        both = [f"{alias} and {name}" for alias, name in ALIASES.items() if alias in given and name in given]
+        if both:
+            raise RequestError(f"give one of {both[0]}: they are the same parameter")
+        given = {ALIASES.get(k, k): v for k, v in given.items()}
         defaults = {k: v for k, v in self.loaded.sampling.items() if k in SAMPLING_FIELDS}
-        return SamplingParams(**{**defaults, **params}).validate()
+        chosen = sampling_preset(preset) if preset is not None else {}
+        return SamplingParams(**{**defaults, **chosen, **given}).validate()
 
     def stops(self, stop) -> list:
         """`stop` (or the model's default) as a list: one string, or several."""
@@ -345,16 +355,37 @@ class TextModel(Model):
         """The prompt tokens of a conversation, through the model's chat template."""
         return self.turn_ids(self.turn(messages))
 
-    def chat(self, messages: list[dict], stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
+    def context(self, reply_tokens: int | None = None, summarizer: TextModel | None = None) -> Context:
+        """A conversation's context for this model (one per conversation): blocks with budgets in its tokens,
+        rendered through its chat template; `reply_tokens` of the context are kept for the reply. `chat(context)`
+        generates from it and appends the reply. With a `summarizer` (this model, or a smaller one), old
+        history is compressed into a summary (`compress()`, and on its own past half the window)."""
+        if summarizer is not None and not isinstance(summarizer, TextModel):
+            raise RequestError(f"summarizer must be a text model, got {type(summarizer).__name__}")
+        return Context(self.template(), self.tokenizer, self.context_length, reply_tokens, self.id,
+                       summarizer.summarize if summarizer is not None else None)
+
+    def summarize(self, transcript: str, max_tokens: int) -> str:
+        """A summary of a conversation's transcript, greedy, in at most `max_tokens`."""
+        messages = [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}]
+        return self.chat(messages, stream=False, temperature=0, max_tokens=max_tokens)
+
+    def chat(self, messages: list[dict] | Context, stream: bool = True, tools: ToolRegistry | list[dict] | None = None,
              tool_choice=None, parallel_tool_calls: bool = True, max_tool_steps: int = 8, json_schema=None,
              regex: str | None = None, grammar: str | None = None, **params):
         """Apply the model's chat template and generate the assistant's reply (held to a JSON schema, a regex
         or a grammar if given; a thinking model's reasoning stays free). With a ToolRegistry, run the tool
         loop: calls are checked, run, and their results fed back until a reply calls none. Streams Tokens;
         `stream=False` gives the final reply's content (with a list of tools, the Reply: content, reasoning,
-        tool_calls)."""
+        tool_calls). Given a Context (`model.context()`), the prompt is its `ids()` and the reply, once
+        whole, is added to it."""
         check_flag("stream", stream)
         constraint = constraint_of(json_schema, regex, grammar)
+        if isinstance(messages, Context):
+            if tools is not None:
+                raise RequestError("a Context takes tool results through inject_tool_result; give tools with messages")
+            replying = self.replying(messages, self.generate(messages.ids(), constraint=constraint, **params))
+            return replying if stream else "".join(t.text for t in replying)
         if isinstance(tools, ToolRegistry):
             loop = ToolLoop(self, messages, tools, tool_choice, parallel_tool_calls, max_tool_steps, constraint, params)
             return loop if stream else loop.final()
@@ -364,6 +395,15 @@ class TextModel(Model):
             return tokens
         reply = turn.read("".join(t.text for t in tokens))
         return reply if tools else reply.content
+
+    @staticmethod
+    def replying(context: Context, tokens: Iterator[Token]) -> Iterator[Token]:
+        """The reply's tokens; once they end, the reply is the context's newest assistant message."""
+        text = ""
+        for token in tokens:
+            text += token.text
+            yield token
+        context.add_message("assistant", text)
 
     def logits(self, prompt: str | list[int], lora: str | None = None, lora_scale: float = 1.0) -> np.ndarray:
         """Next-token logits at every position of the prompt: [tokens, vocab] f32 (under an adapter, where named)."""

@@ -7,6 +7,7 @@ SentencePiece BPE, its merges recovered from the token scores.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import reprlib
@@ -61,6 +62,17 @@ class Tokenizer:
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_starts(self, text: str) -> tuple[list[int], list[int]]:
+        """encode(text, add_special=False) and the character each of its tokens starts at."""
+        encoding = self.hf.encode(check_text(text), add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the whole tokenizer (vocabulary, merges, normalizer, special tokens): equal only where
+        every text tokenizes the same."""
+        return hashlib.sha256(self.hf.to_str().encode()).hexdigest()
 
     # --- construction ----------------------------------------------------------------------
 

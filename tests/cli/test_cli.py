@@ -72,3 +72,50 @@ def test_run_holds_the_reply_to_a_schema_a_regex_or_a_grammar(tmp_path):
     assert r.returncode == 0 and r.stdout in (" yes\n", " no\n"), r.stderr
     r = soma("run", "--prompt", "x", "--regex", "[a-")
     assert r.returncode != 0 and "invalid regex" in r.stderr
+
+
+def test_run_takes_a_preset_and_the_repetition_penalty_with_its_options_over_them(smol):
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
+    r = soma("run", "--prompt", prompt, "--max-tokens", "16", "--preset", "creative", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == smol.complete(prompt, max_tokens=16, temperature=0, repetition_penalty=1.2) + "\n"
+    r = soma("run", "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--repetition-penalty", "1.2",
+             "--repeat-last-n", "0")
+    assert r.returncode == 0 and r.stdout == smol.complete(prompt, max_tokens=16, temperature=0) + "\n", r.stderr
+    r = soma("run", "--prompt", "x", "--preset", "fast")
+    assert r.returncode == 1 and "preset must be one of router, code, reasoning, creative" in r.stderr
+
+
+def test_context_commands_on_a_saved_session_file(smol, tmp_path):
+    context = smol.context()
+    context.set_system("You are terse.")
+    for i in range(6):
+        context.add_message("user", f"What is {i} plus {i}?")
+        context.add_message("assistant", f"It is {2 * i}.")
+    path = str(tmp_path / "session.json")
+    context.save(path)
+    r = soma("context", "show", "--file", path)
+    assert r.returncode == 0 and r.stdout == context.show() + "\n", r.stderr
+    r = soma("context", "blocks", "--file", path, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == context.report(), r.stderr
+    r = soma("context", "budget", "history", "20", "--file", path)
+    assert r.returncode == 0 and "history" in r.stdout and "cut" in r.stdout, r.stderr
+    context.load(path)
+    assert context.budgets["history"] == 20 and context.cuts[-1].reason == "budget"
+    r = soma("context", "clear", "session", "--file", path)
+    assert r.returncode == 1 and "history or all" in r.stderr
+
+
+def test_context_commands_on_a_servers_session(server, tmp_path):
+    status, _ = server.post("/v1/chat/completions", {"model": "default", "session": "cli", "max_tokens": 4, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "Say hi."}]})
+    assert status == 200
+    tokens = server.post("/v1/context/tokens", {"session": "cli"})[1]
+    r = soma("context", "tokens", "--session", "cli", "--url", server.url)
+    assert r.returncode == 0 and r.stdout.startswith(f"total: {tokens['tokens']} / {tokens['window']}"), r.stderr
+    saved = str(tmp_path / "cli.json")
+    assert soma("context", "save", saved, "--session", "cli", "--url", server.url).returncode == 0
+    r = soma("context", "load", saved, "--session", "cli-copy", "--url", server.url, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["tokens"] == tokens["tokens"], r.stderr
+    r = soma("context", "show", "--session", "nobody", "--url", server.url)
+    assert r.returncode == 1 and "404 session 'nobody' does not exist" in r.stderr

@@ -4,9 +4,9 @@ codecs' calibration text, and the one scheduling loop the library and the server
 What the layers above (tasks, server, tools) use is re-exported here."""
 from soma_runtime.engine.generate.batching import Scheduler
 from soma_runtime.engine.generate.engine import Engine, GenerationRequest, Stream, Token
-from soma_runtime.engine.generate.sampling import MAX_TOP_K, SEED_LIMIT, SamplingParams
+from soma_runtime.engine.generate.sampling import MAX_TOP_K, PRESETS, SEED_LIMIT, SamplingParams, sampling_preset
 from soma_runtime.engine.generate.speculate import Drafter, DraftModel, PromptLookup
 from soma_runtime.engine.generate.stops import check_stops
 
-__all__ = ["MAX_TOP_K", "SEED_LIMIT", "DraftModel", "Drafter", "Engine", "GenerationRequest", "PromptLookup",
-           "SamplingParams", "Scheduler", "Stream", "Token", "check_stops"]
+__all__ = ["MAX_TOP_K", "PRESETS", "SEED_LIMIT", "DraftModel", "Drafter", "Engine", "GenerationRequest", "PromptLookup",
+           "SamplingParams", "Scheduler", "Stream", "Token", "check_stops", "sampling_preset"]

@@ -2,6 +2,15 @@
 penalties over the generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw.
 Temperature 0 is greedy.
 
+The repetition penalty is llama.cpp's `repeat_penalty` (transformers' `repetition_penalty`): the logit of
+every token seen in the window is divided by it where positive, multiplied by it where not. The window is
+llama.cpp's `repeat_last_n`: the last n tokens of prompt and reply together (64 by default, as llama.cpp's
+server and CLI, which feed the prompt to their sampler), 0 for none, -1 for the whole sequence (what
+transformers penalizes).
+
+SPEC's presets (router, code, reasoning, creative) are named sets of these parameters; a request's own
+values override a preset's.
+
 After the penalties, a choice is `choose(logits, row)` (ir/sampling.py) with row = (temperature,
 top_k, top_p, min_p, u), u the step's uniform: the decoder graph's `sample` op takes the same rows,
 so a stream without penalties or logprobs is sampled where the model runs, and only its token comes back."""
@@ -16,6 +25,13 @@ from soma_runtime.errors import RequestError
 from soma_runtime.ir.sampling import choose, draw, probabilities
 
 MAX_TOP_K = 2**31            # top_k and repeat_last_n: at most a vocabulary's (or a context's) size
+WHOLE_SEQUENCE = -1         # repeat_last_n: the window is every token so far
+PRESETS = {
+    "router": {"temperature": 0.0, "seed": 42},
+    "code": {"temperature": 0.0, "top_p": 0.5, "seed": 42},
+    "reasoning": {"temperature": 0.7, "min_p": 0.05},
+    "creative": {"temperature": 1.0, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.2},
+}
 SEED_LIMIT = 2**64           # what numpy's generators take
 LAST_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
@@ -50,7 +66,7 @@ class SamplingParams:
                 raise RequestError(f"{name} must be a finite number, got {value!r}")
         for name, limit in (("top_k", MAX_TOP_K), ("repeat_last_n", MAX_TOP_K), ("seed", SEED_LIMIT)):
             value = getattr(self, name)
-            if name == "seed" and value in (None, -1):
+            if (name == "seed" and value in (None, -1)) or (name == "repeat_last_n" and value == WHOLE_SEQUENCE):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
                 raise RequestError(f"{name} must be an integer in [0, {limit}), got {value!r}")
@@ -63,6 +79,20 @@ class SamplingParams:
             if not ok:
                 raise RequestError(message)
         return self
+
+
+def sampling_preset(name: str) -> dict:
+    """A preset's parameters (SPEC "inference parameters"); RequestError for a name that is none."""
+    if not isinstance(name, str) or name not in PRESETS:
+        raise RequestError(f"preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    return dict(PRESETS[name])
+
+
+def repeat_window(history: list[int], last_n: int) -> list[int]:
+    """The tokens the repetition penalty looks at: the last `last_n` (0: none, -1: all)."""
+    if last_n == WHOLE_SEQUENCE:
+        return history
+    return history[-last_n:] if last_n else []
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float) -> np.ndarray:
@@ -106,8 +136,8 @@ class Sampler:
         p = self.params
         if not p.penalized:
             return logits
-        logits = apply_repeat_penalty(np.asarray(logits, np.float64),
-                                      history[-p.repeat_last_n:] if p.repeat_last_n else history, p.repeat_penalty)
+        logits = apply_repeat_penalty(np.asarray(logits, np.float64), repeat_window(history, p.repeat_last_n),
+                                      p.repeat_penalty)
         return apply_openai_penalties(logits, generated, p.presence_penalty, p.frequency_penalty)
 
     def __call__(self, logits: np.ndarray, history: list[int], generated: list[int] = (), allowed=None) -> int:

@@ -1,7 +1,8 @@
 """The `generate` task's routes: `/v1/chat/completions` and `/v1/completions`, OpenAI's wire format,
 streamed as server-sent events or answered whole. Requests go to the model's scheduling loop; tokens
 come back from its thread into this event loop. A client that leaves, streaming or not, cancels its
-jobs, whose KV pages are freed at the next step."""
+jobs, whose KV pages are freed at the next step. A chat request naming a `session` adds its messages to
+that conversation's context, generates from the context's prompt, and adds the reply once it is whole."""
 from __future__ import annotations
 
 import asyncio
@@ -86,7 +87,13 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
     body = await parse(request, schema)
     served = state.model(body.adapter_in_name(state.registry.models), "generate",
                          "use /v1/embeddings, /v1/classifications or /v1/run")
-    reqs = await run_in_threadpool(body.engine_requests, served.model)
+    session = None
+    if chat and body.session is not None:         # off the event loop: it may wait for the session's lock
+        session = await run_in_threadpool(state.sessions.open, body.session, served.id, served.model)
+    if session is None:
+        reqs = await run_in_threadpool(body.engine_requests, served.model)
+    else:
+        reqs = await run_in_threadpool(session.change, body.session_requests, served.model, session.context)
     gen = Generation(served, reqs, state.metrics, state.max_queue)
     rid = openai.new_id("chatcmpl" if chat else "cmpl")
     choices = [openai.Choice(i, served.model, chat, body.turn) for i in range(len(reqs))]
@@ -100,6 +107,8 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
             choices[i].add(token)
         if any(c.finish_reason is None for c in choices):      # the client left
             return PlainTextResponse("", status_code=499)
+        if session is not None:
+            await run_in_threadpool(session.change, session.context.add_message, "assistant", choices[0].text)
         return {**head, "choices": [c.final() for c in choices],
                 "usage": openai.usage(gen.prompt_tokens, sum(c.tokens for c in choices), gen.cached_tokens)}
 
@@ -116,6 +125,8 @@ async def complete(state: ServerState, request: Request, schema, chat: bool):
                 choices[i].add(token)
                 for delta in choices[i].deltas(token):
                     yield sse({**head, "choices": [delta]})
+            if session is not None:
+                await run_in_threadpool(session.change, session.context.add_message, "assistant", choices[0].text)
         except Exception as exc:              # headers are gone: the error travels as the last event
             log.exception("generation failed mid-stream")
             yield sse(openai.error_body(state.scrub(str(exc)), "server_error"))
