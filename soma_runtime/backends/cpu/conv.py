@@ -122,13 +122,13 @@ def _phases(x, sh, sw, ph, pw, fill, planes):
 @njit(parallel=True, cache=True, error_model="numpy")
 def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, scratch, y):
     """A convolution of few outputs per group (depthwise) by direct loops over stride phases: each tap adds a
-    weighted phase plane, read as one flat run, to a row-padded output plane (scratch [N * O, OH * row pitch],
-    its pad columns dropped after)."""
+    weighted phase plane, read as one flat run, to a row-padded output plane (scratch [N * O, span >= OH * row
+    pitch], its pad columns and the run's rounding dropped after)."""
     N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
     O, Cg, KH, KW = w.shape
     OH, OW = y.shape[2], y.shape[3]
     Og = O // (C // Cg)
-    span = OH * Wq
+    span = scratch.shape[1]
     for t in prange(N * O):
         n, o = t // O, t % O
         c0 = (o // Og) * Cg
@@ -154,21 +154,30 @@ def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, scratch, y):
                     row[k] = _activate(sums[k], code)
 
 
-def phases(x, st, pd, fill) -> np.ndarray:
-    """x [N, C, H, W] f32 padded by `fill` and split by stride phase (_phases)."""
+def phase_width(W, sw, pw) -> int:
+    """The row pitch of x's stride phase planes (W wide, padded by pw each side)."""
+    return -(-(W + 2 * pw) // sw)
+
+
+def phases(x, st, pd, fill, slack: int = 1) -> np.ndarray:
+    """x [N, C, H, W] f32 padded by `fill` and split by stride phase (_phases), with `slack` rows of fill after
+    (the last taps' flat runs read past the plane's end)."""
     (sh, sw), (ph, pw) = st, pd
     N, C, H, W = x.shape
-    rows = -(-(H + 2 * ph) // sh) + 1                 # a row of slack: the last taps read past the plane's end
-    width = -(-(W + 2 * pw) // sw)
-    planes = np.empty((N, C, sh * sw, rows, width), np.float32)
+    planes = np.empty((N, C, sh * sw, -(-(H + 2 * ph) // sh) + slack, phase_width(W, sw, pw)), np.float32)
     _phases(x, sh, sw, ph, pw, np.float32(fill), planes)
     return planes
 
 
+RUN = 64    # a tap's flat run is rounded up to this many floats: numba's vector loop (16 lanes x 4) then has no scalar tail
+
+
 def direct(x, w, bias, residual, code, st, pd, dl, y):
     """y = epilogue(conv(x, w) + bias + residual) by stride phases (x [N, C, H, W] f32)."""
-    planes = phases(x, st, pd, 0)
-    scratch = np.empty((y.shape[0] * y.shape[1], y.shape[2] * planes.shape[4]), np.float32)
+    pitch = phase_width(x.shape[3], st[1], pd[1])
+    span = -(-(y.shape[2] * pitch) // RUN) * RUN
+    planes = phases(x, st, pd, 0, slack=1 + -(-(span - y.shape[2] * pitch) // pitch))
+    scratch = np.empty((y.shape[0] * y.shape[1], span), np.float32)
     _direct(planes, w, bias, residual, code, *st, *dl, scratch, y)
 
 
