@@ -8,6 +8,9 @@
 - convolution networks: transformers' ResNet-18 and MobileNetV2 (random weights, exported here with a
   dynamic batch) at 224x224, batch 1 and 8; ddddocr's detector (416x416) and recognizer (64x256) and
   basic-pitch's nmp.onnx (one 2 s window), the files those packages ship: milliseconds per run;
+- vision exports made by `make setup`'s exporters (tests/exporters/vision.py, random weights): torchvision's
+  mobilenet_v3_small (224x224, batch 1 and 8) and vit_b_16 (batch 1), ultralytics' YOLOv8n and YOLO11n at
+  640x640 (plain, and YOLOv8n with NMS in the graph), torchvision's SSDlite at 320x320: milliseconds per run;
 - the same at batch 1 on a loaded machine (as many busy processes beside the run as it has threads): what a
   user whose machine also does something else gets;
 - a one-node graph (an add of two 4-float vectors): microseconds per run from Python, the per-call floor;
@@ -105,6 +108,16 @@ def vision_onnx(name: str) -> str:
         torch.onnx.export(Features(), (torch.randn(1, 3, 224, 224),), str(path), input_names=["x"], output_names=["y"],
                           dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17, dynamo=False)
     return str(path)
+
+
+def vision_exports():
+    """path_of(file name) for the files tests/exporters/vision.py made (under .venv-exporters, by the hash of
+    that script, as the tests find them); None where they have not been made."""
+    import hashlib
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "exporters" / "vision.py"
+    out = root / ".venv-exporters" / "exports" / hashlib.sha256(script.read_bytes()).hexdigest()[:16]
+    return (lambda name: str(out / name)) if (out / "manifest.json").exists() else None
 
 
 def shipped(module: str, *parts: str) -> str | None:
@@ -263,6 +276,15 @@ def convolutional(engine: str, threads: int) -> dict:
                    "ddddocr_recognizer_ms": (shipped("ddddocr", "common.onnx"), "input1", (1, 1, 64, 256)),
                    "basic_pitch_ms": (shipped("basic_pitch", "saved_models", "icassp_2022", "nmp.onnx"),
                                       "serving_default_input_2:0", (1, 43844, 1))})
+    exported = vision_exports()
+    if exported is not None:
+        models.update({"mobilenet_v3_small_batch_1_ms": (exported("mobilenet_v3_small-torchscript.onnx"), "x", (1, 3, 224, 224)),
+                       "mobilenet_v3_small_batch_8_ms": (exported("mobilenet_v3_small-torchscript.onnx"), "x", (8, 3, 224, 224)),
+                       "vit_b_16_batch_1_ms": (exported("vit_b_16-torchscript.onnx"), "x", (1, 3, 224, 224)),
+                       "yolov8n_640_ms": (exported("yolov8n.onnx"), "images", (1, 3, 640, 640)),
+                       "yolo11n_640_ms": (exported("yolo11n.onnx"), "images", (1, 3, 640, 640)),
+                       "yolov8n_nms_640_ms": (exported("yolov8n-nms.onnx"), "images", (1, 3, 640, 640)),
+                       "ssdlite_320_ms": (exported("ssdlite320_mobilenet_v3_large-torchscript.onnx"), "x", (1, 3, 320, 320))})
     models.update({f"{name}_batch_1_loaded_ms": (vision_onnx(name), "x", (1, 3, 224, 224))
                    for name in ("resnet18", "mobilenet_v2")})
     result = {}
@@ -329,7 +351,9 @@ def main():
             (f"{key[:-3].replace('_', ' ')} (ms)", key, False) for key in (
                 "resnet18_batch_1_ms", "resnet18_batch_8_ms", "mobilenet_v2_batch_1_ms", "mobilenet_v2_batch_8_ms",
                 "resnet18_batch_1_loaded_ms", "mobilenet_v2_batch_1_loaded_ms",
-                "ddddocr_detector_ms", "ddddocr_recognizer_ms", "basic_pitch_ms")] + [
+                "ddddocr_detector_ms", "ddddocr_recognizer_ms", "basic_pitch_ms", "mobilenet_v3_small_batch_1_ms",
+                "mobilenet_v3_small_batch_8_ms", "vit_b_16_batch_1_ms", "yolov8n_640_ms", "yolo11n_640_ms",
+                "yolov8n_nms_640_ms", "ssdlite_320_ms")] + [
             ("one-node graph (us, target <= 10)", "one_node_us", False),
             ("load peak RSS / weights (<= 1.2)", "load_peak_over_weights", False),
             ("RSS after 1k shape runs (MB)", "churn_rss_mb_at_1000", False),
