@@ -18,9 +18,9 @@
   RSS after 1,000 and growth over 10,000 runs of a graph at 100 input shapes; an idle server's CPU
   seconds over 10 s (the bundled model loaded, no requests).
 
-Each engine runs in its own process; the engines alternate over --rounds rounds (median reported; each
-round's figure is the best of 5 timed passes after a warm-up). Ours also runs with recognition off, to
-show what recognizing the exporter's subgraphs buys. Run: python bench/onnx_models.py [--threads 2]
+Each engine runs in its own process; the engines alternate over --rounds rounds, in reverse order every other
+round (median reported; each round's figure is the best of 5 timed passes after a warm-up). Ours also runs
+with recognition off, to show what recognizing the exporter's subgraphs buys. Run: python bench/onnx_models.py [--threads 2]
 [--rounds 3]; JSON goes to bench/out/onnx.json.
 """
 from __future__ import annotations
@@ -338,8 +338,8 @@ def main():
         print(json.dumps(worker(args.worker, args.threads)))
         return
     rounds = {engine: [] for engine in ENGINES}
-    for _ in range(args.rounds):
-        for engine in ENGINES:
+    for r in range(args.rounds):
+        for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:     # no engine always first (the machine drifts)
             rounds[engine].append(run_worker(__file__, engine, threads=args.threads))
     results = {engine: median_of(r) for engine, r in rounds.items()}
     results[ENGINES[0]].update(idle_server_cpu())
