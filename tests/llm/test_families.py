@@ -8,23 +8,9 @@ import pytest
 import torch
 
 from soma_runtime.tasks import Runtime
-from tests.fixtures.decoders import FAMILIES, build_model
+from tests.fixtures.decoders import FAMILIES, build_model, hf_greedy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
-GAP = 1e-3     # compare greedy tokens up to the first position where HF's top-2 gap is below this
-
-
-def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], int]:
-    """HF greedy continuation (full forward each step) and how many leading tokens have a clear top-2 gap."""
-    ids, clear = list(ids), None
-    with torch.no_grad():
-        for step in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top2 = torch.topk(logits, 2).values
-            if clear is None and float(top2[0] - top2[1]) < GAP:
-                clear = step
-            ids.append(int(logits.argmax()))
-    return ids[-steps:], steps if clear is None else clear
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

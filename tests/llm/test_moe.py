@@ -19,9 +19,8 @@ from soma_runtime.errors import ModelLoadError
 from soma_runtime.ir.jets import REGISTRY
 from soma_runtime.quant import quantize
 from soma_runtime.tasks import Runtime
-from tests.fixtures.decoders import MOE_FAMILIES, build_model
+from tests.fixtures.decoders import MOE_FAMILIES, build_model, hf_greedy
 from tests.llm.llama_reference import check_greedy, llama_greedy, near_tie
-from tests.llm.test_families import hf_greedy
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Hello world 123!", "Numbers 12345 and symbols appear too."]
 STEPS = 64

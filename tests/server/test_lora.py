@@ -7,32 +7,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.fixtures.adapters import make_adapter
-from tests.fixtures.decoders import build_model
+from tests.fixtures.decoders import build_model, hf_greedy
 from tests.server.conftest import ServerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world 123!"
-STEPS, GAP = 8, 1e-3
+STEPS = 8
 ADAPTERS = {"qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "dora-r4": {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "down_proj"]},
             "rank-0": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
             "mlp-r16": {"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
             "wide-r32": {"r": 32, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj"]}}
-
-
-def greedy(model, ids: list[int]) -> tuple[list[int], int]:
-    """A model's greedy continuation (a full forward a step) and how many leading steps have a clear top-2 gap."""
-    ids, clear = list(ids), None
-    with torch.no_grad():
-        for step in range(STEPS):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top2 = torch.topk(logits, 2).values
-            if clear is None and float(top2[0] - top2[1]) < GAP:
-                clear = step
-            ids.append(int(logits.argmax()))
-    return ids[-STEPS:], STEPS if clear is None else clear
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +41,7 @@ def completion(server, model: str, tok, **fields) -> tuple[int, dict]:
 
 def same_text(reply: dict, reference, tok) -> None:
     """The reply's text is the reference model's greedy continuation, up to its first near-tie."""
-    want, clear = greedy(reference, tok.encode(PROMPT).ids)
+    want, clear = hf_greedy(reference, tok.encode(PROMPT).ids, STEPS)
     assert clear >= 4, "a near-tie in the reference's first steps: reseed the adapter"
     text = tok.decode(want[:clear]).rstrip("\ufffd")       # a character whose bytes are not all out yet is held back
     assert text and reply["choices"][0]["text"].startswith(text)
@@ -66,7 +52,8 @@ def test_the_model_name_base_colon_adapter_runs_the_adapter_as_peft_does(setup):
     status, reply = completion(server, "tiny:qv-r4", tok)
     assert status == 200, reply
     same_text(reply, peft["qv-r4"], tok)
-    assert reply["choices"][0]["text"] != tok.decode(greedy(base, tok.encode(PROMPT).ids)[0]), "the adapter changes nothing"
+    base_text = tok.decode(hf_greedy(base, tok.encode(PROMPT).ids, STEPS)[0])
+    assert reply["choices"][0]["text"] != base_text, "the adapter changes nothing"
 
 
 def test_the_lora_field_with_a_scale_runs_the_adapter_at_that_scale(setup, tmp_path):
