@@ -137,8 +137,8 @@ class Plan:
                  memory_plan: bool = True, free: tuple[str, ...] = (), placed: dict | None = None,
                  budget: RunBudget | None = None):
         """`placed`: the graph's constants already on a device backend, by name, shared by every plan of
-        the graph (its constants are the same in each: folding runs before shapes are bound), so the
-        weights go to the device once, not once a plan. `budget`: the sizes a run may compute (None: any)."""
+        the graph, so the weights go to the device once, not once a plan (what folding makes at a plan's sizes
+        is placed for that plan alone). `budget`: the sizes a run may compute (None: any)."""
         self.backend, self.budget, self.folded = backend, budget, 0
         self.fold_backend = backend.fallback or backend       # constants fold where they live: the host
         self.bindings = dict(bindings or {})
@@ -165,9 +165,12 @@ class Plan:
         if backend.device:                                      # weights go to a device backend once
             placed = {} if placed is None else placed
             for name, value in g.constants.items():
+                if graph.constants.get(name) is not value:      # folded at these sizes (a range over the batch):
+                    g.constants[name] = backend.place(value)    # this plan's own
+                    continue
                 if name not in placed:
                     placed[name] = backend.place(value)
-            g.constants = {name: placed[name] for name in g.constants}
+                g.constants[name] = placed[name]
 
     @classmethod
     def for_inputs(cls, graph: Graph, backend: Backend, inputs: dict, **kw) -> Plan:

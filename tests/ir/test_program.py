@@ -61,6 +61,29 @@ def test_every_plan_of_a_program_reads_the_same_placed_weights():
     assert shared and all(one.graph.constants[n] is two.graph.constants[n] for n in shared)
 
 
+class Device(type(CPU)):
+    """The CPU backend as a device backend: constants placed (copied) once a program, results fetched."""
+    device = True
+
+    def place(self, value):
+        return np.array(value)
+
+
+def test_a_constant_folded_at_one_plans_sizes_is_not_read_by_another_plan():
+    """A constant expanded to the batch folds per plan (an exported mask's range over the batch): each plan
+    places its own, while the graph's own constants are placed once for all."""
+    g = GraphBuilder()
+    x = g.input("x", ("B",), "f32")
+    weight = g.const("weight", np.arange(4, dtype=np.float32))
+    count = g.reduce_sum(g.expand(g.const("one", np.ones(1, np.float32)), shape=("B",)))      # B, folded
+    graph = g.output(g.add(g.mul(x, count), g.reduce_sum(weight)))
+    program = Program(graph, Device())
+    for b in (1, 3, 1):
+        assert program.run({"B": b}, {"x": np.full(b, 2, np.float32)})[0].tolist() == [2.0 * b + 6] * b
+    one, three = program.plan({"B": 1}), program.plan({"B": 3})
+    assert one.graph.constants["weight"] is three.graph.constants["weight"]
+
+
 def test_the_compiled_steps_compute_what_the_loop_over_them_computes():
     graph = toy_decoder(layers=3)
     rng = np.random.default_rng(0)
