@@ -561,6 +561,9 @@ case("slice", mk((5, 9)), lambda x: x[:, 1:8:3], axis=-1, start=1, stop=8, step=
 case("gather", int_inputs(mk((3, 4)), [[0, 3], [1, 1], [2, 0]]), lambda x, i: torch.gather(x, 1, i), axis=1)
 case("cast", mk((3, 5)), lambda x: x.half().float(), id="to-f16", dtypes=("f32",), dtype="f16")
 case("cast", lambda dt: [randn(3, 5) * 3], lambda x: x.to(torch.int64), id="to-i64", dtypes=("f32",), dtype="i64")
+case("cast", lambda dt: [np.arange(-6, 6).reshape(3, 4)], lambda x: x.float(), id="from-i64", dtypes=("f32",), dtype="f32")
+case("cast", lambda dt: [np.arange(12).reshape(3, 4) % 3 == 0], lambda x: x.float(), id="from-bool", dtypes=("f32",),
+     dtype="f32")
 case("argmax", mk((4, 7)), lambda x: torch.argmax(x, -1), dtypes=("f32",))
 case("argmax", mk((4, 7)), lambda x: torch.argmax(x, 0), id="axis0", dtypes=("f32",), axis=0)
 case("argmax", lambda dt: [np.array([[1, 3, 3, 0], [2, 2, 2, 2], [-np.inf, -np.inf, -1, -1]], NP[dt])],

@@ -257,11 +257,11 @@ jet("swiglu", CUDA, [(F, F)])(gated_jet(False))
 jet("geglu", CUDA, [(F, F)])(gated_jet(True))
 
 
-@jet("cast", CUDA, [(F,)])
+@jet("cast", CUDA, [(F,), (INT,), ("bool",)])
 @device_jet
 def cast(x, dtype="f32"):
-    if dtype not in (*F, *INT):                       # the rarer targets (bool, f64, narrow ints): torch's own
-        return x.to(TORCH[dtype])
+    if dtype not in (*F, *INT) or not x.is_floating_point():   # the rarer targets (bool, f64, narrow ints) and
+        return x.to(TORCH[dtype])                              # integer sources (an exported mask's): torch's own
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=TORCH[dtype], device=x.device)
     _cast_kernel[flat_grid(x.numel())](x, out, x.numel(), BLOCK=BLOCK)
