@@ -2,8 +2,8 @@
 
 Texts are sorted by token count so each batch pads to its own longest member (rounded up to a
 bucket of at most 1/16 of it, so plans are reused; each head's graph a Program keeping the most recent); the key mask
-keeps padding out of attention and pooling. A batch of few tokens is replayed where the backend captures
-steps (CUDA graphs): a short text's run is launches more than arithmetic.
+keeps padding out of attention and pooling. A batch of sizes run before is replayed where the backend
+captures runs (CUDA graphs): a short text's run is launches more than arithmetic.
 Pooling follows the model's (architectures/pooling.py).
 """
 from __future__ import annotations
@@ -123,8 +123,7 @@ class Encoder:
             for term, columns in zip(("c2p", "p2c"), self.cfg.relative_columns(length)):
                 if term in io.relative:
                     inputs[f"rel_{term}"] = np.broadcast_to(columns, shape)
-        rows = len(encodings) * length
-        (out,) = self.programs[head].step({"B": len(encodings), "S": length}, inputs, set(), rows, 0)
+        (out,) = self.programs[head].replay({"B": len(encodings), "S": length}, inputs)
         return np.asarray(self.backend.fetch(out), np.float32), mask
 
     def batches(self, encodings: list, batch_size: int):

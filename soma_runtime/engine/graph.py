@@ -1,7 +1,8 @@
 """The `graph` task's runner: a bare graph (built in code, or imported) run on named inputs.
 
 The graph runs as a Program (ir/program.py: fused once, a plan per set of input shapes, the most recent
-kept), so a graph with symbolic dims (a batch, a length) runs at any size. Inputs are checked where they are given:
+kept; sizes run again replay a captured run where the backend captures), so a graph with symbolic dims (a
+batch, a length) runs at any size. Inputs are checked where they are given:
 every name the graph takes and no other, each of its dtype and shape. A graph family (an imported graph
 that needs its inputs' sizes, or some of their values, to be built) is built once per distinct set.
 Every run is held to a RunBudget (ir/plan.py: bytes of any one tensor, of the outputs, of the
@@ -43,11 +44,12 @@ class GraphRunner:
 
     def run(self, inputs: dict, budget: RunBudget | None = None) -> dict[str, np.ndarray]:
         arrays = check_inputs(self.graph.inputs, inputs)
+        bindings = bindings_from(self.graph, arrays)
         try:
-            plan = self.program.plan(bindings_from(self.graph, arrays), budget or self.budget)
+            self.program.plan(bindings, budget or self.budget)
         except GraphError as e:              # sizes that disagree with the graph's own
             raise RequestError(str(e)) from None
-        outputs = plan.run(arrays)
+        outputs = self.program.replay(bindings, arrays, budget or self.budget)
         return {name: np.asarray(self.backend.fetch(value)) for name, value in zip(self.graph.outputs, outputs)}
 
 

@@ -46,6 +46,11 @@ class Captures:
         """Run one step; `shared` inputs (KV pages) are the same tensors every step."""
         return plan.run(inputs)
 
+    def replay(self, plan, inputs: dict) -> list:
+        """Run a whole graph (an imported model's, an encoder's batch); a device backend captures a plan on
+        its second run and replays it after."""
+        return plan.run(inputs)
+
     def forget(self, plan) -> None:
         """Drop what was captured of a plan that will not run again."""
 

@@ -1,11 +1,11 @@
 """A Program: one graph made ready for one backend, the single way every task runs a graph.
 
-It fuses the graph once, places its weights on the backend once (shared by all its plans), keeps a
-plan per set of bound sizes (most recently used last) while they number at most `kept` and their
-arenas together stay within `arena_bytes`, and runs a plan through the backend's captures (a device
-backend replays a captured run of few rows as a CUDA graph). The runners of the tasks (generation's stages, the
-encoder, whisper, bare graphs) only say which sizes a run binds; nothing else of planning is theirs.
-Knows graphs, plans and backends; nothing of models, requests or sequences.
+It fuses the graph once, places its weights on the backend once (shared by all its plans), keeps a plan per
+set of bound sizes (most recently used last) while they number at most `kept` and their arenas together stay
+within `arena_bytes`, and runs a plan through the backend's captures (a device backend replays a captured step
+of few rows, or a whole run of sizes seen before, as a CUDA graph). The runners of the tasks (generation's
+stages, the encoder, whisper, bare graphs) only say which sizes a run binds; nothing else of planning is
+theirs. Knows graphs, plans and backends; nothing of models, requests or sequences.
 """
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ class Program:
     def run(self, bindings: Mapping[str, int], inputs: dict, budget: RunBudget | None = None) -> list:
         """One run at `bindings`: the graph's outputs, in its order."""
         return self.plan(bindings, budget).run(inputs)
+
+    def replay(self, bindings: Mapping[str, int], inputs: dict, budget: RunBudget | None = None) -> list:
+        """One whole run at `bindings` through the captures: the same sizes run again replay what was captured."""
+        return self.captures.replay(self.plan(bindings, budget), inputs)
 
     def recapture(self) -> None:
         """Capture every step afresh as it next runs (the kernels it launches were chosen again)."""

@@ -7,6 +7,8 @@ the same tensors every time, as the pool's are. The captured kernels are chained
 launched while the one before it finishes."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from soma_runtime.backends.cuda.chain import chaining
@@ -17,6 +19,7 @@ from soma_runtime.ir.backend import Captures
 ALIGN = 256            # each input's offset in the packed buffers
 GRAPH_ROWS = 32        # steps of up to this many rows replay as one graph ...
 GRAPH_CONTEXT = 512    # ... with the context padded to a multiple of this (one graph per size)
+WHOLE_KEPT = 8         # whole runs captured (each holds its intermediates), the least recently replayed dropped first
 
 
 class GraphedPlan:
@@ -70,10 +73,12 @@ class GraphedPlan:
 
 
 class GraphedSteps(Captures):
-    """A model's decode-sized steps, each shape captured once and replayed."""
+    """A model's decode-sized steps, each shape captured once and replayed; whole runs (an imported graph's,
+    an encoder batch's) captured on their plan's second run, the most recent kept."""
 
     def __init__(self):
         self.graphs: dict[tuple[int, int], GraphedPlan] = {}     # by (id of the plan, context)
+        self.whole: OrderedDict[int, GraphedPlan | None] = OrderedDict()   # by id of the plan; None: run once
 
     def context(self, rows: int, needed: int) -> int:
         return -(-needed // GRAPH_CONTEXT) * GRAPH_CONTEXT if rows <= GRAPH_ROWS else needed
@@ -86,6 +91,22 @@ class GraphedSteps(Captures):
             self.graphs[key] = GraphedPlan(plan, inputs, shared)
         return self.graphs[key].run(inputs)
 
+    def replay(self, plan, inputs: dict) -> list:
+        if plan.hosted or plan.compiled is None or not inputs:   # host copies, or sizes the data decides
+            return plan.run(inputs)
+        key = id(plan)
+        if key not in self.whole:                           # a first run compiles; sizes seen once are not captured
+            self.whole[key] = None
+            return plan.run(inputs)
+        self.whole.move_to_end(key)
+        if self.whole[key] is None:
+            self.whole[key] = GraphedPlan(plan, inputs, set())
+            captured = [k for k, graphed in self.whole.items() if graphed is not None]
+            for old in captured[:-WHOLE_KEPT]:
+                del self.whole[old]
+        return self.whole[key].run(inputs)
+
     def forget(self, plan) -> None:
         for key in [key for key, graphed in self.graphs.items() if graphed.plan is plan]:
             del self.graphs[key]
+        self.whole.pop(id(plan), None)
