@@ -28,3 +28,42 @@ def test_a_plan_with_a_host_step_runs_uncaptured_and_one_without_is_not_marked()
     got = steps.run(hosted, {"x": x}, set(), rows=1, context=1)
     assert not steps.graphs
     np.testing.assert_array_equal(np.asarray(cuda.fetch(got[0])), np.array([[0, 2, 4, 5]]))
+
+
+def test_a_whole_run_is_captured_on_its_plans_second_run_and_the_most_recent_are_kept(monkeypatch):
+    """Program.replay's policy: a plan's first run compiles, uncaptured; its second is captured and replayed
+    after; past WHOLE_KEPT captured plans the least recently replayed is dropped (a hosted plan never is)."""
+    from soma_runtime.backends import get
+    from soma_runtime.backends.cuda import graphs
+    from soma_runtime.ir.builder import GraphBuilder
+    from soma_runtime.ir.program import Program
+
+    made = []
+
+    class Recorded:                            # a capture without a GPU: the plan run as it is, the capture counted
+        def __init__(self, plan, inputs, shared):
+            self.plan = plan
+            made.append(plan)
+
+        def run(self, inputs):
+            return self.plan.run(inputs)
+
+    monkeypatch.setattr(graphs, "GraphedPlan", Recorded)
+    monkeypatch.setattr(graphs, "WHOLE_KEPT", 2)
+    g = GraphBuilder()
+    program = Program(g.output(g.relu(g.input("x", ("B",), "f32"))), get("cuda"))
+    program.captures = graphs.GraphedSteps()    # what the backend captures with on a GPU (the interpreter: none)
+    run = lambda b: np.asarray(get("cuda").fetch(program.replay({"B": b}, {"x": np.full(b, -1.0 + b, np.float32)})[0]))
+    assert run(1).tolist() == [0.0] and not made                  # first run: not captured
+    assert run(1).tolist() == [0.0] and len(made) == 1            # second: captured
+    run(1)
+    assert len(made) == 1                                         # replayed, not captured again
+    for b in (2, 2, 3, 3):
+        assert run(b).tolist() == [b - 1.0] * b
+    assert len(made) == 3 and list(program.captures.whole) == [id(program.plan({"B": 2})), id(program.plan({"B": 3}))]
+    g = GraphBuilder()
+    hosted = Program(g.output(g.nonzero(g.input("x", ("B",), "f32"))), get("cuda"))
+    hosted.captures = graphs.GraphedSteps()
+    for _ in range(3):
+        hosted.replay({"B": 2}, {"x": np.ones(2, np.float32)})
+    assert len(made) == 3
