@@ -92,8 +92,8 @@ def load_image_url(url, *, allow_files: bool = False, max_bytes: int = MAX_BYTES
     scheme = URL_SCHEME.match(url)
     scheme = scheme.group(1).lower() if scheme else None
     if scheme == "data":
-        expected, payload = data_url_payload(url, name, max_bytes)
-        return decode(payload, name, max_bytes, max_pixels, expected=expected)
+        media, payload = data_url_payload(url, name, max_bytes)
+        return decode(payload, name, max_bytes, max_pixels, declared=media)
     if scheme in ("http", "https"):
         raise RequestError(f"{name}: {scheme} URLs are not fetched (no network access here); send the image as a "
                            f"base64 data: URL")
@@ -106,7 +106,7 @@ def load_image_url(url, *, allow_files: bool = False, max_bytes: int = MAX_BYTES
 
 
 def data_url_payload(url: str, name: str, max_bytes: int) -> tuple[str, bytes]:
-    """(the Pillow format a `data:<media type>;base64,<payload>` URL declares, its decoded payload)."""
+    """(the media type a `data:<media type>;base64,<payload>` URL declares, one of MEDIA_TYPES; its payload)."""
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
         raise RequestError(f"{name}: a data: URL without a comma before its payload")
@@ -122,7 +122,7 @@ def data_url_payload(url: str, name: str, max_bytes: int) -> tuple[str, bytes]:
         data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise RequestError(f"{name}: its data: URL's payload is not valid base64 ({e})") from None
-    return MEDIA_TYPES[media], data
+    return media, data
 
 
 def read_file(path: str, name: str, max_bytes: int) -> bytes:
@@ -147,9 +147,9 @@ def check_pixels(size: tuple[int, int], name: str, max_pixels: int) -> None:
         raise RequestError(f"{name}: {width}x{height} pixels, more than the {max_pixels} decoded")
 
 
-def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, expected: str | None = None) -> Image:
+def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, declared: str | None = None) -> Image:
     """The first frame of an encoded image, upright and RGB; its size is checked from its header before
-    a pixel is decoded, and its format against `expected` (a data: URL's media type) where one is given."""
+    a pixel is decoded, and its format against the media type `declared` (a data: URL's) where one is."""
     if len(data) > max_bytes:
         raise RequestError(f"{name}: {len(data)} bytes, more than the {max_bytes} taken")
     if not data:
@@ -157,8 +157,8 @@ def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, expected: st
     try:
         with PIL.Image.open(io.BytesIO(data), formats=FORMATS) as image:
             found = SAME_FORMAT.get(image.format, image.format)
-            if expected is not None and found != expected:
-                raise RequestError(f"{name}: its data: URL declares {expected.lower()}, its bytes are a {found} image")
+            if declared is not None and found != MEDIA_TYPES[declared]:
+                raise RequestError(f"{name}: its data: URL declares {declared}, its bytes are a {found} image")
             check_pixels(image.size, name, max_pixels)
             image.load()
             return Image(upright_rgb(image, name), found)
