@@ -8,7 +8,8 @@ converted). Knows nothing of models, processors or hardware.
 What one image may cost is bounded before a pixel is decoded:
   MAX_BYTES   the largest encoded image read (a file, bytes, a data: URL's payload), 20 MiB
   MAX_PIXELS  the most pixels decoded, 40 megapixels, from the size its header states (a PNG that
-              claims 30000x30000 is refused without allocating it)
+              claims 30000x30000 is refused without allocating it; a WebP's canvas is read here, since
+              Pillow's WebP decoder allocates it on opening)
 Only the first frame of a GIF (or an animated WebP, or a camera's MPO JPEG) is decoded; the frame count is
 never asked for, since that walks the whole file. Pillow's ImageFile.LOAD_TRUNCATED_IMAGES stays False: a
 file cut short is an error, not gray pixels. Every refusal is a RequestError (a 400 at the server) naming
@@ -66,7 +67,10 @@ def load_image(source, *, allow_files: bool = True, max_bytes: int = MAX_BYTES, 
         return Image(pixels_of_array(source, name, max_pixels))
     if isinstance(source, PIL.Image.Image):
         check_pixels(source.size, name, max_pixels)
-        return Image(upright_rgb(source, name))
+        try:
+            return Image(upright_rgb(source, name))
+        except (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error) as e:
+            raise RequestError(f"{name}: a damaged or truncated image that cannot be decoded ({e})") from None
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode(bytes(source), name, max_bytes, max_pixels)
     if isinstance(source, str) and URL_SCHEME.match(source):
@@ -128,8 +132,9 @@ def data_url_payload(url: str, name: str, max_bytes: int) -> tuple[str, bytes]:
 def read_file(path: str, name: str, max_bytes: int) -> bytes:
     try:
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > max_bytes:
-                raise RequestError(f"{name}: {os.fstat(f.fileno()).st_size} bytes, more than the {max_bytes} taken")
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise RequestError(f"{name}: {size} bytes, more than the {max_bytes} taken")
             data = f.read(max_bytes + 1)
     except OSError as e:
         raise RequestError(f"{name}: cannot read ({e.strerror or e})") from None
@@ -154,6 +159,8 @@ def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, declared: st
         raise RequestError(f"{name}: {len(data)} bytes, more than the {max_bytes} taken")
     if not data:
         raise RequestError(f"{name}: empty (no bytes)")
+    if (size := webp_canvas(data)) is not None:
+        check_pixels(size, name, max_pixels)       # Pillow's WebP decoder allocates its canvas when opened
     try:
         with PIL.Image.open(io.BytesIO(data), formats=FORMATS) as image:
             found = SAME_FORMAT.get(image.format, image.format)
@@ -169,6 +176,22 @@ def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, declared: st
         raise RequestError(f"{name}: more pixels than the {max_pixels} decoded ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error) as e:
         raise RequestError(f"{name}: a damaged or truncated image that cannot be decoded ({e})") from None
+
+
+def webp_canvas(data: bytes) -> tuple[int, int] | None:
+    """(width, height) a WebP file's first chunk states (VP8X's canvas, VP8L's or VP8's frame); None for
+    anything else."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    chunk, body = data[12:16], data[20:30]
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(body[4:7], "little"), 1 + int.from_bytes(body[7:10], "little")
+    if chunk == b"VP8L":
+        bits = int.from_bytes(body[1:5], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 ":
+        return int.from_bytes(body[6:8], "little") & 0x3FFF, int.from_bytes(body[8:10], "little") & 0x3FFF
+    return None
 
 
 def looks_like_svg(data: bytes) -> bool:

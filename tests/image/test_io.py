@@ -205,6 +205,20 @@ def test_an_image_over_the_pixel_limit_is_refused_with_its_size():
     refused(png_header_only(300, 200), "300x200 pixels", max_pixels=50_000)
 
 
+def test_a_webp_canvas_over_the_limit_is_refused_before_pillow_opens_it():
+    """Pillow's WebP decoder allocates the canvas as it opens the file: the size is read from VP8X first."""
+    vp8x = b"VP8X" + struct.pack("<I", 10) + b"\x00" * 4 + (16_000 - 1).to_bytes(3, "little") * 2
+    refused(b"RIFF" + struct.pack("<I", 4 + len(vp8x)) + b"WEBP" + vp8x, "16000x16000 pixels")
+
+
+def test_an_animated_webp_gives_its_first_frame():
+    frames = [PIL.Image.new("RGB", (31, 29), color) for color in ("red", "blue")]
+    out = io.BytesIO()
+    frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], lossless=True)
+    image = load_image(out.getvalue())
+    assert image.size == (29, 31) and (image.pixels == [255, 0, 0]).all()
+
+
 def test_refusing_a_bomb_allocates_next_to_nothing():
     """In a fresh process: the peak resident size after refusing a 30000x30000 PNG header (2.7 GB of pixels, past
     Pillow's own bomb limit) and a real 9000x9000 PNG of 240 kB (324 MB as Pillow holds RGB: under Pillow's limit,
