@@ -41,6 +41,7 @@ MEDIA_TYPES = {"image/jpeg": "JPEG", "image/jpg": "JPEG", "image/png": "PNG", "i
                "image/bmp": "BMP", "image/x-ms-bmp": "BMP", "image/gif": "GIF"}
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")   # two letters at least: C:\ is a path
 WHITE = (255, 255, 255, 255)
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)   # what Pillow's decoders raise
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def load_image(source, *, allow_files: bool = True, max_bytes: int = MAX_BYTES, 
         check_pixels(source.size, name, max_pixels)
         try:
             return Image(upright_rgb(source, name))
-        except (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error) as e:
+        except DECODE_ERRORS as e:
             raise RequestError(f"{name}: a damaged or truncated image that cannot be decoded ({e})") from None
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode(bytes(source), name, max_bytes, max_pixels)
@@ -174,7 +175,7 @@ def decode(data: bytes, name: str, max_bytes: int, max_pixels: int, declared: st
         raise RequestError(f"{name}: {what}; taken are {FORMAT_NAMES}") from None
     except PIL.Image.DecompressionBombError as e:
         raise RequestError(f"{name}: more pixels than the {max_pixels} decoded ({e})") from None
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error) as e:
+    except DECODE_ERRORS as e:
         raise RequestError(f"{name}: a damaged or truncated image that cannot be decoded ({e})") from None
 
 
