@@ -94,64 +94,61 @@ def _im2col(x, kh, kw, sh, sw, ph, pw, dh, dw, first, last, width, cols):
 
 @njit(parallel=True, cache=True)
 def _phases(x, sh, sw, ph, pw, fill, planes):
-    """The padded x split by stride phase: planes[n, c, a * sw + b, u, v] = x[n, c, u * sh + a - ph,
-    v * sw + b - pw] (`fill` outside x), so that a strided convolution or pooling reads each phase at stride 1."""
-    N, C, H, W = x.shape
-    Hq, Wq = planes.shape[3], planes.shape[4]
-    for t in prange(N * C):
-        n, c = t // C, t % C
+    """x [planes, H, W] padded and split by stride phase: planes[t, a * sw + b, u, v] = x[t, u * sh + a - ph,
+    v * sw + b - pw] (`fill` outside x), so that a strided convolution or pooling reads each phase at stride 1.
+    Indexed in place throughout: a view made per row costs more than a small plane's copy (its reference count
+    is shared by every thread)."""
+    T, H, W = x.shape
+    Hq, Wq = planes.shape[2], planes.shape[3]
+    for t in prange(T):
         for a in range(sh):
             for b in range(sw):
-                plane = planes[n, c, a * sw + b]
+                p = a * sw + b
                 lo, hi = _span(Wq, W, b - pw, sw)
                 for u in range(Hq):
-                    h, row = u * sh + a - ph, plane[u]
+                    h = u * sh + a - ph
                     if h < 0 or h >= H:
-                        row[:] = fill
+                        for v in range(Wq):
+                            planes[t, p, u, v] = fill
                         continue
-                    row[:lo] = fill
-                    row[hi:] = fill
-                    if sw == 1:
-                        row[lo:hi] = x[n, c, h, lo + b - pw:hi + b - pw]
-                    else:
-                        into, src = row[lo:hi], x[n, c, h, lo * sw + b - pw::sw]
-                        for k in range(hi - lo):
-                            into[k] = src[k]
+                    for v in range(lo):
+                        planes[t, p, u, v] = fill
+                    for v in range(hi, Wq):
+                        planes[t, p, u, v] = fill
+                    for v in range(lo, hi):
+                        planes[t, p, u, v] = x[t, h, v * sw + b - pw]
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _direct(planes, w, bias, residual, code, sh, sw, dh, dw, scratch, y):
-    """A convolution of few outputs per group (depthwise) by direct loops over stride phases: each tap adds a
-    weighted phase plane, read as one flat run, to a row-padded output plane (scratch [N * O, span >= OH * row
-    pitch], its pad columns and the run's rounding dropped after)."""
-    N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
-    O, Cg, KH, KW = w.shape
-    OH, OW = y.shape[2], y.shape[3]
+def _direct(planes, w, bias, residual, code, C, Wq, sh, sw, dh, dw, KH, KW, scratch, y):
+    """A convolution of few outputs per group (depthwise) by direct loops over stride phases (planes [N * C,
+    phases, rows * Wq], Wq its row pitch): each tap adds a weighted phase plane, read as one flat run, to a row-padded output
+    plane (scratch [N * O, span >= OH * pitch]; its pad columns and the run's rounding dropped after) of
+    y [N * O, OH, OW] (residual the same, or empty); w [O, Cg * KH * KW]. No views made in the loops."""
+    T, OH, OW = y.shape
+    O, depth = w.shape
+    Cg = depth // (KH * KW)
     Og = O // (C // Cg)
     span = scratch.shape[1]
-    for t in prange(N * O):
+    for t in prange(T):
         n, o = t // O, t % O
-        c0 = (o // Og) * Cg
         wide = scratch[t]
         wide[:] = bias[o] if bias.size else np.float32(0)
         for c in range(Cg):
+            plane = n * C + (o // Og) * Cg + c
             for i in range(KH):
                 for j in range(KW):
-                    weight = w[o, c, i, j]
-                    plane = planes[n, c0 + c, ((i * dh) % sh) * sw + (j * dw) % sw].ravel()
+                    weight = w[o, (c * KH + i) * KW + j]
                     first = ((i * dh) // sh) * Wq + (j * dw) // sw
-                    run = plane[first:first + span]
-                    for k in range(span):
+                    run = planes[plane, ((i * dh) % sh) * sw + (j * dw) % sw, first:first + span]
+                    for k in range(span):           # over 1-D views: the loop LLVM vectorizes (2-D indexing: 8x slower)
                         wide[k] += weight * run[k]
         for oh in range(OH):
-            row, sums = y[n, o, oh], wide[oh * Wq:oh * Wq + OW]
-            if residual.size:
-                joined = residual[n, o, oh]
-                for k in range(OW):
-                    row[k] = _activate(sums[k] + joined[k], code)
-            else:
-                for k in range(OW):
-                    row[k] = _activate(sums[k], code)
+            for k in range(OW):
+                v = wide[oh * Wq + k]
+                if residual.size:
+                    v += residual[t, oh, k]
+                y[t, oh, k] = _activate(v, code)
 
 
 def phase_width(W, sw, pw) -> int:
@@ -160,12 +157,12 @@ def phase_width(W, sw, pw) -> int:
 
 
 def phases(x, st, pd, fill, slack: int = 1) -> np.ndarray:
-    """x [N, C, H, W] f32 padded by `fill` and split by stride phase (_phases), with `slack` rows of fill after
-    (the last taps' flat runs read past the plane's end)."""
+    """x [N, C, H, W] f32 padded by `fill` and split by stride phase (_phases): [N, C, phases, rows, pitch], with
+    `slack` rows of fill after (the last taps' flat runs read past the plane's end)."""
     (sh, sw), (ph, pw) = st, pd
     N, C, H, W = x.shape
     planes = np.empty((N, C, sh * sw, -(-(H + 2 * ph) // sh) + slack, phase_width(W, sw, pw)), np.float32)
-    _phases(x, sh, sw, ph, pw, np.float32(fill), planes)
+    _phases(x.reshape(N * C, H, W), sh, sw, ph, pw, np.float32(fill), planes.reshape(N * C, *planes.shape[2:]))
     return planes
 
 
@@ -174,11 +171,15 @@ RUN = 64    # a tap's flat run is rounded up to this many floats: numba's vector
 
 def direct(x, w, bias, residual, code, st, pd, dl, y):
     """y = epilogue(conv(x, w) + bias + residual) by stride phases (x [N, C, H, W] f32)."""
+    N, C = x.shape[:2]
+    O, _, KH, KW = w.shape
     pitch = phase_width(x.shape[3], st[1], pd[1])
     span = -(-(y.shape[2] * pitch) // RUN) * RUN
     planes = phases(x, st, pd, 0, slack=1 + -(-(span - y.shape[2] * pitch) // pitch))
-    scratch = np.empty((y.shape[0] * y.shape[1], span), np.float32)
-    _direct(planes, w, bias, residual, code, *st, *dl, scratch, y)
+    scratch = np.empty((N * O, span), np.float32)
+    flat = lambda a: a.reshape(N * O, *a.shape[2:]) if a.size else NO_IMAGE
+    _direct(planes.reshape(N * C, planes.shape[2], -1), w.reshape(O, -1), bias, flat(residual), code, C, pitch, *st,
+            *dl, KH, KW, scratch, flat(y))
 
 
 # --- Winograd F(2x2, 3x3): a 3x3 stride-1 convolution as 16 products over 4x4 input tiles, 2.25x fewer

@@ -172,6 +172,27 @@ def merged(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return [np.lib.stride_tricks.as_strided(x, shape, s, writeable=x is arrays[-1]) for x, s in zip(arrays, strides)]
 
 
+READS_KEPT = 256      # a generated jet's input layouts remembered (how each is read), past which they are forgotten
+
+
+def direct_read(inputs: list[np.ndarray]) -> tuple[tuple, tuple[str, ...] | None]:
+    """(the output's shape, how each input is read) where every input is either the output's shape laid out
+    contiguously ("whole") or one value ("one"): the loop then runs over them in place, as one row, with no
+    views built per call (an exported graph's elementwise chains are mostly so, and small: building the views
+    cost 20 times the loop). None for the kinds where some input is broadcast otherwise."""
+    shape = np.broadcast_shapes(*(x.shape for x in inputs))
+    size = math.prod(shape)
+    kinds = tuple("one" if x.size == 1 else "whole" if x.shape == shape and x.flags.c_contiguous else None for x in inputs)
+    return shape, (None if None in kinds or size == 0 else kinds)
+
+
+def remember(table: dict, key, value):
+    if len(table) >= READS_KEPT:
+        table.clear()
+    table[key] = value
+    return value
+
+
 def generate(graph: AtomGraph, dtypes: tuple[str, ...], out_dtype: str):
     """A kernel for a one-output DAG of elementwise atoms over inputs of `dtypes`, or None. It computes in
     f32 where every float is f32 (as the ops it replaces do), else in f64."""
@@ -183,20 +204,31 @@ def generate(graph: AtomGraph, dtypes: tuple[str, ...], out_dtype: str):
         return None
     what = f"{len(graph.nodes)} atoms over {', '.join(dtypes) or 'nothing'} -> {out_dtype}"
     target, loops = OUTPUTS[out_dtype], {}
+    direct: dict[tuple, tuple] = {}                # the inputs' shapes and strides -> (output shape, kinds or None)
+
+    def loop_for(kinds: tuple[str, ...]):
+        if kinds not in loops:
+            loops[kinds] = load(HEADER.format(what=what) + "\n\n" + loop_source(graph, dtypes, wide, kinds)).loop
+        return loops[kinds]
 
     def run(*inputs, out=None, **attrs):            # the attrs are in the formula already
-        shape = np.broadcast_shapes(*(np.shape(x) for x in inputs))
+        inputs = [x if isinstance(x, np.ndarray) else np.asarray(x) for x in inputs]
+        key = tuple((x.shape, x.strides) for x in inputs)
+        shape, kinds = direct.get(key) or remember(direct, key, direct_read(inputs))
         if out is None or out.shape != shape or out.dtype != target or not out.flags.c_contiguous:
             out = np.empty(shape, target)
         if out.size == 0:
             return out
-        views = merged([*(np.broadcast_to(np.asarray(x), shape) for x in inputs), out])
+        if kinds is not None:                      # each input whole in place, or one value: no views to build
+            n = out.size
+            loop_for(kinds)(*(x.reshape(1, n) if kind == "whole" else x.reshape(1) for x, kind in zip(inputs, kinds)),
+                            out.reshape(1, n))
+            return out
+        views = merged([*(np.broadcast_to(x, shape) for x in inputs), out])
         inner = views[-1].shape[-1] if views[-1].ndim else 1
         rows = out.size // inner
         views = [v.reshape(1) for v in views] if views[-1].ndim == 0 else views
         kinds, arrays = zip(*[operand(v, rows, inner) for v in views[:-1]]) if inputs else ((), ())
-        if kinds not in loops:
-            loops[kinds] = load(HEADER.format(what=what) + "\n\n" + loop_source(graph, dtypes, wide, kinds)).loop
-        loops[kinds](*arrays, out.reshape(rows, inner))
+        loop_for(kinds)(*arrays, out.reshape(rows, inner))
         return out
     return run
