@@ -92,12 +92,14 @@ def _im2col(x, kh, kw, sh, sw, ph, pw, dh, dw, first, last, width, cols):
             cols[r, base + inner_hi:base + b] = 0
 
 
+ROW_VIEWS = 32    # phase rows at least this long are copied through views (a view costs more than a short row's copy)
+
+
 @njit(parallel=True, cache=True)
 def _phases(x, sh, sw, ph, pw, fill, planes):
     """x [planes, H, W] padded and split by stride phase: planes[t, a * sw + b, u, v] = x[t, u * sh + a - ph,
     v * sw + b - pw] (`fill` outside x), so that a strided convolution or pooling reads each phase at stride 1.
-    Indexed in place throughout: a view made per row costs more than a small plane's copy (its reference count
-    is shared by every thread)."""
+    Short rows are written by index: a view made per row costs more than their copy."""
     T, H, W = x.shape
     Hq, Wq = planes.shape[2], planes.shape[3]
     for t in prange(T):
@@ -115,8 +117,13 @@ def _phases(x, sh, sw, ph, pw, fill, planes):
                         planes[t, p, u, v] = fill
                     for v in range(hi, Wq):
                         planes[t, p, u, v] = fill
-                    for v in range(lo, hi):
-                        planes[t, p, u, v] = x[t, h, v * sw + b - pw]
+                    if Wq < ROW_VIEWS:
+                        for v in range(lo, hi):
+                            planes[t, p, u, v] = x[t, h, v * sw + b - pw]
+                    else:                           # a long row: copied through 1-D views, the loop LLVM vectorizes
+                        row, src = planes[t, p, u], x[t, h]
+                        for v in range(hi - lo):
+                            row[lo + v] = src[(lo + v) * sw + b - pw]
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -424,21 +431,18 @@ def conv_transpose(x, weight, bias, stride, dilation, groups, crop):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _pool(planes, kh, kw, sh, sw, average, y):
+def _pool(planes, kh, kw, sh, sw, Wq, average, y):
     """Max or mean (padding counted, as the atoms' zero-padded windows) over kh x kw windows, each tap a flat
-    run of a stride phase plane (as _direct's), y [N, C, OH, OW]."""
-    N, C, Wq = planes.shape[0], planes.shape[1], planes.shape[4]
-    OH, OW = y.shape[2], y.shape[3]
+    run of a stride phase plane (planes [N * C, phases, rows * Wq], as _direct's), y [N * C, OH, OW]."""
+    T, OH, OW = y.shape
     span = OH * Wq
-    for t in prange(N * C):
-        n, c = t // C, t % C
+    for t in prange(T):
         wide = np.empty(span, np.float32)
         wide[:] = np.float32(0) if average else np.float32(-np.inf)
         for i in range(kh):
             for j in range(kw):
-                plane = planes[n, c, (i % sh) * sw + j % sw].ravel()
                 first = (i // sh) * Wq + j // sw
-                run = plane[first:first + span]
+                run = planes[t, (i % sh) * sw + j % sw, first:first + span]
                 if average:
                     for k in range(span):
                         wide[k] += run[k]
@@ -447,9 +451,8 @@ def _pool(planes, kh, kw, sh, sw, average, y):
                         wide[k] = max(wide[k], run[k])
         scale = np.float32(1 / (kh * kw)) if average else np.float32(1)
         for oh in range(OH):
-            row, sums = y[n, c, oh], wide[oh * Wq:oh * Wq + OW]
             for k in range(OW):
-                row[k] = sums[k] * scale if average else sums[k]
+                y[t, oh, k] = wide[oh * Wq + k] * scale if average else wide[oh * Wq + k]
 
 
 def pool(x, kernel, stride, padding, average, out):
@@ -462,7 +465,9 @@ def pool(x, kernel, stride, padding, average, out):
     x4 = dense(x).reshape(x.shape[:2] + (1,) * (2 - nd) + x.shape[2:])
     OH, OW = ((n + 2 * p - k) // s + 1 for n, k, s, p in zip(x4.shape[2:], (kh, kw), (sh, sw), (ph, pw)))
     y = out_f32(out, x.shape[:2] + ((OW,) if nd == 1 else (OH, OW)))
-    _pool(phases(x4, (sh, sw), (ph, pw), 0 if average else -np.inf), kh, kw, sh, sw, average, y.reshape(x.shape[:2] + (OH, OW)))
+    planes = phases(x4, (sh, sw), (ph, pw), 0 if average else -np.inf)
+    N, C = x4.shape[:2]
+    _pool(planes.reshape(N * C, planes.shape[2], -1), kh, kw, sh, sw, planes.shape[4], average, y.reshape(N * C, OH, OW))
     return y
 
 
