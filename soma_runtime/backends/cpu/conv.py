@@ -15,6 +15,7 @@ from numba import njit, prange
 from soma_runtime.backends.cpu import blas
 from soma_runtime.backends.cpu.common import CPU, F, all_f32, dense, float_kernel, out_f32, padded
 from soma_runtime.backends.cpu.linear import product
+from soma_runtime.backends.cpu.simd import exp_f32
 from soma_runtime.ir.jets import jet
 from soma_runtime.ir.ops import as_tuple, source_scale
 from soma_runtime.ir.ops.conv import CONV_EPILOGUES
@@ -47,7 +48,7 @@ def _activate(v, code):
     if code == RELU6:
         return min(max(v, np.float32(0)), np.float32(6))
     if code == SILU:
-        return v / (np.float32(1) + np.exp(-v))
+        return v / (np.float32(1) + exp_f32(-v))          # vectorizable (libm's expf is a call a value)
     return v
 
 
