@@ -14,7 +14,7 @@ from soma_runtime.ir.backend import Backend
 METHOD_TASKS = {"generate": ("generate",), "complete": ("generate",), "chat": ("generate",), "logits": ("generate",),
                 "detokenize": ("generate",), "tokenize": ("generate", "encode"), "embed": ("encode",),
                 "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak"),
-                "transcribe": ("transcribe",), "speak": ("speak",)}
+                "transcribe": ("transcribe",), "speak": ("speak",), "detect": ("detect",)}
 
 
 def check_flag(name: str, value, optional: bool = False) -> None:
