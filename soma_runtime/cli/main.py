@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import context, speech
+from soma_runtime.cli import context, detect, speech
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -497,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fold a PEFT LoRA directory into the weights, its update times SCALE (repeatable)")
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
+    detect.add_parser(sub, sha256_arg)
     context.add_parser(sub)
     return p
 
