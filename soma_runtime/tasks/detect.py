@@ -31,10 +31,10 @@ def check_thresholds(conf, iou, max_det, classes, labels: dict[int, str]) -> Thr
         raise RequestError(f"max_det must be an integer in [1, {MAX_DET}], got {reprlib.repr(max_det)}")
     if classes is not None:
         if not isinstance(classes, (list, tuple)) or not classes or \
-                not all(type(c) is int and c in labels for c in classes):
+                not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and int(c) in labels for c in classes):
             raise RequestError(f"classes must be a non-empty list of class ids in [0, {len(labels) - 1}], "
                                f"got {reprlib.repr(classes)}")
-        classes = tuple(sorted(set(classes)))
+        classes = tuple(sorted({int(c) for c in classes}))
     return Thresholds(float(conf), float(iou), max_det, classes)
 
 
