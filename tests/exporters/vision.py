@@ -32,6 +32,7 @@ YOLOS = ("yolov8n", "yolo11n")
 YOLO_SIZE = 640                   # the exports' imgsz (their metadata's) and predict's
 PREDICT = {"conf": 0.25, "iou": 0.45, "imgsz": YOLO_SIZE, "max_det": 300}   # ultralytics' predict settings compared
 NMS_CONF = 0.01                   # the score floor an NMS export bakes in: below any conf a test asks for
+STATIC_BATCH = 2                  # the batch of the export with fixed sizes
 
 
 def random_weights(module: torch.nn.Module) -> torch.nn.Module:
@@ -133,7 +134,7 @@ def yolo(name: str):
 def yolos(out: Path) -> list[dict]:
     """ultralytics' YOLOv8n and YOLO11n (yolo()), exported by ultralytics itself with dynamic axes at imgsz 640, plain
     ([B, 84, N] rows of box and class scores) and with NMS in the graph ([B, 300, 6]: box, score, class, padded with
-    zeros; predict's IoU, and a score floor of NMS_CONF)."""
+    zeros; predict's IoU, and a score floor of NMS_CONF); and YOLO11n with fixed sizes (a batch of STATIC_BATCH)."""
     entries = []
     for name in YOLOS:
         for nms in (False, True):
@@ -145,6 +146,12 @@ def yolos(out: Path) -> list[dict]:
                 os.replace(made, path)
             entries.append({"file": path.name, "model": name, "exporter": "ultralytics", "input": "images", "nms": nms,
                             "positive": True, "shapes": [[1, 3, 320, 320], [2, 3, 256, 320]]})
+    path = out / f"{YOLOS[-1]}-static.onnx"          # fixed sizes: a batch of STATIC_BATCH at 640 x 640
+    if not path.exists():
+        os.replace(yolo(YOLOS[-1]).export(format="onnx", dynamic=False, batch=STATIC_BATCH, imgsz=YOLO_SIZE,
+                                          simplify=False, opset=17, verbose=False), path)
+    entries.append({"file": path.name, "model": YOLOS[-1], "exporter": "ultralytics", "input": "images", "nms": False,
+                    "positive": True, "shapes": [[STATIC_BATCH, 3, YOLO_SIZE, YOLO_SIZE]]})
     return entries
 
 

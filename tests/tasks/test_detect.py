@@ -131,3 +131,16 @@ def test_bad_images_are_request_errors_naming_them(detectors, tmp_path):
         model.detect([np.zeros((32, 32, 3), np.uint8), b"GIF89a truncated"])
     with pytest.raises(RequestError, match="a list of 1 to"):
         model.detect([])
+
+
+def test_a_fixed_size_export_letterboxes_to_its_size_and_fills_its_batch(made):
+    """YOLO11n exported with fixed sizes (a batch of 2 at 640 x 640): every photo letterboxed to the square (predict's
+    letterbox for a fixed input, the one its batch of four photos of four sizes got), three photos run as two
+    batches, the second filled; alone, a photo is a batch filled too."""
+    model = Runtime("cpu").load(made["models"]["yolo11n-static.onnx"]["path"], progress=False)
+    assert model.task == "detect" and model.input_size == (640, 640) and model.batch_size == 2
+    predictions = made["predictions"]
+    theirs = predictions["models"]["yolo11n"]["batch"]
+    for found, rows in zip(model.detect(predictions["paths"][:3]), theirs[:3]):
+        assert_agrees(found, rows)
+    assert_agrees(model.detect(predictions["paths"][3]), theirs[3])
