@@ -141,7 +141,7 @@ def read_prompt(text: str) -> str:
 
 def cmd_run(args) -> int:
     model = load_model(args)
-    if model.task == "graph" or (model.task == "speak" and args.prompt is None):    # a voice runs as the graph it is
+    if model.task == "graph" or (model.task in ("speak", "detect") and args.prompt is None):   # runs as the graph it is
         return run_graph(model, args)
     if model.task != "generate":
         raise RequestError(f"{args.model} runs the {model.task} task: `run` generates text or runs a graph; "
@@ -175,7 +175,8 @@ def cmd_run(args) -> int:
     return 0
 
 
-OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak"}   # what other tasks run by
+# what other tasks run by
+OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect"}
 
 
 def read_text(path: str | None, flag: str) -> str | None:

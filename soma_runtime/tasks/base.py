@@ -13,7 +13,7 @@ from soma_runtime.ir.backend import Backend
 # another task, one is a RequestError naming both tasks (Model's stand-ins below), never an AttributeError.
 METHOD_TASKS = {"generate": ("generate",), "complete": ("generate",), "chat": ("generate",), "logits": ("generate",),
                 "detokenize": ("generate",), "tokenize": ("generate", "encode"), "embed": ("encode",),
-                "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak"),
+                "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak", "detect"),
                 "transcribe": ("transcribe",), "speak": ("speak",), "detect": ("detect",)}
 
 

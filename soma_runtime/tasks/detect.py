@@ -9,12 +9,12 @@ import numpy as np
 
 from soma_runtime import loaders
 from soma_runtime.engine.detect import Detection, Found, Suppressor, Thresholds, decode, suppressed
-from soma_runtime.engine.graph import FamilyRunner, GraphRunner, graph_runner
+from soma_runtime.engine.graph import FamilyRunner, GraphRunner
 from soma_runtime.errors import RequestError
 from soma_runtime.image.io import Image, load_image
 from soma_runtime.image.preprocess import Letterbox, boxes_to_original, letterbox, letterbox_batch
-from soma_runtime.ir.backend import Backend, Precision
-from soma_runtime.tasks.base import Model
+from soma_runtime.ir.backend import Backend
+from soma_runtime.tasks.graph import GraphModel
 
 MAX_IMAGES = 64                   # images one call (one request) may detect in
 MAX_BATCH = 16                    # images one run of the graph takes, where its batch is free
@@ -38,20 +38,16 @@ def check_thresholds(conf, iou, max_det, classes, labels: dict[int, str]) -> Thr
     return Thresholds(float(conf), float(iou), max_det, classes)
 
 
-class DetectModel(Model):
-    """An object detector: `detect(images)` gives each image's detections, best first."""
+class DetectModel(GraphModel):
+    """An object detector: `detect(images)` gives each image's detections, best first. Its graph stays runnable
+    as a graph's (`run`: the head's raw output)."""
 
     task = "detect"
 
     def __init__(self, model_id: str, loaded: loaders.LoadedModel, backend: Backend, runner: GraphRunner | FamilyRunner):
-        super().__init__(model_id, loaded, backend)
-        self.runner, self.spec = runner, loaded.detector
+        super().__init__(model_id, loaded, backend, runner)
+        self.spec = loaded.detector
         self.suppress = Suppressor(backend)
-
-    @classmethod
-    def open(cls, model_id: str, loaded: loaders.LoadedModel, backend: Backend, precision: Precision, n_ctx: int | None,
-             bar, autotune: bool) -> DetectModel:
-        return cls(model_id, loaded, backend, graph_runner(loaded.graph, backend))
 
     @property
     def labels(self) -> dict[int, str]:
@@ -71,10 +67,6 @@ class DetectModel(Model):
         if isinstance(first, int):
             return first
         return self.spec.batch if self.spec.suppressed else MAX_BATCH
-
-    def weight_bytes(self) -> int:
-        graph = self.loaded.graph
-        return sum(int(v.nbytes) for v in graph.constants.values()) if hasattr(graph, "constants") else 0
 
     def letterboxes(self, images: list[Image]) -> list[Letterbox]:
         """The images letterboxed as ultralytics' predict does for this model: to a fixed input's size; for a

@@ -61,3 +61,12 @@ def test_bad_input_is_a_one_line_error(made, tmp_path):
     assert several.returncode == 1 and "with several images --out names a directory" in several.stderr
     bad = soma("detect", "--model", made["model"], "--image", made["photos"][0], "--conf", "7", "--backend", "cpu")
     assert bad.returncode == 1 and "conf must be a number in [0, 1]" in bad.stderr
+
+
+def test_run_still_runs_a_detector_as_the_graph_it_is(made, tmp_path):
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).random((1, 3, 256, 320), np.float32))
+    done = soma("run", "--model", made["model"], "--input", f"images={x}", "--output-dir", str(tmp_path / "out"),
+                "--backend", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert np.load(tmp_path / "out" / "output0.npy").shape == (1, 84, 1680)

@@ -144,3 +144,11 @@ def test_a_fixed_size_export_letterboxes_to_its_size_and_fills_its_batch(made):
     for found, rows in zip(model.detect(predictions["paths"][:3]), theirs[:3]):
         assert_agrees(found, rows)
     assert_agrees(model.detect(predictions["paths"][3]), theirs[3])
+
+
+def test_a_detectors_graph_stays_runnable_as_a_graph(detectors):
+    """`run` gives the head's raw output, as before the detect task (a GraphModel's run)."""
+    model = detectors["yolov8n.onnx"]
+    x = np.random.default_rng(0).random((1, 3, 320, 320), np.float32)
+    (name, out), = model.run({"images": x}).items()
+    assert name == "output0" and out.shape == (1, 84, 2100) and model.info()["ops"]
