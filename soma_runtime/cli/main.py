@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import context, speech
+from soma_runtime.cli import context, detect, speech
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -141,7 +141,7 @@ def read_prompt(text: str) -> str:
 
 def cmd_run(args) -> int:
     model = load_model(args)
-    if model.task == "graph" or (model.task == "speak" and args.prompt is None):    # a voice runs as the graph it is
+    if model.task == "graph" or (model.task in ("speak", "detect") and args.prompt is None):   # runs as the graph it is
         return run_graph(model, args)
     if model.task != "generate":
         raise RequestError(f"{args.model} runs the {model.task} task: `run` generates text or runs a graph; "
@@ -175,7 +175,8 @@ def cmd_run(args) -> int:
     return 0
 
 
-OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak"}   # what other tasks run by
+# what other tasks run by
+OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect"}
 
 
 def read_text(path: str | None, flag: str) -> str | None:
@@ -497,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fold a PEFT LoRA directory into the weights, its update times SCALE (repeatable)")
     conv.set_defaults(run=cmd_convert)
     speech.add_parsers(sub, sha256_arg)
+    detect.add_parser(sub, sha256_arg)
     context.add_parser(sub)
     return p
 

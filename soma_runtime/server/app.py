@@ -1,4 +1,4 @@
-"""The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py) and the
+"""The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py, detect.py) and the
 server's own (routes/models.py; routes/context.py, the sessions' contexts), behind the security guard
 (security.py), CORS where origins are allowed, and a counter of every response. Errors are OpenAI error objects (http.py)."""
 from __future__ import annotations
@@ -17,11 +17,11 @@ from soma_runtime.server import openai
 from soma_runtime.server.http import ServerState
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelRegistry
-from soma_runtime.server.routes import audio, context, encode, generate, graph, models
+from soma_runtime.server.routes import audio, context, detect, encode, generate, graph, models
 from soma_runtime.server.security import Guard, Policy
 
 log = logging.getLogger("soma_runtime.server")
-ROUTERS = (generate, encode, graph, audio, models, context)
+ROUTERS = (generate, encode, graph, audio, detect, models, context)
 
 
 class Counted:

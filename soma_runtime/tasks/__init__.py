@@ -11,12 +11,14 @@
     rt.load("whisper-tiny.en").transcribe("talk.wav").text   # a whisper directory -> SpeechModel
     samples, rate = rt.load("voice.onnx").speak("Hello.")   # a piper voice -> VoiceModel
     rt.pipeline("whisper-tiny.en", "default", "voice.onnx")("question.wav").samples   # speech in, speech out
+    rt.load("yolo11n.onnx").detect("photo.jpg")   # an ultralytics detect export -> DetectModel: [Detection, ...]
 
-One Model class per task (`generate`, `encode`, `graph`, `transcribe`, `speak`), a module each (text, encode,
-graph, speech, voice) over a shared base (base); each holds its task's runner (engine/), built on the Backend
-the scheduling policy (schedule.py) gives it. pipeline chains three of them; runtime loads them.
+One Model class per task (`generate`, `encode`, `graph`, `transcribe`, `speak`, `detect`), a module each (text,
+encode, graph, speech, voice, detect) over a shared base (base); each holds its task's runner (engine/), built on
+the Backend the scheduling policy (schedule.py) gives it. pipeline chains three of them; runtime loads them.
 """
 from soma_runtime.tasks.base import METHOD_TASKS, Model, check_count, check_flag
+from soma_runtime.tasks.detect import DetectModel
 from soma_runtime.tasks.encode import EncoderModel
 from soma_runtime.tasks.graph import GraphModel
 from soma_runtime.tasks.pipeline import Pipeline, Reply
@@ -25,5 +27,5 @@ from soma_runtime.tasks.speech import SpeechModel
 from soma_runtime.tasks.text import TextModel
 from soma_runtime.tasks.voice import VoiceModel
 
-__all__ = ["METHOD_TASKS", "TASKS", "EncoderModel", "GraphModel", "Model", "Pipeline", "Reply", "Runtime", "SpeechModel",
-           "TextModel", "VoiceModel", "check_count", "check_flag"]
+__all__ = ["METHOD_TASKS", "TASKS", "DetectModel", "EncoderModel", "GraphModel", "Model", "Pipeline", "Reply", "Runtime",
+           "SpeechModel", "TextModel", "VoiceModel", "check_count", "check_flag"]

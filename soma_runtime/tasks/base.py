@@ -13,8 +13,8 @@ from soma_runtime.ir.backend import Backend
 # another task, one is a RequestError naming both tasks (Model's stand-ins below), never an AttributeError.
 METHOD_TASKS = {"generate": ("generate",), "complete": ("generate",), "chat": ("generate",), "logits": ("generate",),
                 "detokenize": ("generate",), "tokenize": ("generate", "encode"), "embed": ("encode",),
-                "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak"),
-                "transcribe": ("transcribe",), "speak": ("speak",)}
+                "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak", "detect"),
+                "transcribe": ("transcribe",), "speak": ("speak",), "detect": ("detect",)}
 
 
 def check_flag(name: str, value, optional: bool = False) -> None:

@@ -18,6 +18,7 @@ from soma_runtime.ir.graph import Graph
 from soma_runtime.memory import peak_rss_mb
 from soma_runtime.quant import kv
 from soma_runtime.tasks.base import Model, check_count, check_flag
+from soma_runtime.tasks.detect import DetectModel
 from soma_runtime.tasks.encode import EncoderModel
 from soma_runtime.tasks.graph import GraphModel
 from soma_runtime.tasks.pipeline import Pipeline
@@ -33,7 +34,8 @@ def checkpoint_dtype(weights) -> str:
     return stored if stored in FLOATS else "f32"
 
 
-TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel, "speak": VoiceModel}
+TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel, "speak": VoiceModel,
+         "detect": DetectModel}
 
 
 ACTIVATIONS = ("f32", "bf16", "q8")

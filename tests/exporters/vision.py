@@ -3,7 +3,9 @@ ultralytics need the CUDA build of torch; `make setup` builds it as .venv-export
 and a detector through both torch exporters (TorchScript and dynamo) with dynamic batch and image axes, and
 ultralytics' YOLOv8n and YOLO11n built from their yaml (random weights) exported with dynamic axes, with and
 without NMS. Each file is written once under the directory given; a manifest (manifest.json) names each file,
-its input, the input sizes to check it at, and the exporter's versions.
+its input, the input sizes to check it at, and the exporter's versions. Where OUT_DIR/photos holds PNG images
+(the tests write scikit-image's photos there first), the manifest also holds ultralytics' own `predict` of both
+YOLOs on them (the same weights as the exports): each photo alone, and all of them as one batch.
 
 Run: .venv-exporters/bin/python tests/exporters/vision.py OUT_DIR [NAME ...]
 Imports nothing of soma_runtime: the tests compare its runs of these files with onnxruntime's."""
@@ -27,6 +29,10 @@ CLASSIFIERS = {            # name -> the image sizes (height, width) a test runs
 }
 DETECTOR = "ssdlite320_mobilenet_v3_large"
 YOLOS = ("yolov8n", "yolo11n")
+YOLO_SIZE = 640                   # the exports' imgsz (their metadata's) and predict's
+PREDICT = {"conf": 0.25, "iou": 0.45, "imgsz": YOLO_SIZE, "max_det": 300}   # ultralytics' predict settings compared
+NMS_CONF = 0.01                   # the score floor an NMS export bakes in: below any conf a test asks for
+STATIC_BATCH = 2                  # the batch of the export with fixed sizes
 
 
 def random_weights(module: torch.nn.Module) -> torch.nn.Module:
@@ -106,28 +112,61 @@ def detector(out: Path) -> list[dict]:
     return entries
 
 
-def yolos(out: Path) -> list[dict]:
-    """ultralytics' YOLOv8n and YOLO11n from their yaml (random weights, the class scores drawn to spread), exported
-    by ultralytics itself with dynamic axes, plain ([1, 84, N] rows of box and class scores) and with NMS in the
-    graph ([B, 300, 6]: box, score, class, padded with zeros)."""
+def yolo(name: str):
+    """ultralytics' `name` from its yaml with random weights that carry an image through: He's init (the DFL's fixed
+    bins kept), and class scores whose logits vary with the features, their biases drawn low, so that a few tens of
+    boxes pass a confidence of 0.25 on a photo, their scores apart (ultralytics' own init leaves features ~1e-7:
+    every anchor then scores its class's prior, all tied)."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
     from ultralytics import YOLO
+    torch.manual_seed(0)
+    model = YOLO(f"{name}.yaml")
+    head = model.model.model[-1]
+    bins = head.dfl.conv.weight.data.clone()
+    random_weights(model.model)
+    head.dfl.conv.weight.data.copy_(bins)
+    for branch in head.cv3:
+        branch[-1].weight.data.normal_(0, 0.3)
+        branch[-1].bias.data.normal_(-4, 1)
+    return model
+
+
+def yolos(out: Path) -> list[dict]:
+    """ultralytics' YOLOv8n and YOLO11n (yolo()), exported by ultralytics itself with dynamic axes at imgsz 640, plain
+    ([B, 84, N] rows of box and class scores) and with NMS in the graph ([B, 300, 6]: box, score, class, padded with
+    zeros; predict's IoU, and a score floor of NMS_CONF); and YOLO11n with fixed sizes (a batch of STATIC_BATCH)."""
     entries = []
     for name in YOLOS:
         for nms in (False, True):
             path = out / f"{name}{'-nms' if nms else ''}.onnx"
             if not path.exists():
-                torch.manual_seed(0)
-                model = YOLO(f"{name}.yaml")
-                for branch in model.model.model[-1].cv3:        # class scores spread over (0, 1), not ultralytics'
-                    branch[-1].weight.data.normal_(0, 0.05)     # prior of ~0.01: random weights then find boxes
-                    branch[-1].bias.data.normal_(0, 2)          # to suppress, their scores seldom tied
-                made = model.export(format="onnx", dynamic=True, nms=nms, imgsz=320, simplify=False, opset=17,
-                                    verbose=False)
+                thresholds = {"conf": NMS_CONF, "iou": PREDICT["iou"]} if nms else {}
+                made = yolo(name).export(format="onnx", dynamic=True, nms=nms, imgsz=YOLO_SIZE, simplify=False, opset=17,
+                                         verbose=False, **thresholds)
                 os.replace(made, path)
             entries.append({"file": path.name, "model": name, "exporter": "ultralytics", "input": "images", "nms": nms,
                             "positive": True, "shapes": [[1, 3, 320, 320], [2, 3, 256, 320]]})
+    path = out / f"{YOLOS[-1]}-static.onnx"          # fixed sizes: a batch of STATIC_BATCH at 640 x 640
+    if not path.exists():
+        os.replace(yolo(YOLOS[-1]).export(format="onnx", dynamic=False, batch=STATIC_BATCH, imgsz=YOLO_SIZE,
+                                          simplify=False, opset=17, verbose=False), path)
+    entries.append({"file": path.name, "model": YOLOS[-1], "exporter": "ultralytics", "input": "images", "nms": False,
+                    "positive": True, "shapes": [[STATIC_BATCH, 3, YOLO_SIZE, YOLO_SIZE]]})
     return entries
+
+
+def predictions(photos: list[Path]) -> dict:
+    """ultralytics' predict (PREDICT) of each YOLO on the photos: each alone ("single": a rectangle letterbox, as
+    predict makes for one image) and all at once ("batch": one batch, so a square letterbox), as rows of
+    x1, y1, x2, y2, confidence, class in the photos' pixels."""
+    found = {}
+    for name in YOLOS:
+        model = yolo(name)
+        single = [model.predict(str(p), verbose=False, **PREDICT)[0] for p in photos]
+        batch = model.predict([str(p) for p in photos], batch=len(photos), verbose=False, **PREDICT)
+        found[name] = {mode: [r.boxes.data.tolist() for r in results] for mode, results in
+                       (("single", single), ("batch", batch))}
+    return {"settings": PREDICT, "photos": [p.name for p in photos], "models": found}
 
 
 def main():
@@ -142,6 +181,9 @@ def main():
     import ultralytics
     manifest = {"torch": torch.__version__, "torchvision": torchvision.__version__,
                 "ultralytics": ultralytics.__version__, "models": entries}
+    photos = sorted((out / "photos").glob("*.png"))
+    if photos and (not wanted or wanted & set(YOLOS)):
+        manifest["predictions"] = predictions(photos)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 

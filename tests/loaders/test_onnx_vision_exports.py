@@ -7,39 +7,21 @@ inputs. The files are made by tests/exporters/vision.py in the exporters' enviro
 .venv-exporters), once per version of that script."""
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from soma_runtime.backends import get
 from soma_runtime.engine.graph import graph_runner
 from soma_runtime.loaders.onnx import load_onnx
+from tests.fixtures.vision_exports import vision_exports
 
 ort = pytest.importorskip("onnxruntime")
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "exporters" / "vision.py"
-PYTHON = ROOT / ".venv-exporters" / "bin" / "python"
-EXPORTS_TIMEOUT = 1200                 # seconds: every export from scratch on 2 cores takes about 2 minutes
 
 
 @pytest.fixture(scope="session")
 def exports() -> dict:
-    """The manifest of the exported files (made on first need under .venv-exporters/exports/<script hash>)."""
-    if not PYTHON.exists():
-        pytest.fail(f"{PYTHON} is missing: `make setup` builds the exporters' environment")
-    out = PYTHON.parents[1] / "exports" / hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]
-    manifest = out / "manifest.json"
-    if not manifest.exists():
-        done = subprocess.run([str(PYTHON), str(SCRIPT), str(out)], check=False, capture_output=True, text=True,
-                              timeout=EXPORTS_TIMEOUT, env={**os.environ, "PYTHONPATH": ""})
-        assert done.returncode == 0, done.stderr[-3000:]
-    return {entry["file"]: {**entry, "path": str(out / entry["file"])}
-            for entry in json.loads(manifest.read_text())["models"]}
+    """The exported files by name (made on first need: tests/fixtures/vision_exports.py)."""
+    return vision_exports()["models"]
 
 
 def feed_for(entry: dict, shape: list[int]) -> dict:

@@ -17,6 +17,7 @@ from soma_runtime.ir.graph import Graph, GraphFamily, TensorMeta
 from soma_runtime.loaders.model import LoadedModel
 from soma_runtime.loaders.onnx.convert import Converter, DataDependent, declared_shape, initializers_of
 from soma_runtime.loaders.onnx.reader import dtype_name, read_model
+from soma_runtime.loaders.onnx.ultralytics import detector_of
 from soma_runtime.text.tokenizer import read_json
 
 VALUE_INPUT_SIZE = 64            # inputs of at most this many numbers may be values a graph is built for
@@ -57,16 +58,21 @@ def is_small(meta: TensorMeta) -> bool:
 
 def load_onnx(path: str) -> LoadedModel:
     """An ONNX graph; a piper voice (`voice.onnx` beside its `voice.onnx.json`) is one of the `speak` task,
-    its config in metadata["voice"]."""
+    its config in metadata["voice"]; an ultralytics detect export one of the `detect` task (ultralytics.py). The
+    file's metadata_props are kept as metadata["metadata_props"]."""
     model = read_model(path)
     graph = onnx_graph(model, os.path.dirname(os.path.abspath(path)), path)
     opsets = {imp.domain or "ai.onnx": int(imp.version) for imp in model.opset_import}
     metadata = {"producer": f"{model.producer_name} {model.producer_version}".strip(), "opsets": opsets,
                 "onnx_ops": dict(sorted(count_ops(model.graph).items()))}
+    props = {entry.key: entry.value for entry in model.metadata_props}
+    if props:
+        metadata["metadata_props"] = props
     voice = read_json(path + ".json") if os.path.isfile(path + ".json") else {}
     if "phoneme_id_map" in voice:
         return LoadedModel(path, "piper", None, None, None, metadata={**metadata, "voice": voice}, graph=graph)
-    return LoadedModel(path, "onnx", None, None, None, metadata=metadata, graph=graph)
+    return LoadedModel(path, "onnx", None, None, None, metadata=metadata, graph=graph,
+                       detector=detector_of(props, graph, path))
 
 
 def count_ops(graph: onnx.GraphProto) -> dict[str, int]:
