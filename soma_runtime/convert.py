@@ -19,8 +19,8 @@ from soma_runtime.architectures.registry import canonical_hf_weights, config_for
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.dtypes import QTensor
 from soma_runtime.errors import UnsupportedModelError
+from soma_runtime.loaders.checkpoint import read_checkpoint
 from soma_runtime.loaders.lora import read_peft
-from soma_runtime.loaders.safetensors import read_checkpoint
 from soma_runtime.quant import quantize
 from soma_runtime.text.tokenizer import CONTROL, USER_DEFINED, read_json
 

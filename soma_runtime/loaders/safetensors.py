@@ -1,7 +1,7 @@
 """safetensors files, mmapped: each tensor is a numpy view into the file, nothing is copied.
 
 Format: u64 little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, data.
-Sharded checkpoints list their files in `model.safetensors.index.json`.
+A Hugging Face directory's files (sharded or not) are found by checkpoint.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import numpy as np
 from soma_runtime.dtypes import DTYPES
 from soma_runtime.errors import ModelLoadError
 from soma_runtime.loaders.integrity import check_disjoint
-from soma_runtime.text.tokenizer import read_json
 
 MAX_HEADER_BYTES = 100_000_000        # the safetensors library's own limit
 SAFETENSORS_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64", "I64": "i64", "I32": "i32",
@@ -67,31 +66,3 @@ def tensor_entry(path: str, name: str, info, data_size: int) -> tuple[str, tuple
         raise ModelLoadError(f"{path}: tensor {name!r} of shape {shape} ({nbytes} bytes) does not fit bytes {start}..{end} "
                              f"of a {data_size}-byte data section")
     return kind, tuple(shape), (start, end)
-
-
-def plain_file_name(name) -> bool:
-    """A name of a file in the directory itself (no path that could lead out of it)."""
-    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
-
-
-def checkpoint_files(directory: str) -> list[str]:
-    """The safetensors files of a HF directory: those its index names, else every one there."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(map(plain_file_name, weight_map.values())):
-            raise ModelLoadError(f"{index}: weight_map must map tensor names to file names in the directory")
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    if not files:
-        raise ModelLoadError(f"{directory}: no .safetensors weights found")
-    return files
-
-
-def read_checkpoint(directory: str) -> dict[str, np.ndarray]:
-    """All tensors of a HF directory: model.safetensors, or the shards its index names."""
-    tensors = {}
-    for name in checkpoint_files(directory):
-        tensors.update(read_safetensors(os.path.join(directory, name)))
-    return tensors

@@ -21,10 +21,11 @@ from soma_runtime.architectures.fields import table
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError
+from soma_runtime.loaders.checkpoint import plain_file_name
 from soma_runtime.loaders.hf import sampling_defaults
 from soma_runtime.loaders.integrity import file_sha256, verify_pinned
 from soma_runtime.loaders.model import LoadedModel
-from soma_runtime.loaders.safetensors import plain_file_name, read_safetensors
+from soma_runtime.loaders.safetensors import read_safetensors
 from soma_runtime.text.tokenizer import Tokenizer, read_json, token_text
 
 BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
