@@ -206,8 +206,9 @@ class TextModel(Model):
         llama.cpp GGUF LoRA file, for this model's requests to run under by its `name` (default: the
         directory's or file's name), its update scaled by `alpha` (1: as trained). The first one rebuilds
         the model's graphs with an adapter op beside each linear layer, for up to `max_loras` adapters at
-        once; requests already running go on. ModelLoadError for an adapter that does not fit the base
-        (naming the module), RequestError where the name is taken or every slot is."""
+        once (4 times as many held in memory, put in a slot when a request runs under one); requests already
+        running go on. ModelLoadError for an adapter that does not fit the base (naming the module),
+        RequestError where the name is taken or the model holds all it may."""
         if self.engine.lora is not None:          # refused before its files are read
             self.engine.lora.check_room(adapter_name(path, name))
         adapter = read_lora(path, self.engine.cfg, self.engine.weights, name, alpha)

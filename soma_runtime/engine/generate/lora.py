@@ -3,9 +3,12 @@ every loaded adapter stacked ([slots, rank, in], [slots, out, rank], DoRA's [slo
 the widest rank loaded; which adapter a sequence runs under (a Variant), and the rows' index and scale a
 step feeds (contract.LoraStep).
 
-An adapter is written into a free slot when it loads and its slot is freed when it is unloaded and no
-sequence runs under it any more, so a running request never sees its factors change. Knows adapters as
-architectures/lora.py gives them, nothing of files, requests' wire forms or kernels.
+A table holds up to HELD_PER_SLOT x slots adapters in host memory; the slots hold those run lately: an adapter
+is written into a slot when it loads (a free one, else the least recently used that no sequence runs under)
+or, if none is idle then, when a sequence first runs under it. A slot is never rewritten while a sequence
+runs under its adapter, so a running request never sees its factors change; an unloaded adapter's slot is
+freed once none does. Knows adapters as architectures/lora.py gives them, nothing of files, requests' wire
+forms or kernels.
 """
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ from soma_runtime.engine.kv import Variant
 from soma_runtime.errors import RequestError
 
 MAX_SCALE = 1000.0           # a request's scale beyond this is no adapter strength
+HELD_PER_SLOT = 4            # adapters held in host memory per slot (the rest of them wait there for one)
+UNSLOTTED = -1
 KEYS = itertools.count(1)    # prefix-cache keys, never reused within a process
 
 
 @dataclass
 class Loaded:
-    """A loaded adapter: its slot in the stacks, its prefix-cache key."""
+    """A loaded adapter: its slot in the stacks (UNSLOTTED: held in host memory only), its prefix-cache key
+    (its own for as long as it is loaded, whichever slot it is in)."""
     adapter: LoraAdapter
     slot: int
     key: int
@@ -37,15 +43,16 @@ class Loaded:
 
 class LoraTable:
     """`modules`: the adapted modules ("blk.3.attn_q") with their (in, out) sizes; `slots`: how many
-    adapters it holds at once."""
+    adapters run at once (HELD_PER_SLOT times as many are held)."""
 
     def __init__(self, modules: dict[str, tuple[int, int]], slots: int):
         if type(slots) is not int or not 1 <= slots <= 1024:
             raise RequestError(f"max_loras must be an integer in [1, 1024], got {slots!r}")
-        self.modules, self.slots = modules, slots
+        self.modules, self.slots, self.held = modules, slots, HELD_PER_SLOT * slots
         self.loaded: dict[str, Loaded] = {}
         self.users = [0] * slots                 # sequences running under each slot's adapter
         self.retired: set[int] = set()           # slots of unloaded adapters still in use
+        self.recent: dict[int, None] = {}        # the slots in order of last use, least recent first
         self.lock = threading.Lock()
         self.factors = self.stacks(1)
 
@@ -59,11 +66,12 @@ class LoraTable:
         return next(iter(self.factors.values()))[0].shape[1]
 
     def stacks(self, rank: int) -> dict[str, tuple]:
-        """Empty stacks at `rank` (zero factors, unit magnitudes), each loaded adapter written back in."""
+        """Empty stacks at `rank` (zero factors, unit magnitudes), each slotted adapter written back in."""
         stacks = {m: (np.zeros((self.slots, rank, k), np.float32), np.zeros((self.slots, n, rank), np.float32),
                       np.ones((self.slots, n), np.float32)) for m, (k, n) in self.modules.items()}
         for loaded in self.loaded.values():
-            self.write(stacks, loaded.slot, loaded.adapter)
+            if loaded.slot != UNSLOTTED:
+                self.write(stacks, loaded.slot, loaded.adapter)
         return stacks
 
     def write(self, stacks: dict, slot: int, adapter: LoraAdapter) -> None:
@@ -76,39 +84,58 @@ class LoraTable:
                     magnitude[slot] = f.magnitude
 
     def add(self, adapter: LoraAdapter) -> None:
-        """Load `adapter` into a free slot; RequestError where its name is taken, none is free, or it changes a
-        module this graph has no adapter op for."""
+        """Hold `adapter`, in a slot if one is idle; RequestError where its name is taken, the table holds all it
+        may, or it changes a module this graph has no adapter op for."""
         missing = sorted(set(adapter.modules) - set(self.modules))
         if missing:
             raise RequestError(f"adapter {adapter.name}: this model's graph takes no adapter on {', '.join(missing[:4])}")
         with self.lock:
-            free = self.room(adapter.name)
-            loaded = Loaded(adapter, free, next(KEYS))
-            if adapter.rank > self.rank:
-                self.loaded[adapter.name] = loaded
-                self.factors = self.stacks(adapter.rank)        # new arrays: a step in flight keeps the old ones
-            else:
-                self.write(self.factors, free, adapter)
-                self.loaded[adapter.name] = loaded
+            self.room(adapter.name)
+            loaded = self.loaded[adapter.name] = Loaded(adapter, UNSLOTTED, next(KEYS))
+            slot = self.idle_slot()
+            if slot is not None:
+                self.place(loaded, slot)
 
-    def room(self, name: str) -> int:
-        """The slot an adapter named `name` would take; RequestError where the name is taken or none is free."""
+    def room(self, name: str) -> None:
+        """RequestError where an adapter named `name` could not be held: the name is taken, or the table is full."""
         if name in self.loaded:
             raise RequestError(f"an adapter named {name!r} is loaded already; unload it first")
-        taken = {x.slot for x in self.loaded.values()} | self.retired
-        free = next((s for s in range(self.slots) if s not in taken), None)
-        if free is None:
-            raise RequestError(f"all {self.slots} adapter slots are taken (max_loras); unload one first")
-        return free
+        if len(self.loaded) >= self.held:
+            raise RequestError(f"all {self.held} adapters this model holds are loaded ({HELD_PER_SLOT} x max_loras "
+                               f"{self.slots}); unload one first")
 
     def check_room(self, name: str) -> None:
         with self.lock:
             self.room(name)
 
+    def idle_slot(self) -> int | None:
+        """A slot an adapter may be written into (the lock held): a free one, else the least recently used whose
+        adapter no sequence runs under (that adapter goes back to waiting in host memory); None where every
+        slot runs."""
+        taken = {x.slot: x for x in self.loaded.values() if x.slot != UNSLOTTED}
+        free = next((s for s in range(self.slots) if s not in taken and s not in self.retired), None)
+        if free is not None:
+            return free
+        idle = next((s for s in [*self.recent, *range(self.slots)] if s in taken and not self.users[s]), None)
+        if idle is not None:
+            taken[idle].slot = UNSLOTTED
+        return idle
+
+    def place(self, loaded: Loaded, slot: int) -> None:
+        """Write an adapter into `slot` (the lock held); a wider rank restacks (new arrays: a step in flight
+        keeps the old ones)."""
+        loaded.slot = slot
+        self.recent.pop(slot, None)
+        self.recent[slot] = None
+        if loaded.adapter.rank > self.rank:
+            self.factors = self.stacks(loaded.adapter.rank)
+        else:
+            self.write(self.factors, slot, loaded.adapter)
+
     def remove(self, name: str) -> None:
         with self.lock:
             loaded = self.loaded.pop(self.known(name), None)
-            if self.users[loaded.slot]:
+            if loaded.slot != UNSLOTTED and self.users[loaded.slot]:
                 self.retired.add(loaded.slot)
 
     def known(self, name) -> str:
@@ -132,10 +159,20 @@ class LoraTable:
         return loaded
 
     def use(self, name: str, scale: float) -> Variant:
-        """The Variant a sequence runs under this adapter at `scale` (times its alpha); held until `release`."""
+        """The Variant a sequence runs under this adapter at `scale` (times its alpha), its adapter put in a slot
+        if it waits in host memory (RequestError where every slot runs another's sequences); held until
+        `release`."""
         with self.lock:
             loaded = self.checked(name, scale)
+            if loaded.slot == UNSLOTTED:
+                slot = self.idle_slot()
+                if slot is None:
+                    raise RequestError(f"all {self.slots} adapter slots (max_loras) run other adapters' requests; "
+                                       f"{name!r} waits in memory: try again when one ends")
+                self.place(loaded, slot)
             self.users[loaded.slot] += 1
+            self.recent.pop(loaded.slot, None)
+            self.recent[loaded.slot] = None
             return Variant(loaded.slot, float(scale), hash((loaded.key, float(scale))))
 
     def release(self, variant: Variant) -> None:
@@ -156,9 +193,10 @@ class LoraTable:
         return LoraStep(np.full(rows, -1, np.int64), np.zeros(rows, np.float32), self.factors)
 
     def listing(self) -> list[dict]:
-        """The loaded adapters: name, alpha (strength), rank, parameters, source, modules."""
+        """The loaded adapters: name, alpha (strength), rank, parameters, source, modules, whether in a slot now."""
         return [{"name": name, "alpha": x.adapter.alpha, "rank": x.adapter.rank, "params": x.adapter.parameters,
-                 "source": x.adapter.source, "modules": len(x.adapter.modules)} for name, x in sorted(self.loaded.items())]
+                 "source": x.adapter.source, "modules": len(x.adapter.modules), "in_slot": x.slot != UNSLOTTED}
+                for name, x in sorted(self.loaded.items())]
 
 
 def adapted_modules(cfg: DecoderConfig, weights: Weights) -> dict[str, tuple[int, int]]:
