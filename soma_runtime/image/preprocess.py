@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import PIL.Image
 
@@ -154,14 +155,27 @@ def resize_linear(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     height, width = size
     x0, x1, a0, a1 = linear_taps(pixels.shape[1], width, clamp=True)
     y0, y1, b0, b1 = linear_taps(pixels.shape[0], height, clamp=False)
-    rows = np.unique(np.concatenate([y0, y1]))                  # only the source rows some output reads
-    channel = (slice(None), None) if pixels.ndim == 3 else (slice(None),)
-    left, right = pixels[rows[:, None], x0], pixels[rows[:, None], x1]
-    horizontal = (left.astype(np.int32) * a0[channel] + right.astype(np.int32) * a1[channel]) >> 4
-    top, bottom = horizontal[np.searchsorted(rows, y0)], horizontal[np.searchsorted(rows, y1)]
-    column = (slice(None),) + (None,) * (pixels.ndim - 1)
-    out = (((b0[column] * top) >> 16) + ((b1[column] * bottom) >> 16) + 2) >> 2
-    return out.astype(np.uint8)
+    planes = np.ascontiguousarray(pixels.reshape(pixels.shape[0], pixels.shape[1], -1))
+    out = np.empty((height, width, planes.shape[2]), np.uint8)
+    _resize_linear(planes, x0, x1, a0, a1, y0, y1, b0, b1, out)
+    return out.reshape((height, width) + pixels.shape[2:])
+
+
+@numba.njit(cache=True, nogil=True)
+def _resize_linear(pixels, x0, x1, a0, a1, y0, y1, b0, b1, out):
+    """resize_linear's arithmetic, output row by output row: its two source rows resampled across, then
+    combined (each value's integers as cv2's: no sum exceeds 31 bits)."""
+    width, channels = out.shape[1], out.shape[2]
+    top = np.empty((width, channels), np.int32)
+    bottom = np.empty((width, channels), np.int32)
+    for i in range(out.shape[0]):
+        for j in range(width):
+            for c in range(channels):
+                top[j, c] = (np.int32(pixels[y0[i], x0[j], c]) * a0[j] + np.int32(pixels[y0[i], x1[j], c]) * a1[j]) >> 4
+                bottom[j, c] = (np.int32(pixels[y1[i], x0[j], c]) * a0[j] + np.int32(pixels[y1[i], x1[j], c]) * a1[j]) >> 4
+        for j in range(width):
+            for c in range(channels):
+                out[i, j, c] = (((b0[i] * top[j, c]) >> 16) + ((b1[i] * bottom[j, c]) >> 16) + 2) >> 2
 
 
 @dataclass(frozen=True)
