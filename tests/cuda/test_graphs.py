@@ -32,7 +32,8 @@ def test_a_plan_with_a_host_step_runs_uncaptured_and_one_without_is_not_marked()
 
 def test_a_whole_run_is_captured_on_its_plans_second_run_and_the_most_recent_are_kept(monkeypatch):
     """Program.replay's policy: a plan's first run compiles, uncaptured; its second is captured and replayed
-    after; past WHOLE_KEPT captured plans the least recently replayed is dropped (a hosted plan never is)."""
+    after; past WHOLE_KEPT captured plans, or past WHOLE_BYTES held by them, the least recently replayed is
+    dropped (the latest always kept; a hosted plan is never captured)."""
     from soma_runtime.backends import get
     from soma_runtime.backends.cuda import graphs
     from soma_runtime.ir.builder import GraphBuilder
@@ -42,7 +43,7 @@ def test_a_whole_run_is_captured_on_its_plans_second_run_and_the_most_recent_are
 
     class Recorded:                            # a capture without a GPU: the plan run as it is, the capture counted
         def __init__(self, plan, inputs, shared):
-            self.plan = plan
+            self.plan, self.nbytes = plan, 100 * plan.bindings["B"]      # what its pool holds, say
             made.append(plan)
 
         def run(self, inputs):
@@ -61,9 +62,14 @@ def test_a_whole_run_is_captured_on_its_plans_second_run_and_the_most_recent_are
     for b in (2, 2, 3, 3):
         assert run(b).tolist() == [b - 1.0] * b
     assert len(made) == 3 and list(program.captures.whole) == [id(program.plan({"B": 2})), id(program.plan({"B": 3}))]
+    monkeypatch.setattr(graphs, "WHOLE_BYTES", 450)                     # past the bytes: the older dropped first
+    run(4), run(4)
+    assert list(program.captures.whole) == [id(program.plan({"B": 4}))]
+    run(5), run(5)                                                       # alone past them: the latest is kept
+    assert list(program.captures.whole) == [id(program.plan({"B": 5}))] and run(5).tolist() == [4.0] * 5
     g = GraphBuilder()
     hosted = Program(g.output(g.nonzero(g.input("x", ("B",), "f32"))), get("cuda"))
     hosted.captures = graphs.GraphedSteps()
     for _ in range(3):
         hosted.replay({"B": 2}, {"x": np.ones(2, np.float32)})
-    assert len(made) == 3
+    assert len(made) == 5

@@ -20,6 +20,7 @@ ALIGN = 256            # each input's offset in the packed buffers
 GRAPH_ROWS = 32        # steps of up to this many rows replay as one graph ...
 GRAPH_CONTEXT = 512    # ... with the context padded to a multiple of this (one graph per size)
 WHOLE_KEPT = 8         # whole runs captured (each holds its intermediates), the least recently replayed dropped first
+WHOLE_BYTES = 4 << 30  # ... while the memory they hold together stays within this (the latest is always kept)
 
 
 class GraphedPlan:
@@ -41,6 +42,7 @@ class GraphedPlan:
             self.static[name].copy_(t)
             self.stage[name] = view(self.staging, name).numpy()
         self.copied = torch.cuda.Event()
+        reserved = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with chaining():
@@ -50,6 +52,7 @@ class GraphedPlan:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.outputs = plan.run(self.static)
+        self.nbytes = max(0, torch.cuda.memory_reserved() - reserved) + self.packed.nbytes   # its pool's, roughly
 
     def run(self, inputs: dict) -> list:
         self.copied.synchronize()                           # the last step's copy has left the staging buffer
@@ -102,8 +105,12 @@ class GraphedSteps(Captures):
         if self.whole[key] is None:
             self.whole[key] = GraphedPlan(plan, inputs, set())
             captured = [k for k, graphed in self.whole.items() if graphed is not None]
-            for old in captured[:-WHOLE_KEPT]:
-                del self.whole[old]
+            held = sum(self.whole[k].nbytes for k in captured)
+            for old in captured[:-1]:
+                if len(captured) <= WHOLE_KEPT and held <= WHOLE_BYTES:
+                    break
+                held -= self.whole.pop(old).nbytes
+                captured.remove(old)
         return self.whole[key].run(inputs)
 
     def forget(self, plan) -> None:
