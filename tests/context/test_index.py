@@ -334,3 +334,24 @@ def test_bad_queries_and_a_corrupt_index_file_are_clear_errors(tmp_path):
         PageIndex(str(tmp_path), WordEncoder())
     with pytest.raises(RetrievalError, match="not a directory"):
         PageIndex(str(tmp_path / "a.md"), WordEncoder())
+
+
+# --- the graph block -----------------------------------------------------------------------------
+
+def test_inject_graph_packs_the_top_pages_as_structured_content_and_records_a_cut(tmp_path, smol):
+    index = PageIndex(write(tmp_path, SIGNAL_PAGES), WordEncoder())
+    index.update()
+    context = smol.context()
+    context.set_system("Answer from the pages.")
+    hits = context.inject_graph("apple orchard harvest notes cider press", index, top=3)
+    assert [h["kept"] for h in hits] == [True, True, True]
+    shown = context.show()
+    first = shown.index(f"## page: {hits[0]['page']}")
+    assert first < shown.index(f"## page: {hits[1]['page']}") < shown.index(f"## page: {hits[2]['page']}")
+    assert "---\ntitle: Seed\ndate: 2020-01-01\n---\n# Seed\napple orchard harvest notes cider press [[Y]]\nlinks: y.md" in shown
+    graph = next(b for b in context.blocks() if b["block"] == "graph")
+    context.set_budget("graph", graph["tokens"] - 1)              # one token short: the least relevant page goes
+    assert [c.block for c in context.cuts] == ["graph"] and context.cuts[0].reason == "budget"
+    assert f"## page: {hits[2]['page']}" not in context.show() and "1 pages" in context.show()
+    again = context.inject_graph("apple orchard harvest notes cider press", index, top=3)
+    assert [h["kept"] for h in again] == [True, True, False]
