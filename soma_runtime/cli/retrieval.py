@@ -26,7 +26,7 @@ def add_parsers(sub, positive_int) -> None:
     rt.add_argument("query", help="the query text")
     rt.add_argument("--top", "-k", type=positive_int, default=5, help="how many pages (default: 5)")
     rt.add_argument("--weights", default=None, metavar="A,B,G,D",
-                    help="similarity, proximity, gravity and recency weights (default: 0.5,0.3,0.1,0.1)")
+                    help="similarity, proximity, gravity and recency weights (default: 0.3,0.5,0.1,0.1)")
     rt.add_argument("--model", "-m", default=None, help="the encoder (default: the one the index was built with)")
     rt.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
     rt.add_argument("--json", action="store_true",

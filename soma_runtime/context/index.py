@@ -19,10 +19,13 @@ a page's first MAX_LINKS distinct links are kept, the rest dropped and reported;
 
 Signals, each min-max normalized to [0, 1] over a query's candidates (a signal equal on all of them is 0):
 similarity (cosine of the query's and the page's embeddings), proximity (personalized PageRank from the
-seeds, the SEEDS pages most similar to the query, weighted by their similarity), gravity (PageRank over all
+seeds, the SEEDS pages most similar to the query, weighted by exp(similarity / SEED_TEMPERATURE): the walk
+starts mostly from the best match), gravity (PageRank over all
 links), recency (2 ** -(age / half_life), age from the frontmatter date, else the file's mtime; default
 half-life HALF_LIFE_DAYS). Candidates: the CANDIDATES pages most similar to the query and the pages within
-HOPS outgoing links of a seed. score = α·similarity + β·proximity + γ·gravity + δ·recency (Weights).
+HOPS outgoing links of a seed. score = α·similarity + β·proximity + γ·gravity + δ·recency (Weights; the
+defaults 0.3, 0.5, 0.1, 0.1 favour the link walk: chosen on bench/retrieval.py's generated multi-hop set
+and the tests' corpus, where similarity-led weights found few answers that only a link reaches).
 
 The index file (DIR/.soma-index.npz, written whole or not at all): a numpy .npz of `vectors` (float32
 [pages, D], L2-normalized, in the order of meta's pages) and `meta` (a 0-d string array holding JSON:
@@ -62,6 +65,7 @@ MAX_FRONTMATTER_LINES = 200
 EMBED_CHARS = 1000                  # a page is embedded by its title, aliases and this much of its body (MiniLM reads 256 tokens)
 EMBED_BATCH = 32
 SEEDS = 3                           # the most similar pages the walk starts from
+SEED_TEMPERATURE = 0.05             # seeds weigh exp(similarity / this)
 HOPS = 2                            # how far from a seed a page is a candidate
 CANDIDATES = 50                     # the most similar pages that are candidates whatever their links
 HALF_LIFE_DAYS = 30.0
@@ -86,8 +90,8 @@ class RetrievalError(RequestError):
 @dataclass
 class Weights:
     """SPEC's α, β, γ, δ (any values >= 0, not all 0; their scale does not change the ranking)."""
-    similarity: float = 0.5
-    proximity: float = 0.3
+    similarity: float = 0.3
+    proximity: float = 0.5
     gravity: float = 0.1
     recency: float = 0.1
 
@@ -554,7 +558,7 @@ class PageIndex:
         order = np.argsort(-similarity, kind="stable")
         starts = order[:seeds]
         personalization = np.zeros(n)
-        personalization[starts] = np.maximum(similarity[starts], 0) + 1e-9
+        personalization[starts] = np.exp((similarity[starts] - similarity[starts[0]]) / SEED_TEMPERATURE)
         proximity = pagerank(n, self.src, self.dst, personalization)
         candidates = np.union1d(order[:CANDIDATES], within_hops(self.indptr, self.indices, starts, HOPS))
         age_days = np.maximum(0.0, ((time.time() if now is None else now) - self.times[candidates]) / DAY)
