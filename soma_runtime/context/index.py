@@ -197,6 +197,12 @@ def parse_frontmatter(text: str) -> tuple[dict, str]:
     return meta, "\n".join(lines[end + 1:])
 
 
+def without_suffix(path: str) -> str:
+    """A page's path or name less its .md/.markdown suffix (any other is part of the name)."""
+    lower = path.lower()
+    return next((path[: -len(suffix)] for suffix in PAGE_SUFFIXES if lower.endswith(suffix)), path)
+
+
 def unquote(value: str) -> str:
     value = value.strip()
     return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
@@ -256,35 +262,33 @@ class Folder:
     def scan(self) -> tuple[dict[str, os.stat_result], list[Skip], int]:
         """({relative path: lstat} of candidate pages, skips, files ignored)."""
         pages, skips, ignored = {}, [], 0
-        for top, dirs, files in os.walk(self.root, followlinks=False):
-            relative_top = os.path.relpath(top, self.root)
-            for name in sorted(dirs):
-                full = os.path.join(top, name)
-                if name.startswith("."):
-                    dirs.remove(name)
-                elif os.path.islink(full):
-                    skips.append(Skip(self.relative(relative_top, name), self.symlink_reason(full)))
-            for name in sorted(files):
-                full, rel = os.path.join(top, name), self.relative(relative_top, name)
+        folders = [("", self.root)]
+        while folders:
+            prefix, folder = folders.pop()
+            with os.scandir(folder) as entries:
+                listed = sorted(entries, key=lambda e: e.name)
+            for entry in listed:
+                name, rel = entry.name, prefix + entry.name
                 if name.startswith("."):
                     continue
-                if not name.lower().endswith(PAGE_SUFFIXES):
+                if entry.is_symlink():
+                    if entry.is_dir() or name.lower().endswith(PAGE_SUFFIXES):
+                        skips.append(Skip(rel, self.symlink_reason(entry.path)))
+                    else:
+                        ignored += 1
+                elif entry.is_dir(follow_symlinks=False):
+                    folders.append((rel + "/", entry.path))
+                elif not name.lower().endswith(PAGE_SUFFIXES):
                     ignored += 1
-                    continue
-                info = os.lstat(full)
-                if stat.S_ISLNK(info.st_mode):
-                    skips.append(Skip(rel, self.symlink_reason(full)))
-                elif not stat.S_ISREG(info.st_mode):
-                    skips.append(Skip(rel, "not a regular file"))
-                elif info.st_size > MAX_PAGE_BYTES:
-                    skips.append(Skip(rel, f"{info.st_size} bytes, over the {MAX_PAGE_BYTES}-byte page limit"))
                 else:
-                    pages[rel] = info
+                    info = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(info.st_mode):
+                        skips.append(Skip(rel, "not a regular file"))
+                    elif info.st_size > MAX_PAGE_BYTES:
+                        skips.append(Skip(rel, f"{info.st_size} bytes, over the {MAX_PAGE_BYTES}-byte page limit"))
+                    else:
+                        pages[rel] = info
         return pages, skips, ignored
-
-    @staticmethod
-    def relative(top: str, name: str) -> str:
-        return name if top == "." else posixpath.join(top.replace(os.sep, "/"), name)
 
     def symlink_reason(self, full: str) -> str:
         target = os.path.realpath(full)
@@ -353,7 +357,7 @@ def within_hops(indptr: np.ndarray, indices: np.ndarray, seeds: np.ndarray, hops
     for _ in range(hops):
         if frontier.size == 0:
             break
-        nxt = np.concatenate([indices[indptr[i]:indptr[i + 1]] for i in frontier]) if frontier.size else frontier
+        nxt = np.concatenate([indices[indptr[i]:indptr[i + 1]] for i in frontier])
         nxt = np.unique(nxt[~reached[nxt]])
         reached[nxt] = True
         frontier = nxt
@@ -411,7 +415,7 @@ class PageIndex:
 
     def save(self) -> None:
         meta = {"format": FORMAT, "model": self.model, "dim": int(self.vectors.shape[1]) if self.pages else 0,
-                "pages": [asdict(p) for p in self.pages], "skips": [asdict(s) for s in self.skips]}
+                "pages": [vars(p) for p in self.pages], "skips": [asdict(s) for s in self.skips]}     # vars: asdict copies
         directory = os.path.dirname(self.path)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".soma-index-", suffix=".tmp.npz", delete=False) as f:
             np.savez(f, vectors=self.vectors, meta=np.array(json.dumps(meta, ensure_ascii=False)))
@@ -504,23 +508,24 @@ class PageIndex:
     def derive(self) -> None:
         """Edges (links resolved against the pages now indexed), their CSR form, and gravity."""
         by_path = {p.path: i for i, p in enumerate(self.pages)}
+        bare = [without_suffix(p.path) for p in self.pages]
         by_name: dict[str, int] = {}
-        for kind in ("path", "stem", "title", "alias"):          # earlier kinds win; within one, the first path
-            for i, p in enumerate(self.pages):
-                names = {"path": [posixpath.splitext(p.path)[0]], "stem": [posixpath.splitext(posixpath.basename(p.path))[0]],
-                         "title": [p.title], "alias": p.aliases}[kind]
-                for name in names:
-                    by_name.setdefault(name.strip().casefold(), i)
+        for names in (bare, [b.rsplit("/", 1)[-1] for b in bare], [p.title for p in self.pages]):   # earlier kinds win
+            for i, name in enumerate(names):
+                by_name.setdefault(name.strip().casefold(), i)
+        for i, p in enumerate(self.pages):
+            for alias in p.aliases:
+                by_name.setdefault(alias.strip().casefold(), i)
         src, dst, unresolved = [], [], 0
         for i, p in enumerate(self.pages):
             targets = set()
             for key in p.links:
-                kind, target = key[:2], key[2:]
-                if kind == "p:":
+                target = key[2:]
+                if key.startswith("p:"):
                     j = by_path.get(target, by_path.get(target + ".md"))
                 else:
                     name = target.casefold()
-                    j = by_name.get(name, by_name.get(posixpath.splitext(name)[0]))
+                    j = by_name.get(name, by_name.get(without_suffix(name)))
                 if j is None:
                     unresolved += 1
                 elif j != i:
