@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import context, detect, speech
+from soma_runtime.cli import context, detect, retrieval, speech
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -318,7 +318,8 @@ def cmd_serve(args) -> int:
     serve(args.model or [], args.host, args.port, args.uds, budget, args.max_batch, args.step_tokens, args.ctx, args.threads,
           args.max_queue, args.backend, args.sha256 or [], policy, origins, args.models_dir, args.max_connections, args.draft,
           args.overflow, kv_dtype=args.kv_cache, gpu_layers=args.gpu_layers, tensor_parallel=args.tensor_parallel,
-          run_budget=run_budget(args), loras=args.lora or [], max_loras=args.max_loras)
+          run_budget=run_budget(args), loras=args.lora or [], max_loras=args.max_loras,
+          retrieval_dirs=args.retrieval_dir or [])
     return 0
 
 
@@ -463,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-model-management", action="store_true",
                      help="allow POST /v1/models/load and DELETE /v1/models/{id} (needs --models-dir)")
     srv.add_argument("--models-dir", default=None, help="the only directory POST /v1/models/load loads from")
+    srv.add_argument("--retrieval-dir", action="append", default=None, metavar="[NAME=]DIR",
+                     help="a folder of pages POST /v1/retrieve may rank (repeatable; its index built beforehand by "
+                          "`soma-runtime index DIR`); no other folder is served")
     srv.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST]",
                      help="Host names answered besides localhost, 127.0.0.1 and [::1] ('*': any); a loopback bind answers "
                           "only those (DNS rebinding), other binds and --uds any name unless this is given")
@@ -500,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     speech.add_parsers(sub, sha256_arg)
     detect.add_parser(sub, sha256_arg)
     context.add_parser(sub)
+    retrieval.add_parsers(sub, positive_int)
     return p
 
 

@@ -3,8 +3,9 @@ history, tool_results, input), each with a budget counted in the model's own tok
 model's chat template exactly as the model receives it.
 
 Owns the blocks, their budgets, trimming, the record of what was cut, and sessions saved to a file.
-Knows a tokenizer and a chat template; nothing of models, engines or servers (a TextModel makes one with
-`model.context()` and generates from its `ids()`).
+Knows a tokenizer and a chat template, and a retrieval index only by its `retrieve` and `render`
+(inject_graph); nothing of models, engines or servers (a TextModel makes one with `model.context()` and
+generates from its `ids()`).
 
 Rendering: one system message holds the system prompt, the graph pages, then the notes on what was cut
 (so the model is told, and show() says so); then the history's messages, the tool results since the
@@ -140,6 +141,23 @@ class Context:
             raise ContextError("pages must be a list of strings")
         with self._change():
             self.graph = [self._page(self._fitting(p, "a page")) for p in pages]
+
+    def inject_graph(self, query: str, index, top: int = 5, weights=None) -> list:
+        """The `top` pages `index` (a context.index.PageIndex) ranks for `query` into the graph block, most
+        relevant first, each as structured content (frontmatter, body, links); the block's budget and the
+        window cut the least relevant whole pages, recorded as any cut is. A page that could never fit the
+        window is not added and is recorded as cut ("window", 0 tokens: it never entered the prompt).
+        Returns the hits, each with `kept` saying whether its page is in the block."""
+        rendered = [(hit, index.render(hit)) for hit in index.retrieve(query, top=top, weights=weights)]
+        unfit = [text for _, text in rendered if len(text) > self.window * self.tokenizer.max_token_chars]
+        with self._change():
+            self.graph = [self._page(check_text(text, "a page")) for _, text in rendered if text not in unfit]
+            if unfit:
+                self.cuts.append(Cut("graph", len(unfit), 0, "window"))
+                n, t = self.dropped.get("graph", (0, 0))
+                self.dropped["graph"] = (n + len(unfit), t)
+        kept = {e.message["content"] for e in self.graph}
+        return [{**hit.to_json(), "kept": text in kept} for hit, text in rendered]
 
     def add_message(self, role: str, content: str, **extra) -> None:
         """Append a user or assistant message (extra fields, such as tool_calls, kept as given). A user

@@ -45,14 +45,15 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
           policy=None, allowed_origins: tuple[str, ...] = (), models_dir: str | None = None,
           max_connections: int = 1024, draft: str | None = None, overflow: str | None = None,
           kv_dtype: str | None = None, gpu_layers: int | None = None, tensor_parallel: int = 1,
-          run_budget=None, loras: list[tuple[str, float]] = (), max_loras: int = 8) -> None:
+          run_budget=None, loras: list[tuple[str, float]] = (), max_loras: int = 8, retrieval_dirs: list[str] = ()) -> None:
     """Load the models (the n-th checked against the n-th `sha256`), then serve in the foreground until
     SIGINT/SIGTERM. Model management is on only with a `models_dir` to load from. `draft`: speculative
     decoding for the text models (Runtime.speculate); `overflow`: what they do with prompts beyond their
     context (TextModel); `kv_dtype`: their KV cache's type, `gpu_layers`: how many of their layers run on the
     device, `tensor_parallel`: over how many processes (GPUs) each is split (Runtime.load); `run_budget`: what
     one /v1/run may compute (ir.plan.RunBudget; engine.graph.DEFAULT_BUDGET if None); `loras`: (path, alpha) of
-    LoRA adapters every text model loads at start (TextModel.load_lora, up to `max_loras` each)."""
+    LoRA adapters every text model loads at start (TextModel.load_lora, up to `max_loras` each); `retrieval_dirs`:
+    `[NAME=]DIR` folders whose page indexes /v1/retrieve answers from (routes/retrieve.py)."""
     import functools
 
     import uvicorn
@@ -60,6 +61,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     from soma_runtime.memory import map_large_blocks
     from soma_runtime.server.app import create_app
     from soma_runtime.server.registry import ModelRegistry
+    from soma_runtime.server.routes.retrieve import open_indexes
     from soma_runtime.server.security import GuardedH11, Policy
     from soma_runtime.tasks import Runtime
 
@@ -68,6 +70,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
     map_large_blocks()                      # what a request held goes back to the OS when it ends
     registry = ModelRegistry(Runtime(backend, threads=threads), memory_budget, max_batch, step_tokens, n_ctx, draft,
                             overflow, kv_dtype, gpu_layers, tensor_parallel)
+    indexes = open_indexes(list(retrieval_dirs), registry.runtime) if retrieval_dirs else {}     # before any model loads
     sources = models or ["default"]
     if len(sha256) > len(sources):
         raise RequestError(f"{len(sha256)} --sha256 values for {len(sources)} models")
@@ -80,7 +83,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, uds: str
             served.model.load_lora(path, alpha, max_loras=max_loras)
             registry.remeasure(served.id)
     app = create_app(registry, max_queue, policy, allowed_origins, models_dir, hosts=policy.hosts(host, uds),
-                     run_budget=run_budget)
+                     run_budget=run_budget, indexes=indexes)
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", timeout_graceful_shutdown=30,
                             access_log=False, http=functools.partial(GuardedH11, head_seconds=policy.head_seconds),
                             limit_concurrency=max_connections)

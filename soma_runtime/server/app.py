@@ -1,6 +1,7 @@
 """The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py, detect.py) and the
-server's own (routes/models.py; routes/context.py, the sessions' contexts), behind the security guard
-(security.py), CORS where origins are allowed, and a counter of every response. Errors are OpenAI error objects (http.py)."""
+server's own (routes/models.py; routes/context.py, the sessions' contexts; routes/retrieve.py, the served
+folders' pages), behind the security guard (security.py), CORS where origins are allowed, and a counter of
+every response. Errors are OpenAI error objects (http.py)."""
 from __future__ import annotations
 
 import logging
@@ -17,11 +18,11 @@ from soma_runtime.server import openai
 from soma_runtime.server.http import ServerState
 from soma_runtime.server.metrics import ServerMetrics
 from soma_runtime.server.registry import ModelRegistry
-from soma_runtime.server.routes import audio, context, detect, encode, generate, graph, models
+from soma_runtime.server.routes import audio, context, detect, encode, generate, graph, models, retrieve
 from soma_runtime.server.security import Guard, Policy
 
 log = logging.getLogger("soma_runtime.server")
-ROUTERS = (generate, encode, graph, audio, detect, models, context)
+ROUTERS = (generate, encode, graph, audio, detect, models, context, retrieve)
 
 
 class Counted:
@@ -54,12 +55,14 @@ class Counted:
 
 
 def create_app(registry: ModelRegistry, max_queue: int = 256, policy: Policy | None = None, allowed_origins: tuple[str, ...] = (),
-               models_dir: str | None = None, hosts: frozenset[str] | None = None, run_budget: RunBudget | None = None):
+               models_dir: str | None = None, hosts: frozenset[str] | None = None, run_budget: RunBudget | None = None,
+               indexes: dict | None = None):
     """The server's ASGI app. Model management (load, unload) is on only with a `models_dir`, whose
     models are the only ones it loads; CORS answers only `allowed_origins` (default: none); requests
     naming a Host other than a loopback one or one of `hosts` are refused (Policy.hosts; None: any); a graph
-    run may compute what `run_budget` allows (engine.graph.DEFAULT_BUDGET if None)."""
-    state = ServerState(registry, ServerMetrics(), max_queue, models_dir, run_budget or DEFAULT_BUDGET)
+    run may compute what `run_budget` allows (engine.graph.DEFAULT_BUDGET if None); /v1/retrieve answers from
+    `indexes` only (routes/retrieve.open_indexes; none: every index is refused)."""
+    state = ServerState(registry, ServerMetrics(), max_queue, models_dir, run_budget or DEFAULT_BUDGET, indexes=indexes or {})
 
     @asynccontextmanager
     async def lifespan(app):

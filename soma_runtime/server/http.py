@@ -37,6 +37,7 @@ class ServerState:
     models_dir: str | None
     run_budget: RunBudget                 # what one graph run may compute
     sessions: Sessions = field(default_factory=Sessions)      # conversations by id (/v1/context/*)
+    indexes: dict = field(default_factory=dict)               # served folders' page indexes by name (/v1/retrieve)
 
     def model(self, model_id: str, task: str, use: str) -> Served:
         """The served model `model_id`, which must run `task` (RequestError naming the route to `use`)."""
@@ -53,7 +54,9 @@ class ServerState:
         """`message` with the server's directories cut from the paths in it: the models directory first
         (a file in it is named relative to it), then those of the models served (a file by its name)."""
         models_dir = [self.models_dir] if self.models_dir else []
-        for directories in (models_dir, sorted(self.registry.directories(), key=len, reverse=True)):
+        folders = [served.index.folder.root for served in self.indexes.values()]
+        served = sorted([*self.registry.directories(), *folders], key=len, reverse=True)
+        for directories in (models_dir, served):
             for directory in directories:
                 for form in {os.path.abspath(directory), os.path.realpath(directory)}:
                     if form != os.sep:
