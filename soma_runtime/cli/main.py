@@ -176,7 +176,8 @@ def cmd_run(args) -> int:
 
 
 # what other tasks run by
-OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect"}
+OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect",
+                  "encode_image": "classify --image"}
 
 
 def read_text(path: str | None, flag: str) -> str | None:
