@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from soma_runtime.architectures.encoder import GELU, Layers
-from soma_runtime.architectures.fields import EPSILON, HEADS, LAYERS, SIZE, Field, check_fields, reading
+from soma_runtime.architectures.fields import EPSILON, HEADS, LAYERS, OPTIONAL_SIZE, SIZE, Field, check_fields, reading
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.errors import ModelLoadError, UnsupportedModelError
 from soma_runtime.ir.builder import GraphBuilder
@@ -29,7 +29,7 @@ from soma_runtime.ir.graph import Graph
 
 SPECIAL_TOKENS = {"vit": 1, "deit": 2}          # [CLS]; DeiT's [CLS] and distillation token
 VIT_FIELDS = {"hidden_size": SIZE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": SIZE,
-              "patch_size": SIZE, "num_channels": Field(int, 1, 64), "layer_norm_eps": EPSILON}
+              "patch_size": OPTIONAL_SIZE, "num_channels": Field(int, 1, 64), "layer_norm_eps": EPSILON}
 OUTPUTS = ("embedding", "logits")
 
 

@@ -137,3 +137,15 @@ def test_position_embeddings_of_another_image_size_are_refused(tmp_path):
         {**json.loads((tmp_path / "preprocessor_config.json").read_text()), "size": {"height": 48, "width": 48}}))
     with pytest.raises(ModelLoadError, match="pos_embd.*image_size"):
         Runtime("cpu").load(str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("field, value, needle", [("patch_size", 64, "holds no patch"),
+                                                  ("num_attention_heads", 5, "not a multiple of 5 heads"),
+                                                  ("hidden_act", "relu", "hidden_act 'relu' is not supported"),
+                                                  ("image_size", [32], "image_size must be")])
+def test_a_config_the_template_cannot_build_is_a_load_error_naming_the_field(tmp_path, field, value, needle):
+    build(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), field: value}))
+    with pytest.raises(ModelLoadError, match=needle):
+        Runtime("cpu").load(str(tmp_path), progress=False)
