@@ -328,35 +328,61 @@ def check_encoder_shapes(cfg: EncoderConfig, weights: Weights) -> None:
                                  f"the config needs {list(shape)}")
 
 
+class Layers:
+    """The pieces every transformer-encoder template is built of, over one GraphBuilder and one model's weights
+    (canonical names): constants (1-D ones as f32), linear layers (bf16 weights take bf16 activations, as
+    transformers runs them), layernorms, multi-head self-attention and the gelu MLP. The BERT family, ModernBERT
+    and ViT (vit.py) read their layers through it; `length` is the sequence axis ("S", or a fixed count)."""
+
+    def __init__(self, g: GraphBuilder, weights: Weights, heads: int, head_dim: int, eps: float, length="S"):
+        self.g, self.weights, self.heads, self.head_dim, self.eps, self.length = g, weights, heads, head_dim, eps, length
+
+    def const(self, name):
+        t = self.weights[name]
+        return self.g.const(name, np.asarray(t, dtype=np.float32) if t.ndim == 1 else t)
+
+    def linear(self, x, name):
+        w = self.weights[f"{name}.weight"]
+        y = self.g.matmul(x, self.const(f"{name}.weight"), transpose_b=True,
+                          activations="bf16" if dtype_of(w) == "bf16" else "f32")
+        return self.g.add(y, self.const(f"{name}.bias")) if f"{name}.bias" in self.weights else y
+
+    def norm(self, x, name):
+        bias = self.const(f"{name}.bias") if f"{name}.bias" in self.weights else None
+        return self.g.layernorm(x, self.const(f"{name}.weight"), bias, eps=self.eps)
+
+    def heads_first(self, x):                        # [B, S, D] -> [B, H, S, hd]
+        return self.g.transpose(self.g.reshape(x, shape=("B", self.length, self.heads, self.head_dim)), dim0=1, dim1=2)
+
+    def qkv(self, x, p: str):
+        """The layer's queries, keys and values (separate q, k, v projections), heads first."""
+        return tuple(self.heads_first(self.linear(x, f"{p}.attn_{n}")) for n in "qkv")
+
+    def attend(self, q, k, v, p: str, bias=None, scale=None, precision: str = "f32"):
+        """sdpa over heads, the heads merged back to [B, S, D] and through the layer's output projection."""
+        g = self.g
+        out = g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2)
+        return self.linear(g.reshape(out, shape=("B", self.length, self.heads * self.head_dim)), f"{p}.attn_output")
+
+    def mlp(self, x, p: str, approximate: str = "none"):
+        """The feed-forward block: up projection, gelu, down projection."""
+        return self.linear(self.g.gelu(self.linear(x, f"{p}.ffn_up"), approximate=approximate), f"{p}.ffn_down")
+
+
 def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None, precision: str = "f32") -> Graph:
     """Hidden states [B, S, D] (head None), or the logits of a "sequence" [B, labels] or "token"
     [B, S, labels] head. `precision` "bf16" lets attention's products take bf16 inputs (the
     projections follow their weights' dtype: see matmul_weights_in)."""
     g, io = GraphBuilder(), encoder_io(cfg, head)
-    H, hd, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    D = cfg.hidden_size
     ids = g.input("ids", ("B", "S"), "i64")
     positions = g.input("positions", ("B", "S"), "i64")
     types = g.input("types", ("B", "S"), "i64")
     mask = g.input("mask", ("B", 1, 1, "S"), "f32")
-
-    def const(name):
-        t = weights[name]
-        return g.const(name, np.asarray(t, dtype=np.float32) if t.ndim == 1 else t)
-
-    def linear(x, name):
-        w = weights[f"{name}.weight"]            # bf16 weights take bf16 activations, as transformers runs them
-        y = g.matmul(x, const(f"{name}.weight"), transpose_b=True, activations="bf16" if dtype_of(w) == "bf16" else "f32")
-        return g.add(y, const(f"{name}.bias")) if f"{name}.bias" in weights else y
-
-    def norm(x, name):
-        bias = const(f"{name}.bias") if f"{name}.bias" in weights else None
-        return g.layernorm(x, const(f"{name}.weight"), bias, eps=cfg.layer_norm_eps)
-
-    def heads_first(x):                              # [B, S, D] -> [B, H, S, hd]
-        return g.transpose(g.reshape(x, shape=("B", "S", H, hd)), dim0=1, dim1=2)
-
+    layers = Layers(g, weights, cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps)
+    const, linear, norm = layers.const, layers.linear, layers.norm
     if cfg.modern:
-        return modernbert_body(g, cfg, io, weights, ids, positions, mask, const, linear, norm, precision)
+        return modernbert_body(g, cfg, io, weights, ids, positions, mask, layers, precision)
     x = g.embedding(const("tok_embd.weight"), ids)
     if cfg.position_biased_input:
         x = g.add(x, g.embedding(const("pos_embd.weight"), positions))
@@ -366,13 +392,10 @@ def build_encoder(cfg: EncoderConfig, weights: Weights, head: str | None = None,
     relative = RelativeScores(g, cfg, io.relative, weights, linear, norm) if io.relative else None
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
-        q, k, v = (heads_first(linear(x, f"{p}.attn_{n}")) for n in "qkv")
+        q, k, v = layers.qkv(x, p)
         bias, scale = (mask, None) if relative is None else relative(p, q, k, mask)
-        attn = g.reshape(g.transpose(g.sdpa(q, k, v, bias, scale=scale, precision=precision), dim0=1, dim1=2),
-                         shape=("B", "S", D))
-        x = norm(g.add(x, linear(attn, f"{p}.attn_output")), f"{p}.attn_norm")
-        h = g.gelu(linear(x, f"{p}.ffn_up"), approximate=cfg.gelu)
-        x = norm(g.add(x, linear(h, f"{p}.ffn_down")), f"{p}.ffn_norm")
+        x = norm(g.add(x, layers.attend(q, k, v, p, bias, scale, precision)), f"{p}.attn_norm")
+        x = norm(g.add(x, layers.mlp(x, p, cfg.gelu)), f"{p}.ffn_norm")
     if head is None:
         return g.output(x)
     if head == "token":
@@ -422,9 +445,10 @@ class RelativeScores:
         return bias, self.scale
 
 
-def modernbert_body(g, cfg: EncoderConfig, io: EncoderIO, weights: Weights, ids, positions, mask, const, linear, norm,
+def modernbert_body(g, cfg: EncoderConfig, io: EncoderIO, weights: Weights, ids, positions, mask, layers: Layers,
                     precision: str) -> Graph:
     H, hd, D, F = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    const, linear, norm = layers.const, layers.linear, layers.norm
     local = g.input("mask_local", ("B", 1, "S", "S"), "f32") if io.local_mask else None
     freqs = {w: g.const(f"inv_freq_{'local' if w else 'global'}",
                         rope_inv_freq({"rope_theta": cfg.local_rope_theta if w else cfg.rope_theta}, hd))
@@ -436,9 +460,7 @@ def modernbert_body(g, cfg: EncoderConfig, io: EncoderIO, weights: Weights, ids,
         q, k, v = g.split(g.reshape(linear(h, f"{p}.attn_qkv"), shape=("B", "S", 3 * H, hd)), sizes=(H, H, H), axis=2)
         q, k = (g.rope(t, positions, freqs[window], style="neox") for t in (q, k))
         q, k, v = (g.transpose(t, dim0=1, dim1=2) for t in (q, k, v))
-        attn = g.reshape(g.transpose(g.sdpa(q, k, v, local if window else mask, precision=precision), dim0=1, dim1=2),
-                         shape=("B", "S", D))
-        x = g.add(x, linear(attn, f"{p}.attn_output"))
+        x = g.add(x, layers.attend(q, k, v, p, local if window else mask, precision=precision))
         up, gate = g.split(linear(norm(x, f"{p}.ffn_norm"), f"{p}.ffn_up"), sizes=(F, F), axis=-1)
         x = g.add(x, linear(g.geglu(up, gate, approximate=cfg.gelu), f"{p}.ffn_down"))
     x = norm(x, "output_norm")

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from soma_runtime import __version__
-from soma_runtime.cli import context, detect, retrieval, speech
+from soma_runtime.cli import context, detect, retrieval, speech, vision
 from soma_runtime.errors import RequestError, SomaError
 
 
@@ -176,7 +176,8 @@ def cmd_run(args) -> int:
 
 
 # what other tasks run by
-OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect"}
+OTHER_COMMANDS = {"encode": "embed` or `classify", "transcribe": "transcribe", "speak": "speak", "detect": "detect",
+                  "encode_image": "classify --image"}
 
 
 def read_text(path: str | None, flag: str) -> str | None:
@@ -280,6 +281,8 @@ def cmd_embed(args) -> int:
 
 
 def cmd_classify(args) -> int:
+    if args.image:
+        return vision.cmd_classify_images(args, load_model(args))
     model = load_encoder(args)
     for text in read_texts(args):
         print(json.dumps([{"label": label, "score": round(score, 6)} for label, score in model.classify(text, args.label)]))
@@ -431,11 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     emb.add_argument("--no-truncate", action="store_true", help="reject texts over the model's length instead of cutting")
     emb.set_defaults(run=cmd_embed)
 
-    cls = sub.add_parser("classify", help="print each text's labels with probabilities, as JSON (encoder models)")
+    cls = sub.add_parser("classify", help="print each text's labels with probabilities, as JSON (encoder models), or "
+                         "each image's with --image (ViT, DeiT)")
     add_model_args(cls)
     cls.add_argument("--text", "-t", action="append", default=None, help="a text (repeatable; default: one per stdin line)")
     cls.add_argument("--label", "-l", action="append", default=None,
                      help="a candidate label for zero-shot classification with an NLI model (repeatable)")
+    vision.add_arguments(cls)
     cls.set_defaults(run=cmd_classify)
 
     tune = sub.add_parser("autotune", help="time kernel variants for a model's shapes on this machine; cache the choices")

@@ -105,6 +105,16 @@ class ImageProcessor:
                    else None,
                    std=tuple(config.get("image_std", IMAGENET_STANDARD_STD)))
 
+    @property
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every image this gives; None where it follows each image's shape (a shortest-edge
+        resize without a crop)."""
+        if self.crop_pct is not None and self.shortest_edge is not None:
+            return self.crop or (self.shortest_edge, self.shortest_edge)
+        if self.crop is not None:
+            return self.crop
+        return None if self.shortest_edge is not None else self.size
+
     def resized(self, pixels: np.ndarray) -> np.ndarray:
         """[H, W, C] uint8 resized and cropped, before rescaling."""
         height, width = pixels.shape[:2]

@@ -8,9 +8,11 @@ from soma_runtime.architectures.encoder import canonical_encoder_weights, check_
 from soma_runtime.architectures.fields import check_token_ids
 from soma_runtime.architectures.pooling import Pooling
 from soma_runtime.architectures.registry import canonical_hf_weights, config_for_hf
+from soma_runtime.architectures.vit import VitConfig, canonical_vit_weights, check_vit_shapes, is_vit
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
-from soma_runtime.errors import ModelLoadError
+from soma_runtime.errors import ModelLoadError, UnsupportedModelError
+from soma_runtime.image.preprocess import ImageProcessor
 from soma_runtime.loaders.checkpoint import read_checkpoint
 from soma_runtime.loaders.model import LoadedModel
 from soma_runtime.text.tokenizer import Tokenizer, read_json
@@ -35,6 +37,8 @@ def load_hf_dir(directory: str):
         return load_hf_encoder_dir(directory, hf_config)
     if hf_config.get("model_type") == "whisper":
         return load_hf_whisper_dir(directory, hf_config)
+    if is_vit(hf_config.get("model_type")):
+        return load_hf_vit_dir(directory, hf_config)
     spec, cfg = config_for_hf(hf_config, config_path)
     weights = Weights(canonical_hf_weights(read_checkpoint(directory), spec, directory), directory)
     generation_path = os.path.join(directory, "generation_config.json")
@@ -71,3 +75,25 @@ def load_hf_whisper_dir(directory: str, hf_config: dict):
     weights = Weights({k: v for k, v in read_checkpoint(directory).items() if k.startswith("model.")}, directory)
     generation = read_json(os.path.join(directory, "generation_config.json"))
     return LoadedModel(directory, "hf", cfg, weights, Tokenizer.from_hf_dir(directory), metadata={**hf_config, **generation})
+
+
+def load_hf_vit_dir(directory: str, hf_config: dict):
+    """A ViT or DeiT directory (ViTModel, ViTForImageClassification, DeiTForImageClassification[WithTeacher]) with
+    its preprocessor_config.json, whose images must come out at the size the position embeddings were trained at."""
+    cfg = VitConfig.from_hf(hf_config, os.path.join(directory, "config.json"))
+    weights = Weights(canonical_vit_weights(read_checkpoint(directory)), directory)
+    check_vit_shapes(cfg, weights)
+    processor_path = os.path.join(directory, "preprocessor_config.json")
+    if not os.path.isfile(processor_path):
+        raise ModelLoadError(f"{processor_path}: missing; an image model is loaded with its processor's settings "
+                             f"(transformers' image_processor.save_pretrained writes them)")
+    try:
+        processor = ImageProcessor.from_config(read_json(processor_path))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{processor_path}: malformed ({type(e).__name__}: {e})") from None
+    size = processor.output_size
+    if size != cfg.image_size:
+        got = "a size that follows each image" if size is None else f"{list(size)}"
+        raise UnsupportedModelError(f"{processor_path}: the processor gives images of {got}, the model's position "
+                                    f"embeddings are for {list(cfg.image_size)} (interpolating them is not supported)")
+    return LoadedModel(directory, "hf", cfg, weights, None, metadata=hf_config, processor=processor)

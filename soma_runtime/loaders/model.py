@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 from soma_runtime.architectures.config import DecoderConfig
 from soma_runtime.architectures.encoder import EncoderConfig
 from soma_runtime.architectures.pooling import Pooling
+from soma_runtime.architectures.vit import VitConfig
 from soma_runtime.architectures.weights import Weights
 from soma_runtime.architectures.whisper import WhisperConfig
+from soma_runtime.image.preprocess import ImageProcessor
 from soma_runtime.ir.graph import Graph
 from soma_runtime.text.tokenizer import Tokenizer
 
-TASKS = ("generate", "encode", "graph", "transcribe", "speak", "detect")
+TASKS = ("generate", "encode", "graph", "transcribe", "speak", "detect", "encode_image")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Detector:
 class LoadedModel:
     path: str
     format: str                      # gguf | hf | soma | ctranslate2 | onnx | piper | graph
-    config: DecoderConfig | EncoderConfig | WhisperConfig | None
+    config: DecoderConfig | EncoderConfig | WhisperConfig | VitConfig | None
     weights: Weights | None
     tokenizer: Tokenizer | None
     sampling: dict = field(default_factory=dict)    # the model's own generation defaults
@@ -44,11 +46,13 @@ class LoadedModel:
     max_tokens: int | None = None                    # encoders: the longest input the model was trained on
     graph: Graph | None = None                       # a bare graph: its named inputs and outputs are the model
     detector: Detector | None = None                 # a detector's graph: what its file says of its head
+    processor: ImageProcessor | None = None          # image models: their preprocessing (preprocessor_config.json)
 
     @property
     def task(self) -> str:
         """What the model is run for: `generate` text, `encode` texts (embed, classify), `transcribe` speech,
-        `speak` text (a voice), `detect` objects in images, or run a bare `graph`."""
+        `speak` text (a voice), `detect` objects in images, `encode_image` (embed, classify images), or run a bare
+        `graph`."""
         if self.format == "piper":
             return "speak"
         if self.detector is not None:
@@ -57,6 +61,8 @@ class LoadedModel:
             return "graph"
         if isinstance(self.config, WhisperConfig):
             return "transcribe"
+        if isinstance(self.config, VitConfig):
+            return "encode_image"
         return "encode" if self.pooling is not None else "generate"
 
     @classmethod

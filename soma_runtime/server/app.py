@@ -1,7 +1,8 @@
-"""The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py, detect.py) and the
-server's own (routes/models.py; routes/context.py, the sessions' contexts; routes/retrieve.py, the served
-folders' pages), behind the security guard (security.py), CORS where origins are allowed, and a counter of
-every response. Errors are OpenAI error objects (http.py)."""
+"""The HTTP server's app: one router per task (routes/generate.py, encode.py, graph.py, audio.py, detect.py; vision.py's
+image classifications through encode.py's /v1/classifications) and the server's own (routes/models.py;
+routes/context.py, the sessions' contexts; routes/retrieve.py, the served folders' pages), behind the security
+guard (security.py), CORS where origins are allowed, and a counter of every response. Errors are OpenAI error
+objects (http.py)."""
 from __future__ import annotations
 
 import logging

@@ -14,7 +14,8 @@ from soma_runtime.ir.backend import Backend
 METHOD_TASKS = {"generate": ("generate",), "complete": ("generate",), "chat": ("generate",), "logits": ("generate",),
                 "detokenize": ("generate",), "tokenize": ("generate", "encode"), "embed": ("encode",),
                 "classify": ("encode",), "classify_tokens": ("encode",), "run": ("graph", "speak", "detect"),
-                "transcribe": ("transcribe",), "speak": ("speak",), "detect": ("detect",)}
+                "transcribe": ("transcribe",), "speak": ("speak",), "detect": ("detect",),
+                "embed_image": ("encode_image",), "classify_image": ("encode_image",)}
 
 
 def check_flag(name: str, value, optional: bool = False) -> None:

@@ -24,6 +24,7 @@ from soma_runtime.tasks.graph import GraphModel
 from soma_runtime.tasks.pipeline import Pipeline
 from soma_runtime.tasks.speech import SpeechModel
 from soma_runtime.tasks.text import OVERFLOWS, TextModel
+from soma_runtime.tasks.vision import ImageEncoderModel
 from soma_runtime.tasks.voice import VoiceModel
 
 
@@ -35,7 +36,7 @@ def checkpoint_dtype(weights) -> str:
 
 
 TASKS = {"generate": TextModel, "encode": EncoderModel, "graph": GraphModel, "transcribe": SpeechModel, "speak": VoiceModel,
-         "detect": DetectModel}
+         "detect": DetectModel, "encode_image": ImageEncoderModel}
 
 
 ACTIVATIONS = ("f32", "bf16", "q8")

@@ -1,5 +1,6 @@
 """The `encode` task's routes: `/v1/embeddings` (OpenAI's) and `/v1/classifications` (labels with
-probabilities, zero-shot with given labels). An encoder runs one call at a time, off the event loop."""
+probabilities, zero-shot with given labels; a body with `image` or `images` is an image model's: routes/vision.py).
+An encoder runs one call at a time, off the event loop."""
 from __future__ import annotations
 
 import base64
@@ -14,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from soma_runtime.errors import RequestError
 from soma_runtime.server.http import ServerState, parse
 from soma_runtime.server.registry import Served
+from soma_runtime.server.routes import vision
 
 ELSEWHERE = "texts are generated on /v1/completions, graphs run on /v1/run"
 
@@ -63,6 +65,8 @@ def router(state: ServerState) -> APIRouter:
 
     @routes.post("/v1/classifications")
     async def classifications(request: Request):
+        if await vision.names_images(request):
+            return await vision.classifications(state, request)
         body = await parse(request, ClassificationRequest)
         served = state.model(body.model, "encode", ELSEWHERE)
         texts = [body.input] if isinstance(body.input, str) else body.input
