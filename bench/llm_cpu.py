@@ -23,14 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repositor
 
 import numpy as np
 
+from soma_runtime.memory import peak_rss_mb  # the worker's own peak (VmHWM), not its parent's
+
 OUT = Path(__file__).parent / "out"
 PROMPT_TOKENS, NEW_TOKENS, RUNS = 128, 128, 3
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak RSS (VmHWM): ru_maxrss would include the parent it was forked from."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
 def prompt_ids(vocab: int) -> list[int]:

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 from workers import median_of, run_worker
 
+from soma_runtime.memory import peak_rss_mb  # the worker's own peak (VmHWM), not its parent's
+
 OUT = Path(__file__).parent / "out"
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "city", "river", "music",
          "market", "science", "history", "garden", "window", "morning", "engine", "language", "people", "water"]
@@ -163,11 +165,6 @@ def rss_mb() -> float:
     """This process's resident memory now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def load_footprint(engine: str, threads: int) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import mmap
 import resource
+import sys
 
 import numpy as np
 
@@ -42,8 +43,13 @@ def release(array: np.ndarray) -> int:
 
 
 def peak_rss_mb() -> float:
-    """The process's peak resident memory so far, in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's own peak resident memory so far, in MiB (Linux's VmHWM: getrusage's ru_maxrss also counts
+    the peak of the parent it was forked from, across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1024)
 
 
 def settle_heap() -> None:
